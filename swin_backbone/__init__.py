@@ -1,0 +1,26 @@
+"""swin-backbone: a Swin Transformer backbone for mmdet 3.x and mmseg 1.x.
+
+Importing the package registers :class:`SwinBackbone` in the ``MODELS`` registry of every
+installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs can use
+``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
+"""
+from .backbone import ARCH_SETTINGS, SwinBackbone
+from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
+from .registry import register
+from .windows import clear_caches
+
+__version__ = "0.1.0"
+
+REGISTERED_IN = register(SwinBackbone)
+
+__all__ = [
+    "ARCH_SETTINGS",
+    "CheckpointError",
+    "LoadReport",
+    "SwinBackbone",
+    "clear_caches",
+    "detect_format",
+    "load_checkpoint",
+    "register",
+    "__version__",
+]

@@ -1,0 +1,146 @@
+"""Window multi-head self-attention with a relative position bias.
+
+The whole algorithm is the pure function :func:`window_attention`; :class:`WindowAttention`
+only owns the weights. Two interchangeable kernels compute it:
+
+* fused: ``F.scaled_dot_product_attention`` with the bias (+ mask) as an additive float mask;
+* plain: ``softmax(q @ k^T * scale + bias) @ v``.
+
+On CPU the fused kernel is only fast when the mask does not require grad (else torch silently
+falls back to its slow math kernel, see shared/PERFORMANCE.md), so in training the plain path
+is used there. On CUDA the memory-efficient kernel takes a float mask with grad, so the fused
+path is always used. Both give the same numbers (tested).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .windows import WindowLayout, get_relative_position_index
+
+
+def choose_fused(q: torch.Tensor, attn_bias: torch.Tensor) -> bool:
+    """Whether the fused SDPA kernel is exact *and* fast for these inputs."""
+    if q.device.type == "cuda":
+        return True
+    return not (torch.is_grad_enabled() and attn_bias.requires_grad)
+
+
+def window_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_windows: int,
+    bias: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    dropout_p: float = 0.0,
+    fused: Optional[bool] = None,
+) -> torch.Tensor:
+    """Multi-head attention inside each window.
+
+    Args:
+        qkv: ``(B, nW * N, 3 * C)`` projected queries, keys and values in window layout.
+        num_heads: ``nH``; ``C`` must be divisible by it.
+        num_windows: ``nW``.
+        bias: ``(nH, N, N)`` relative position bias.
+        mask: ``(nW, N, N)`` additive region mask, or ``None``.
+        scale: query scale (``head_dim ** -0.5`` by default).
+        dropout_p: attention dropout probability (pass 0 in eval).
+        fused: force the fused (True) or plain (False) kernel; ``None`` picks by
+            :func:`choose_fused`.
+    Returns:
+        ``(B, nW * N, C)`` attention output, before the output projection.
+    """
+    batch, tokens, three_c = qkv.shape
+    n = tokens // num_windows
+    head_dim = three_c // (3 * num_heads)
+    # (3, B, nW, nH, N, d): one copy; both views below share this memory.
+    qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
+    qkv = qkv.contiguous()
+    if mask is None:
+        # Every window sees the same bias: windows go into the batch, the bias broadcasts.
+        q, k, v = qkv.view(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
+        attn_bias = bias.unsqueeze(0)  # (1, nH, N, N)
+    else:
+        # Windows go into the heads dimension so one (1, nW*nH, N, N) mask broadcasts over
+        # the batch (no per-sample copy and no 65535 batch limit in CUDA kernels).
+        q, k, v = qkv.view(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+        attn_bias = (mask.unsqueeze(1) + bias.unsqueeze(0)).reshape(1, num_windows * num_heads, n, n)
+    attn_bias = attn_bias.to(q.dtype)
+    if fused is None:
+        fused = choose_fused(q, attn_bias)
+    if fused:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    else:
+        attn = (q * scale) @ k.transpose(-2, -1) + attn_bias
+        attn = attn.softmax(dim=-1)
+        if dropout_p > 0:
+            attn = F.dropout(attn, p=dropout_p)
+        out = attn @ v
+    # (B, nW, nH, N, d) -> (B, nW, N, nH, d) -> (B, nW * N, C)
+    out = out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
+    return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+class WindowAttention(nn.Module):
+    """Weights of window attention: qkv / output projections and the bias table.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: heads ``nH`` (must divide ``C``).
+        window_size: window the bias table is sized for (``(2 * ws - 1) ** 2`` rows).
+        qkv_bias: learnable bias in the qkv projection.
+        qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
+        attn_drop_rate: dropout on attention weights.
+        proj_drop_rate: dropout after the output projection.
+    """
+
+    def __init__(
+        self,
+        embed_dims: int,
+        num_heads: int,
+        window_size: int,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        attn_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.scale = qk_scale or (embed_dims // num_heads) ** -0.5
+        self.attn_drop_rate = attn_drop_rate
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * window_size - 1) ** 2, num_heads)
+        )
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop_rate)
+
+    def relative_position_bias(self, window: int) -> torch.Tensor:
+        """``(nH, N, N)`` bias for a ``window x window`` window (``window <= window_size``)."""
+        table = self.relative_position_bias_table
+        index = get_relative_position_index(window, self.window_size, table.device)
+        n = window * window
+        return table[index].view(n, n, self.num_heads).permute(2, 0, 1)
+
+    def forward(self, x: torch.Tensor, layout: WindowLayout, fused: Optional[bool] = None) -> torch.Tensor:
+        """``(B, nW * N, C)`` window-layout tokens -> same shape."""
+        out = window_attention(
+            self.qkv(x),
+            self.num_heads,
+            layout.num_windows,
+            self.relative_position_bias(layout.window),
+            layout.mask,
+            self.scale,
+            self.attn_drop_rate if self.training else 0.0,
+            fused,
+        )
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"

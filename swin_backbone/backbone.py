@@ -1,0 +1,280 @@
+"""SwinBackbone: the multi-scale Swin Transformer backbone for detection and segmentation."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from mmengine.logging import print_log
+from mmengine.model import BaseModule
+from mmengine.model.weight_init import initialize, trunc_normal_
+from torch import nn
+
+from .blocks import PatchEmbed, SwinStage
+from .validation import check_config, check_input
+
+#: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
+ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
+    "tiny": dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
+    "small": dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
+    "base": dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+    "large": dict(embed_dims=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
+}
+ARCH_ALIASES = {"t": "tiny", "s": "small", "b": "base", "l": "large"}
+
+
+def resolve_arch(
+    arch: Optional[str],
+    embed_dims: Optional[int],
+    depths: Optional[Sequence[int]],
+    num_heads: Optional[Sequence[int]],
+) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
+    """Explicit ``embed_dims`` / ``depths`` / ``num_heads`` override the ``arch`` preset."""
+    preset: Dict[str, Tuple[int, ...]] = {}
+    if arch is not None:
+        if not isinstance(arch, str) or ARCH_ALIASES.get(arch.lower(), arch.lower()) not in ARCH_SETTINGS:
+            raise ValueError(
+                f"arch: expected one of {sorted(ARCH_SETTINGS)} (or {sorted(ARCH_ALIASES)}), got {arch!r}"
+            )
+        preset = ARCH_SETTINGS[ARCH_ALIASES.get(arch.lower(), arch.lower())]
+    values = dict(preset, **{k: v for k, v in dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads).items() if v is not None})
+    missing = [k for k in ("embed_dims", "depths", "num_heads") if k not in values]
+    if missing:
+        raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
+    return int(values["embed_dims"]), tuple(values["depths"]), tuple(values["num_heads"])
+
+
+class SwinBackbone(BaseModule):
+    """Swin Transformer backbone emitting stage 1-4 feature maps, correct at any input size.
+
+    Args:
+        arch: ``'tiny'``, ``'small'``, ``'base'``, ``'large'`` (or ``'t'``/``'s'``/``'b'``/``'l'``);
+            ``embed_dims`` / ``depths`` / ``num_heads`` given explicitly override it.
+        embed_dims: channels ``C`` of stage 0; stage ``i`` has ``C * 2**i``.
+        depths: blocks per stage.
+        num_heads: attention heads per stage.
+        in_channels: image channels.
+        patch_size: patch-embedding stride (= kernel).
+        window_size: attention window (7; 12 for the 384-pretrained models).
+        mlp_ratio: MLP hidden width / embed width.
+        qkv_bias: learnable bias in the qkv projections.
+        qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
+        drop_rate: dropout after position embedding, attention projection and MLP.
+        attn_drop_rate: dropout on attention weights.
+        drop_path_rate: stochastic depth, rising linearly from 0 over all blocks.
+        use_abs_pos_embed: add a learned absolute position embedding, stored at the
+            ``pretrain_img_size / patch_size`` grid and resized (bicubic) to each input.
+        pretrain_img_size: image size the absolute position embedding is stored for.
+        patch_norm: LayerNorm after patch embedding and inside patch merging.
+        out_indices: stages whose outputs are returned, each after its own LayerNorm.
+            Stages after the last one listed are not run.
+        frozen_stages: ``-1`` freezes nothing; ``k >= 0`` freezes the patch embedding (and
+            the absolute position embedding) and stages ``0 .. k-1`` with their output norms:
+            their parameters get ``requires_grad=False`` at construction (DDP never sees
+            them) and the modules stay in eval mode in ``train()``.
+        with_cp: non-reentrant activation checkpointing per block (saves memory in training).
+        pad_small_map: ``True`` (default, = mmdet): maps smaller than the window are padded
+            up to it and still shifted. ``False`` (= official classification model): on a
+            map whose smaller side is <= the window, the window shrinks to that side and the
+            shift is off.
+        mask_padding: ``True`` (default): tokens added by window padding form their own
+            attention region, so real tokens never attend to them and features do not depend
+            on how much an image was padded. ``False`` reproduces mmdet exactly.
+        convert_weights: accepted for drop-in use of mmdet configs; checkpoint formats are
+            detected automatically, so it has no effect.
+        init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads
+            any supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
+
+    Shapes:
+        input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one
+        ``(B, C * 2**i, H_i, W_i)`` tensor per ``i`` in ``out_indices``, where
+        ``H_0 = ceil(H / patch_size)`` and each later stage halves it (ceil). Outputs are
+        NCHW views of channels-last memory (``torch.channels_last``), no copies.
+    """
+
+    def __init__(
+        self,
+        arch: Optional[str] = "tiny",
+        embed_dims: Optional[int] = None,
+        depths: Optional[Sequence[int]] = None,
+        num_heads: Optional[Sequence[int]] = None,
+        in_channels: int = 3,
+        patch_size: int = 4,
+        window_size: int = 7,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.1,
+        use_abs_pos_embed: bool = False,
+        pretrain_img_size: Union[int, Sequence[int]] = 224,
+        patch_norm: bool = True,
+        out_indices: Sequence[int] = (0, 1, 2, 3),
+        frozen_stages: int = -1,
+        with_cp: bool = False,
+        pad_small_map: bool = True,
+        mask_padding: bool = True,
+        convert_weights: bool = False,
+        init_cfg: Optional[Union[dict, List[dict]]] = None,
+    ) -> None:
+        super().__init__(init_cfg=init_cfg)
+        embed_dims, depths, num_heads = resolve_arch(arch, embed_dims, depths, num_heads)
+        if isinstance(pretrain_img_size, int):
+            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
+        out_indices = tuple(out_indices) if isinstance(out_indices, (list, tuple)) else out_indices
+        check_config(
+            embed_dims=embed_dims,
+            depths=depths,
+            num_heads=num_heads,
+            in_channels=in_channels,
+            patch_size=patch_size,
+            window_size=window_size,
+            mlp_ratio=mlp_ratio,
+            drop_rate=drop_rate,
+            attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate,
+            pretrain_img_size=pretrain_img_size,
+            out_indices=out_indices,
+            frozen_stages=frozen_stages,
+        )
+        self.arch = dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads)
+        self.embed_dims = embed_dims
+        self.depths = depths
+        self.num_heads = num_heads
+        self.in_channels = in_channels
+        self.patch_size = patch_size
+        self.window_size = window_size
+        self.out_indices = tuple(sorted(out_indices))
+        self.frozen_stages = frozen_stages
+        self.use_abs_pos_embed = use_abs_pos_embed
+        self.pad_small_map = pad_small_map
+        self.mask_padding = mask_padding
+        self.num_stages = len(depths)
+        self.num_features = tuple(embed_dims * 2**i for i in range(self.num_stages))
+
+        self.patch_embed = PatchEmbed(in_channels, embed_dims, patch_size, norm=patch_norm)
+        if use_abs_pos_embed:
+            grid = (pretrain_img_size[0] // patch_size, pretrain_img_size[1] // patch_size)
+            self.absolute_pos_embed = nn.Parameter(torch.zeros(1, embed_dims, *grid))
+        else:
+            self.absolute_pos_embed = None
+        self.drop_after_pos = nn.Dropout(drop_rate)
+
+        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.stages = nn.ModuleList()
+        for i, depth in enumerate(depths):
+            first = sum(depths[:i])
+            self.stages.append(
+                SwinStage(
+                    self.num_features[i],
+                    depth,
+                    num_heads[i],
+                    window_size,
+                    drop_path_rates=rates[first : first + depth],
+                    downsample=i < self.num_stages - 1,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=qkv_bias,
+                    qk_scale=qk_scale,
+                    drop_rate=drop_rate,
+                    attn_drop_rate=attn_drop_rate,
+                    patch_norm=patch_norm,
+                    pad_small_map=pad_small_map,
+                    mask_padding=mask_padding,
+                    with_cp=with_cp,
+                )
+            )
+        for i in self.out_indices:
+            self.add_module(f"norm{i}", nn.LayerNorm(self.num_features[i]))
+
+        if convert_weights:
+            print_log(
+                "SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
+                logger="current",
+            )
+        # Late import: the checkpoint package imports this module's ARCH_SETTINGS.
+        from .checkpoint.hooks import register_state_dict_hooks
+
+        register_state_dict_hooks(self)
+        self._freeze_stages()
+
+    # ------------------------------------------------------------------ freezing
+    def frozen_modules(self) -> List[nn.Module]:
+        """Modules frozen by ``frozen_stages`` (patch embed, stages ``< k``, their norms)."""
+        if self.frozen_stages < 0:
+            return []
+        modules: List[nn.Module] = [self.patch_embed, self.drop_after_pos]
+        for i in range(self.frozen_stages):
+            modules.append(self.stages[i])
+            if i in self.out_indices:
+                modules.append(getattr(self, f"norm{i}"))
+        return modules
+
+    def _freeze_stages(self) -> None:
+        if self.frozen_stages >= 0 and self.absolute_pos_embed is not None:
+            self.absolute_pos_embed.requires_grad_(False)
+        for module in self.frozen_modules():
+            module.eval()
+            module.requires_grad_(False)
+
+    def train(self, mode: bool = True) -> "SwinBackbone":
+        """Set train/eval mode; frozen modules always stay in eval mode."""
+        super().train(mode)
+        for module in self.frozen_modules():
+            module.eval()
+        return self
+
+    # ------------------------------------------------------------------ init
+    def init_weights(self) -> None:
+        """Truncated-normal init, then any ``init_cfg`` (a ``Pretrained`` one loads last)."""
+        cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg] if self.init_cfg else []
+        pretrained = [c for c in cfgs if c.get("type") == "Pretrained"]
+        others = [c for c in cfgs if c.get("type") != "Pretrained"]
+        self._default_init()
+        if others:
+            initialize(self, others)
+        for cfg in pretrained:
+            from .checkpoint import load_checkpoint
+
+            load_checkpoint(self, cfg["checkpoint"], map_location=cfg.get("map_location", "cpu"))
+        self._freeze_stages()
+        self._is_init = True
+
+    def _default_init(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("relative_position_bias_table") or name == "absolute_pos_embed":
+                trunc_normal_(p, std=0.02)
+
+    # ------------------------------------------------------------------ forward
+    def position_embedding(self, height: int, width: int) -> torch.Tensor:
+        """``(1, H, W, C)`` absolute position embedding resized (bicubic) to ``H x W``."""
+        pos = self.absolute_pos_embed
+        if pos.shape[-2:] != (height, width):
+            pos = F.interpolate(pos, size=(height, width), mode="bicubic", align_corners=False)
+        return pos.permute(0, 2, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``(B, C_in, H, W)`` -> tuple of ``(B, C_i, H_i, W_i)`` per ``out_indices``."""
+        check_input(x, self.in_channels, self.patch_embed.proj.weight)
+        x = self.patch_embed(x)  # (B, H0, W0, C)
+        if self.absolute_pos_embed is not None:
+            x = x + self.position_embedding(x.shape[1], x.shape[2])
+        x = self.drop_after_pos(x)
+        outs = []
+        last = self.out_indices[-1]
+        for i in range(last + 1):
+            stage = self.stages[i]
+            out = stage.forward_blocks(x)
+            if i in self.out_indices:
+                outs.append(getattr(self, f"norm{i}")(out).permute(0, 3, 1, 2))
+            if i < last:
+                x = stage.downsample(out)
+        return tuple(outs)

@@ -1,0 +1,193 @@
+"""Building blocks: patch embedding, Swin block, patch merging, stage.
+
+Feature maps travel between modules as channels-last ``(B, H, W, C)`` tensors; inside a
+stage the blocks work on the flat ``(B, H * W, C)`` view of the same memory.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+from torch import nn
+from torchvision.ops import StochasticDepth
+
+from .attention import WindowAttention
+from .windows import WindowLayout, effective_window, get_window_layout, pad_amount, window_partition, window_reverse
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping patch embedding; pads bottom/right to a multiple of the patch size.
+
+    ``(B, C_in, H, W)`` -> ``(B, ceil(H / p), ceil(W / p), C)``.
+    """
+
+    def __init__(self, in_channels: int, embed_dims: int, patch_size: int, norm: bool = True) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_channels, embed_dims, kernel_size=patch_size, stride=patch_size)
+        self.norm = nn.LayerNorm(embed_dims) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.patch_size
+        x = F.pad(x, (0, pad_amount(x.shape[-1], p), 0, pad_amount(x.shape[-2], p)))
+        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+
+
+class Mlp(nn.Module):
+    """Two-layer feed-forward network (``fc1 -> GELU -> drop -> fc2 -> drop``)."""
+
+    def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(embed_dims, hidden_dims)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dims, embed_dims)
+        self.drop = nn.Dropout(drop_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class SwinBlock(nn.Module):
+    """Pre-norm (shifted-)window attention + MLP, each with a residual and stochastic depth.
+
+    The block itself holds no size-dependent state: the stage hands it a
+    :class:`~swin_backbone.windows.WindowLayout` with the gather indices and mask.
+    """
+
+    def __init__(
+        self,
+        embed_dims: int,
+        num_heads: int,
+        window_size: int,
+        shift: bool,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.shift = shift
+        self.norm1 = nn.LayerNorm(embed_dims)
+        self.attn = WindowAttention(
+            embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate
+        )
+        self.drop_path = StochasticDepth(drop_path_rate, mode="row")
+        self.norm2 = nn.LayerNorm(embed_dims)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
+
+    def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+        """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
+        windows = window_partition(self.norm1(x), layout)
+        x = x + self.drop_path(window_reverse(self.attn(windows, layout), layout))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbourhood concatenation + LayerNorm + linear reduction ``4C -> 2C``.
+
+    Odd sizes are padded bottom/right with zeros first. Channels are concatenated in the
+    official order ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as timm
+    and torchvision); mmdet's nn.Unfold order is converted when its weights are loaded.
+    ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``.
+    """
+
+    def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
+        super().__init__()
+        out_dims = out_dims or 2 * embed_dims
+        self.norm = nn.LayerNorm(4 * embed_dims) if norm else nn.Identity()
+        self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+        h, w = x.shape[1] // 2, x.shape[2] // 2
+        # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
+        x = x.view(b, h, 2, w, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h, w, 4 * c)
+        return self.reduction(self.norm(x))
+
+
+class SwinStage(nn.Module):
+    """``depth`` Swin blocks (every second one shifted) and an optional patch merging.
+
+    Args:
+        embed_dims, num_heads, window_size, mlp_ratio, qkv_bias, qk_scale, drop_rate,
+            attn_drop_rate: as in :class:`SwinBlock`.
+        depth: number of blocks.
+        drop_path_rates: one stochastic-depth rate per block.
+        downsample: append a :class:`PatchMerging`.
+        patch_norm: LayerNorm inside the patch merging.
+        pad_small_map, mask_padding: see :class:`~swin_backbone.SwinBackbone`.
+        with_cp: non-reentrant activation checkpointing per block.
+    """
+
+    def __init__(
+        self,
+        embed_dims: int,
+        depth: int,
+        num_heads: int,
+        window_size: int,
+        drop_path_rates: Sequence[float],
+        downsample: bool,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        patch_norm: bool = True,
+        pad_small_map: bool = True,
+        mask_padding: bool = True,
+        with_cp: bool = False,
+    ) -> None:
+        super().__init__()
+        self.window_size = window_size
+        self.shift_size = window_size // 2
+        self.pad_small_map = pad_small_map
+        self.mask_padding = mask_padding
+        self.with_cp = with_cp
+        self.blocks = nn.ModuleList(
+            SwinBlock(
+                embed_dims,
+                num_heads,
+                window_size,
+                shift=i % 2 == 1,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                qk_scale=qk_scale,
+                drop_rate=drop_rate,
+                attn_drop_rate=attn_drop_rate,
+                drop_path_rate=drop_path_rates[i],
+            )
+            for i in range(depth)
+        )
+        self.downsample = PatchMerging(embed_dims, norm=patch_norm) if downsample else None
+
+    def layouts(self, height: int, width: int, x: torch.Tensor) -> Tuple[WindowLayout, WindowLayout]:
+        """The (regular, shifted) window layouts for an ``height x width`` map (cached)."""
+        window, shift = effective_window(height, width, self.window_size, self.shift_size, self.pad_small_map)
+        mask_dtype = x.dtype if x.is_floating_point() else torch.float32
+        regular = get_window_layout(height, width, window, 0, self.mask_padding, x.device, mask_dtype)
+        if shift == 0:
+            return regular, regular
+        return regular, get_window_layout(height, width, window, shift, self.mask_padding, x.device, mask_dtype)
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging)."""
+        b, h, w, c = x.shape
+        layouts = self.layouts(h, w, x)
+        tokens = x.reshape(b, h * w, c)
+        for block in self.blocks:
+            layout = layouts[int(block.shift)]
+            if self.with_cp and self.training and tokens.requires_grad:
+                tokens = checkpoint.checkpoint(block, tokens, layout, use_reentrant=False)
+            else:
+                tokens = block(tokens, layout)
+        return tokens.view(b, h, w, c)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(stage output (B, H, W, C), merged (B, H/2, W/2, 2C) or the output)``."""
+        out = self.forward_blocks(x)
+        return out, (self.downsample(out) if self.downsample is not None else out)

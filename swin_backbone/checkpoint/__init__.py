@@ -1,0 +1,15 @@
+"""Checkpoint formats, resizing and loading (see :func:`load_checkpoint`)."""
+from .formats import FORMATS, CheckpointError, detect_format, to_ours, unwrap_state_dict
+from .loading import LoadReport, load_checkpoint, prepare_state_dict, read_checkpoint
+
+__all__ = [
+    "FORMATS",
+    "CheckpointError",
+    "LoadReport",
+    "detect_format",
+    "load_checkpoint",
+    "prepare_state_dict",
+    "read_checkpoint",
+    "to_ours",
+    "unwrap_state_dict",
+]

@@ -1,0 +1,54 @@
+"""State-dict pre-hook: convert checkpoint keys as they arrive in ``load_state_dict``.
+
+With it, loading a *whole* detector or segmentor checkpoint (``load_from=``, ``--resume``,
+``mmengine.runner.load_checkpoint``) into a model whose backbone is SwinBackbone works for
+every supported format: e.g. a model-zoo mmdet Mask R-CNN Swin-T checkpoint loads into our
+config unchanged, its backbone keys converted and its PatchMerging channels reordered.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List
+
+from mmengine.logging import print_log
+from torch import nn
+
+from .formats import detect_format, prefixed
+
+
+def _convert_on_load(
+    module: nn.Module,
+    state_dict: Dict[str, Any],
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: List[str],
+    unexpected_keys: List[str],
+    error_msgs: List[str],
+) -> None:
+    from .loading import prepare_state_dict  # late: loading imports the model module
+
+    sub = prefixed(state_dict, prefix)
+    if not sub or detect_format(sub) == "unknown":
+        return  # nothing of ours here; torch reports missing keys as usual
+    state, report = prepare_state_dict(sub, module, source=f"'{prefix or '<root>'}*'")
+    if report.format == "ours" and not report.resized and not report.skipped:
+        return
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    # Tensors that could not be fitted are put back so torch reports them as usual.
+    for key in report.mismatched:
+        state[key] = sub.get(key, state.get(key))
+    state_dict.update({prefix + k: v for k, v in state.items() if v is not None})
+    print_log(
+        f"SwinBackbone: converted checkpoint keys under '{prefix}' from format '{report.format}' "
+        f"({len(report.converted)} renamed/reordered, {len(report.resized)} resized, "
+        f"{len(report.skipped)} skipped)",
+        logger="current",
+        level=logging.INFO,
+    )
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Attach the converting pre-hook to a backbone."""
+    module.register_load_state_dict_pre_hook(_convert_on_load)

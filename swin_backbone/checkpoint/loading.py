@@ -1,0 +1,236 @@
+"""Reading checkpoints and loading them into a SwinBackbone with a per-key report."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Union
+
+import torch
+from mmengine.logging import print_log
+from torch import nn
+
+from .formats import CheckpointError, StateDict, describe_keys, detect_format, to_ours, unwrap_state_dict
+from .resize import (
+    adapt_patch_embed_channels,
+    pos_embed_grid,
+    resize_pos_embed,
+    resize_relative_position_bias_table,
+    table_window,
+)
+
+#: Fewer than this fraction of the model's tensors loaded is an error, not a warning.
+MIN_MATCH = 0.5
+
+
+@dataclass
+class LoadReport:
+    """What happened to every key of a checkpoint.
+
+    Attributes:
+        source: file path or ``'<dict>'``.
+        format: detected format (see :mod:`swin_backbone.checkpoint.formats`).
+        unwrapped: how the backbone's tensors were found in the file.
+        loaded: model keys that received a tensor.
+        converted: ``key -> how`` for renamed / reordered keys.
+        resized: ``key -> 'old shape -> new shape (how)'``.
+        skipped: ``checkpoint key -> reason`` for keys dropped on purpose (heads, buffers).
+        missing: model keys the checkpoint did not provide.
+        unexpected: checkpoint keys (after conversion) the model does not have.
+        mismatched: ``key -> 'checkpoint shape vs model shape'`` that could not be resized.
+    """
+
+    source: str = "<dict>"
+    format: str = "unknown"
+    unwrapped: List[str] = field(default_factory=list)
+    loaded: List[str] = field(default_factory=list)
+    converted: Dict[str, str] = field(default_factory=dict)
+    resized: Dict[str, str] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+    mismatched: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """Every model tensor was loaded and nothing was left over."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self, max_keys: int = 20) -> str:
+        """Human-readable multi-line report."""
+        total = len(self.loaded) + len(self.missing)
+        lines = [
+            f"checkpoint {self.source}: format '{self.format}'"
+            + (f" ({'; '.join(self.unwrapped)})" if self.unwrapped else ""),
+            f"  loaded     {len(self.loaded)}/{total} model tensors",
+        ]
+
+        def section(name: str, items: Union[List[str], Dict[str, str]]) -> None:
+            if not items:
+                return
+            lines.append(f"  {name:<10} {len(items)}")
+            entries = list(items.items()) if isinstance(items, dict) else [(k, "") for k in items]
+            for key, how in entries[:max_keys]:
+                lines.append(f"    {key}" + (f": {how}" if how else ""))
+            if len(entries) > max_keys:
+                lines.append(f"    ... and {len(entries) - max_keys} more")
+
+        section("converted", self.converted)
+        section("resized", self.resized)
+        section("skipped", self.skipped)
+        section("missing", self.missing)
+        section("unexpected", self.unexpected)
+        section("mismatched", self.mismatched)
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _allow_mmengine_pickles() -> None:
+    """Allow-list the plain-data globals of mmengine Runner checkpoints for weights_only.
+
+    Done with ``torch.serialization.add_safe_globals`` rather than ``weights_only=False``
+    so that loading a checkpoint never executes arbitrary pickled code.
+    """
+    from ..compat import allow_mmengine_checkpoints
+
+    allow_mmengine_checkpoints()
+
+
+def read_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> dict:
+    """Read a checkpoint file safely (``weights_only``), with errors that say what is wrong."""
+    path = os.fspath(path)
+    if "://" in path:
+        raise CheckpointError(
+            f"checkpoint {path!r}: URLs are not downloaded (offline by design); "
+            "download the file and pass its local path"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r}: no such file")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"checkpoint {path!r}: the file is empty")
+    _allow_mmengine_pickles()
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(
+            f"checkpoint {path!r}: cannot be read as a torch checkpoint "
+            f"({type(err).__name__}: {first[:300]}); the file is corrupt, truncated or not a checkpoint"
+        ) from err
+    return obj
+
+
+def _model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    return model.state_dict(keep_vars=False)
+
+
+def adapt_to_model(state: StateDict, model: nn.Module, report: LoadReport) -> StateDict:
+    """Resize tensors whose shape differs from the model's where that is meaningful.
+
+    Handles relative-position-bias tables (other window), absolute position embeddings
+    (other grid or layout) and the patch-embedding conv (other ``in_channels``).
+    """
+    target = _model_state(model)
+    out: StateDict = OrderedDict()
+    for key, value in state.items():
+        want = target.get(key)
+        new = value
+        how = ""
+        if want is None:
+            out[key] = value
+            continue
+        if key.endswith("relative_position_bias_table") and value.shape != want.shape and value.dim() == 2:
+            if value.shape[1] == want.shape[1]:
+                new = resize_relative_position_bias_table(value, table_window(want.shape[0]))
+                how = f"bicubic, window {table_window(value.shape[0])[0]} -> {table_window(want.shape[0])[0]}"
+        elif key == "absolute_pos_embed" and value.shape != want.shape:
+            grid = tuple(want.shape[-2:])
+            new = resize_pos_embed(pos_embed_grid(value, grid), grid)
+            how = "reshaped to a grid" + (", bicubic" if new.shape != value.shape else "")
+        elif key == "patch_embed.proj.weight" and value.shape != want.shape and value.shape[0] == want.shape[0] \
+                and value.shape[2:] == want.shape[2:]:
+            new = adapt_patch_embed_channels(value, want.shape[1])
+            how = f"in_channels {value.shape[1]} -> {want.shape[1]}"
+        if how and new.shape == want.shape:
+            report.resized[key] = f"{tuple(value.shape)} -> {tuple(new.shape)} ({how})"
+        out[key] = new
+    return out
+
+
+def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<dict>") -> tuple:
+    """Unwrap, detect, convert and resize a checkpoint for ``model``.
+
+    Returns:
+        ``(state_dict, report)``: a state dict in our key names and the model's shapes
+        (tensors that still do not fit are removed and listed in ``report.mismatched``),
+        and a :class:`LoadReport` with everything but ``loaded`` / ``missing`` filled.
+    """
+    report = LoadReport(source=source)
+    raw, report.unwrapped = unwrap_state_dict(checkpoint)
+    report.format = detect_format(raw)
+    if report.format == "unknown":
+        raise CheckpointError(
+            f"checkpoint {source}: not a Swin Transformer checkpoint of any known format "
+            f"(ours, official, mmdet/mmseg/mmpretrain, timm, torchvision); keys seen: {describe_keys(raw)}"
+        )
+    state, report.converted, report.skipped = to_ours(raw, report.format)
+    state = adapt_to_model(state, model, report)
+    target = _model_state(model)
+    fitting: StateDict = OrderedDict()
+    for key, value in state.items():
+        if key not in target:
+            report.unexpected.append(key)
+        elif value.shape != target[key].shape:
+            report.mismatched[key] = f"checkpoint {tuple(value.shape)} vs model {tuple(target[key].shape)}"
+        else:
+            fitting[key] = value
+    return fitting, report
+
+
+def load_checkpoint(
+    model: nn.Module,
+    checkpoint: Union[str, os.PathLike, Mapping],
+    map_location: Union[str, torch.device] = "cpu",
+    strict: bool = False,
+    min_match: float = MIN_MATCH,
+    logger: Optional[str] = "current",
+) -> LoadReport:
+    """Load any supported Swin checkpoint into a :class:`~swin_backbone.SwinBackbone`.
+
+    Args:
+        model: the backbone.
+        checkpoint: a file path or an already loaded dict (any wrapper / prefix).
+        map_location: passed to ``torch.load``.
+        strict: raise if anything is missing, unexpected or mismatched.
+        min_match: raise if fewer than this fraction of the model's tensors load.
+        logger: mmengine logger name for the report (``None``: don't log).
+    Returns:
+        The :class:`LoadReport`.
+    Raises:
+        CheckpointError: unreadable file, unknown format, too few tensors matched, or
+            (``strict``) an incomplete load; the message names the format and keys.
+    """
+    source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "<dict>"
+    obj = read_checkpoint(checkpoint, map_location) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
+    state, report = prepare_state_dict(obj, model, source)
+    target = _model_state(model)
+    report.loaded = [k for k in target if k in state]
+    report.missing = [k for k in target if k not in state]
+    if len(report.loaded) < min_match * len(target):
+        raise CheckpointError(
+            f"checkpoint {source}: detected format '{report.format}' but only {len(report.loaded)} of the "
+            f"model's {len(target)} tensors match (wrong architecture?).\n{report.summary(max_keys=8)}"
+        )
+    if strict and not report.complete:
+        raise CheckpointError(f"checkpoint {source}: incomplete load with strict=True\n{report.summary()}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
+    if logger is not None:
+        level = logging.INFO if report.complete else logging.WARNING
+        print_log(report.summary(), logger=logger, level=level)
+    return report

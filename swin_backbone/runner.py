@@ -1,0 +1,131 @@
+"""Helpers shared by tools/train.py and tools/test.py (mmengine Runner, mmdet or mmseg).
+
+The scope (mmdet or mmseg) comes from the config's ``default_scope``, which the libraries'
+base configs set, so one script serves both.
+"""
+from __future__ import annotations
+
+import os
+import os.path as osp
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from mmengine.config import Config
+from mmengine.optim import OptimWrapper
+from mmengine.registry import OPTIM_WRAPPERS
+
+SCOPES = ("mmdet", "mmseg")
+
+
+@OPTIM_WRAPPERS.register_module(force=True)
+class BF16AutocastOptimWrapper(OptimWrapper):
+    """``OptimWrapper`` that runs forward passes under bf16 autocast on the model's device.
+
+    mmengine's ``AmpOptimWrapper`` is CUDA-only and fp16 (with loss scaling); bf16 has
+    fp32's range, so no loss scaler is needed and it works on CPU.
+    """
+
+    @contextmanager
+    def optim_context(self, model: torch.nn.Module):
+        device = next(model.parameters()).device.type
+        with super().optim_context(model), torch.autocast(device_type=device, dtype=torch.bfloat16):
+            yield
+
+
+def config_scope(cfg: Config) -> str:
+    """``'mmdet'`` or ``'mmseg'``, from the config's ``default_scope``."""
+    scope = cfg.get("default_scope")
+    if scope not in SCOPES:
+        raise ValueError(
+            f"config default_scope: expected one of {SCOPES} (set by the mmdet:: / mmseg:: base configs), "
+            f"got {scope!r}"
+        )
+    return scope
+
+
+def load_config(
+    path: str,
+    cfg_options: Optional[dict] = None,
+    work_dir: Optional[str] = None,
+    launcher: str = "none",
+) -> Config:
+    """Read a config, apply ``--cfg-options`` and pick the work dir like mmdet / mmseg do.
+
+    Work dir priority: the CLI, then the config's ``work_dir``, then
+    ``./work_dirs/<config name>``.
+    """
+    if not osp.isfile(path):
+        raise FileNotFoundError(f"config {path!r}: no such file")
+    cfg = Config.fromfile(path)
+    cfg.launcher = launcher
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get("work_dir") is None:
+        cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(path))[0])
+    config_scope(cfg)
+    return cfg
+
+
+def prepare_environment(local_rank: int = 0) -> None:
+    """Process-wide setup both tools need before building a Runner."""
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    from .compat import allow_mmengine_checkpoints
+
+    # --resume and load_from read Runner checkpoints (numpy values, message hub).
+    allow_mmengine_checkpoints()
+    import swin_backbone  # noqa: F401  (registers SwinBackbone even without custom_imports)
+
+
+def enable_amp(cfg: Config) -> None:
+    """Mixed precision as ``--amp`` does in mmdet / mmseg.
+
+    On CUDA: ``AmpOptimWrapper`` with dynamic loss scaling (fp16). Without CUDA, mmengine's
+    AmpOptimWrapper refuses to run, so CPU training uses bf16 autocast (no loss scaling
+    needed) with :class:`BF16AutocastOptimWrapper`.
+    """
+    if torch.cuda.is_available():
+        cfg.optim_wrapper.type = "AmpOptimWrapper"
+        cfg.optim_wrapper.loss_scale = "dynamic"
+    else:
+        cfg.optim_wrapper.type = "BF16AutocastOptimWrapper"
+
+
+def resume_settings(cfg: Config, resume: Optional[str]) -> None:
+    """``--resume`` (latest checkpoint in the work dir) or ``--resume PATH``."""
+    if resume == "auto":
+        cfg.resume = True
+        cfg.load_from = None
+    elif resume is not None:
+        cfg.resume = True
+        cfg.load_from = resume
+
+
+def trigger_visualization(cfg: Config, show: bool, show_dir: Optional[str], wait_time: float = 2.0) -> None:
+    """Turn on the scope's VisualizationHook, as mmdet's / mmseg's test.py do."""
+    hooks = cfg.get("default_hooks", {})
+    if "visualization" not in hooks:
+        raise RuntimeError("--show/--show-dir need a VisualizationHook in default_hooks (visualization=...)")
+    hook = hooks["visualization"]
+    hook["draw"] = True
+    if show:
+        hook["show"] = True
+        hook["wait_time"] = wait_time
+    if show_dir:
+        if config_scope(cfg) == "mmdet":
+            hook["test_out_dir"] = show_dir
+        else:
+            cfg.visualizer["save_dir"] = show_dir
+
+
+def build_runner(cfg: Config):
+    """Runner from the config (or the registry's runner if ``runner_type`` is set)."""
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import Runner
+
+    if "runner_type" not in cfg:
+        return Runner.from_cfg(cfg)
+    return RUNNERS.build(cfg)

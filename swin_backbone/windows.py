@@ -1,0 +1,366 @@
+"""Window arithmetic: padding, shifted-window token layouts and attention masks.
+
+Everything here depends only on sizes (never on weights), so it is computed once per input
+size and cached. All index and mask tensors are built with tensor ops on ``arange`` (no Python
+loops over pixels), which keeps them traceable by ``torch.compile`` / ``torch.export``.
+
+Conventions
+-----------
+A feature map of ``H x W`` tokens is padded bottom/right to ``Hp x Wp`` (multiples of the
+window ``ws``), cyclically shifted by ``-shift`` on both axes (pad first, then shift, as the
+official detection code and mmdet do), and cut into ``nW = (Hp // ws) * (Wp // ws)`` windows
+of ``N = ws * ws`` tokens each. The *window layout* of a map is the ``(nW * N,)`` sequence of
+tokens in window-major order; :class:`WindowLayout` holds the gather indices between the
+row-major ``(H * W,)`` order and that layout, and the attention mask for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache, wraps
+from typing import Callable, Optional, Tuple, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+#: Additive mask value between tokens of different regions. -100 is what every pretrained
+#: Swin used; exp(-100) underflows to 0 in fp32 softmax and, unlike finfo.min, it is finite
+#: and exact in fp16 / bf16 (no -inf, no NaN when a row is all masked).
+MASK_VALUE = -100.0
+
+#: Region label given to tokens that exist only because of window padding.
+PAD_REGION = 9
+
+
+def pad_amount(size: int, multiple: int) -> int:
+    """Zeros to append so that ``size`` becomes a multiple of ``multiple``."""
+    return (multiple - size % multiple) % multiple
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``size``."""
+    return size + pad_amount(size, multiple)
+
+
+def effective_window(
+    height: int, width: int, window_size: int, shift_size: int, pad_small_map: bool
+) -> Tuple[int, int]:
+    """Window and shift actually used on an ``height x width`` map.
+
+    With ``pad_small_map=True`` (detection / segmentation, = mmdet) the configured window is
+    always used; a smaller map is padded up to it and still shifted. With ``False``
+    (= the official classification model) a map whose smaller side is <= the window gets a
+    window of that side and no shift.
+    """
+    if not pad_small_map and min(height, width) <= window_size:
+        return min(height, width), 0
+    return window_size, shift_size
+
+
+def _rolled_rows(size: int, padded: int, shift: int, device: torch.device) -> torch.Tensor:
+    """For each row of the padded, shifted map, the row of the unshifted map it shows.
+
+    Returns ``(padded,)`` int64; values >= ``size`` are padding rows.
+    """
+    return (torch.arange(padded, device=device) + shift) % padded
+
+
+def _shift_regions(padded: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
+    """Shift-region id (0, 1, 2) of each row of a shifted map, as in the official code.
+
+    Rows ``[0, P-ws)`` are region 0, ``[P-ws, P-shift)`` region 1, ``[P-shift, P)`` region 2:
+    after the cyclic shift, tokens of regions 1 and 2 came from opposite edges of the map
+    and must not attend to each other.
+    """
+    rows = torch.arange(padded, device=device)
+    if shift == 0:
+        return torch.zeros_like(rows)
+    return (rows >= padded - window).long() + (rows >= padded - shift).long()
+
+
+def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
+    """``(Hp, Wp)`` grid -> ``(nW, ws * ws)`` rows of its windows, window-major."""
+    hp, wp = grid.shape
+    return grid.view(hp // window, window, wp // window, window).transpose(1, 2).reshape(
+        -1, window * window
+    )
+
+
+def window_token_index(
+    height: int, width: int, window: int, shift: int, device: torch.device
+) -> torch.Tensor:
+    """Gather index from row-major tokens to the shifted window layout.
+
+    Returns ``(nW * N,)`` int64 into ``H * W + 1`` tokens, where index ``H * W`` denotes a
+    zero padding token appended after the real ones.
+    """
+    hp, wp = padded_size(height, window), padded_size(width, window)
+    rows = _rolled_rows(height, hp, shift, device)
+    cols = _rolled_rows(width, wp, shift, device)
+    valid = (rows < height)[:, None] & (cols < width)[None, :]
+    src = torch.where(valid, rows[:, None] * width + cols[None, :], height * width)
+    return partition_grid(src, window).reshape(-1)
+
+
+def window_inverse_index(
+    height: int, width: int, window: int, shift: int, device: torch.device
+) -> torch.Tensor:
+    """Inverse of :func:`window_token_index` on the real tokens.
+
+    Returns ``(H * W,)`` int64: the position in the window layout of each row-major token,
+    so ``layout[inverse]`` undoes partition, shift and padding in one gather.
+    """
+    hp, wp = padded_size(height, window), padded_size(width, window)
+    r = (torch.arange(height, device=device) - shift) % hp  # row in the shifted map
+    c = (torch.arange(width, device=device) - shift) % wp
+    n_win_w = wp // window
+    win = (r[:, None] // window) * n_win_w + (c[None, :] // window)
+    pos = (r[:, None] % window) * window + (c[None, :] % window)
+    return (win * window * window + pos).reshape(-1)
+
+
+def region_labels(
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device
+) -> torch.Tensor:
+    """Region id of every token of the padded, shifted map, ``(Hp, Wp)`` int64.
+
+    Tokens may attend to each other only when their ids are equal. Ids 0..8 are the nine
+    shift regions; with ``mask_padding`` every padding token gets :data:`PAD_REGION` so that
+    real tokens never attend to padding.
+    """
+    hp, wp = padded_size(height, window), padded_size(width, window)
+    labels = (
+        _shift_regions(hp, window, shift, device)[:, None] * 3
+        + _shift_regions(wp, window, shift, device)[None, :]
+    )
+    if mask_padding:
+        rows = _rolled_rows(height, hp, shift, device)
+        cols = _rolled_rows(width, wp, shift, device)
+        is_pad = (rows >= height)[:, None] | (cols >= width)[None, :]
+        labels = labels.masked_fill(is_pad, PAD_REGION)
+    return labels
+
+
+def needs_mask(height: int, width: int, window: int, shift: int, mask_padding: bool) -> bool:
+    """Whether any window mixes regions (so attention needs a mask at all)."""
+    if shift > 0:
+        return True
+    return mask_padding and (pad_amount(height, window) > 0 or pad_amount(width, window) > 0)
+
+
+def window_attention_mask(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    mask_padding: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Optional[torch.Tensor]:
+    """Additive attention mask ``(nW, N, N)``: 0 within a region, :data:`MASK_VALUE` across.
+
+    ``None`` when no window needs masking (no shift and no masked padding).
+    """
+    if not needs_mask(height, width, window, shift, mask_padding):
+        return None
+    labels = partition_grid(region_labels(height, width, window, shift, mask_padding, device), window)
+    differs = labels[:, :, None] != labels[:, None, :]
+    return torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
+
+
+def relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
+    """Index into a ``(2*tw-1)**2``-row relative-position-bias table for a ``window`` window.
+
+    Returns ``(N * N,)`` int64 with ``N = window**2``. ``window`` may be smaller than the
+    table's window ``tw`` (``pad_small_map=False`` on small maps): its offsets are a subset
+    of the table's, so the bias is read exactly, with no resizing.
+    """
+    coords = torch.arange(window, device=device)
+    ys, xs = torch.meshgrid(coords, coords, indexing="ij")
+    ys, xs = ys.reshape(-1), xs.reshape(-1)
+    dy = ys[:, None] - ys[None, :] + table_window - 1
+    dx = xs[:, None] - xs[None, :] + table_window - 1
+    return (dy * (2 * table_window - 1) + dx).reshape(-1)
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Everything a window-attention block needs for one map size, window and shift.
+
+    Attributes:
+        height, width: real map size ``H, W``.
+        window, shift: effective window and shift.
+        index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
+        inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
+        has_padding: whether ``index`` refers to the zero padding token ``H * W``.
+        mask: ``(nW, N, N)`` additive mask in the compute dtype, or ``None``.
+    """
+
+    height: int
+    width: int
+    window: int
+    shift: int
+    index: torch.Tensor
+    inverse: torch.Tensor
+    has_padding: bool
+    mask: Optional[torch.Tensor]
+
+    @property
+    def num_windows(self) -> int:
+        return self.index.numel() // (self.window * self.window)
+
+
+def build_window_layout(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    mask_padding: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> WindowLayout:
+    """Compute a :class:`WindowLayout` (uncached; see :func:`get_window_layout`)."""
+    if window <= 0 or not 0 <= shift < window:
+        raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
+    has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
+    return WindowLayout(
+        height=height,
+        width=width,
+        window=window,
+        shift=shift,
+        index=window_token_index(height, width, window, shift, device),
+        inverse=window_inverse_index(height, width, window, shift, device),
+        has_padding=has_padding,
+        mask=window_attention_mask(height, width, window, shift, mask_padding, device, dtype),
+    )
+
+
+def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``lru_cache`` for size-only helpers that steps aside while tracing.
+
+    Under ``torch.compile`` / ``torch.export`` sizes may be symbolic and a cache lookup would
+    either fail or bake one size into the graph, so the wrapped function is called directly
+    and the tracer folds its tensor ops into the graph.
+    """
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = lru_cache(maxsize=maxsize)(fn)
+
+        @wraps(fn)
+        def wrapper(*args):
+            if torch.compiler.is_compiling():
+                return fn(*args)
+            return cached(*args)
+
+        wrapper.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+#: Cached :func:`build_window_layout`, keyed by every argument. Shared by all blocks (and all
+#: backbones) that use the same map size, window, shift, device and dtype.
+get_window_layout = size_cache(maxsize=256)(build_window_layout)
+
+#: Cached :func:`relative_position_index`.
+get_relative_position_index = size_cache(maxsize=64)(relative_position_index)
+
+
+def clear_caches() -> None:
+    """Drop every cached layout and index (e.g. to free device memory after a size sweep)."""
+    get_window_layout.cache_clear()
+    get_relative_position_index.cache_clear()
+
+
+class _TokenGather(torch.autograd.Function):
+    """``out = cat([x, 0], 1)[:, index]`` whose backward is a gather too.
+
+    ``index`` and ``inverse`` are mutually inverse on the real tokens (each real token occurs
+    exactly once in the window layout), so the gradient is a plain gather with ``inverse``
+    instead of ``index_select``'s scatter-add, which is several times slower on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, pad_in: bool, pad_out: bool):
+        ctx.save_for_backward(inverse)
+        ctx.pad_out = pad_out
+        return _gather(x, index, pad_in)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _gather(grad, inverse, ctx.pad_out), None, None, None, None
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor, pad: bool) -> torch.Tensor:
+    """``(B, L, C)`` -> ``(B, len(index), C)``; ``index == L`` reads a zero token if ``pad``."""
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+    return x.index_select(1, index)
+
+
+def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """Pad, shift and partition row-major tokens in one gather.
+
+    Args:
+        x: ``(B, H * W, C)`` tokens of an ``H x W`` map.
+    Returns:
+        ``(B, nW * N, C)`` tokens in window layout; padding tokens are zeros.
+    """
+    return _TokenGather.apply(x, layout.index, layout.inverse, layout.has_padding, False)
+
+
+def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """Inverse of :func:`window_partition`: un-partition, un-shift and crop in one gather.
+
+    Args:
+        windows: ``(B, nW * N, C)`` tokens in window layout.
+    Returns:
+        ``(B, H * W, C)`` row-major tokens.
+    """
+    return _TokenGather.apply(windows, layout.inverse, layout.index, False, layout.has_padding)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints."""
+    return -(-a // b)
+
+
+def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:
+    """Spatial size of each stage's output for an ``height x width`` image.
+
+    Stage 0 is ``ceil(H / patch) x ceil(W / patch)``; each later stage halves it (ceil).
+    """
+    h, w = ceil_div(height, patch_size), ceil_div(width, patch_size)
+    sizes = [(h, w)]
+    for _ in range(num_stages - 1):
+        h, w = ceil_div(h, 2), ceil_div(w, 2)
+        sizes.append((h, w))
+    return tuple(sizes)
+
+
+__all__ = [
+    "MASK_VALUE",
+    "PAD_REGION",
+    "WindowLayout",
+    "build_window_layout",
+    "ceil_div",
+    "clear_caches",
+    "effective_window",
+    "get_relative_position_index",
+    "get_window_layout",
+    "needs_mask",
+    "output_size",
+    "pad_amount",
+    "padded_size",
+    "partition_grid",
+    "region_labels",
+    "size_cache",
+    "relative_position_index",
+    "window_attention_mask",
+    "window_inverse_index",
+    "window_partition",
+    "window_reverse",
+    "window_token_index",
+]

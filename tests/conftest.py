@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def small_arch(**kw):
+    """A fast Swin config for tests: real structure, fewer channels and blocks."""
+    cfg = dict(arch=None, embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16), drop_path_rate=0.0)
+    cfg.update(kw)
+    return cfg

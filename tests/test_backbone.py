@@ -1,0 +1,306 @@
+"""SwinBackbone: registry, shapes at any size, parity with mmdet / mmseg, padding masks,
+caching, freezing, checkpointing, precision and argument checks."""
+import math
+
+import pytest
+import torch
+
+import swin_backbone
+from swin_backbone import SwinBackbone
+from swin_backbone import windows as W
+
+from .conftest import small_arch
+
+ODD_SIZES = [(1, 1), (31, 33), (65, 97), (227, 301), (33, 800), (512, 512)]
+
+
+def _inputs(batch, size):
+    return torch.randn(batch, 3, *size)
+
+
+# ---------------------------------------------------------------- registry
+@pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
+def test_built_from_registry(lib):
+    registry = __import__(f"{lib}.registry", fromlist=["MODELS"]).MODELS
+    model = registry.build(dict(type="SwinBackbone", arch="tiny", out_indices=(1, 3)))
+    assert isinstance(model, SwinBackbone)
+    assert lib in swin_backbone.REGISTERED_IN
+    outs = model.eval()(torch.randn(1, 3, 64, 64))
+    assert [o.shape[1] for o in outs] == [192, 768]
+
+
+# ---------------------------------------------------------------- shapes
+@pytest.mark.parametrize("size", ODD_SIZES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_shapes_at_any_size(size, batch):
+    model = SwinBackbone(**small_arch()).eval()
+    with torch.no_grad():
+        outs = model(_inputs(batch, size))
+    expected = W.output_size(*size, 4, 4)
+    assert len(outs) == 4
+    for i, (out, hw) in enumerate(zip(outs, expected)):
+        assert out.shape == (batch, 32 * 2**i, *hw)
+        assert torch.isfinite(out).all()
+    assert expected[0] == (math.ceil(size[0] / 4), math.ceil(size[1] / 4))
+
+
+def test_out_indices_subset_and_order():
+    model = SwinBackbone(**small_arch(out_indices=(2, 1))).eval()
+    outs = model(torch.randn(1, 3, 64, 64))
+    assert [o.shape[1] for o in outs] == [64, 128]
+    assert not hasattr(model, "norm0") and hasattr(model, "norm2")
+
+
+# ---------------------------------------------------------------- parity with mmdet / mmseg
+def _reference(lib, **kw):
+    if lib == "mmdet":
+        from mmdet.models.backbones import SwinTransformer
+    else:
+        from mmseg.models.backbones import SwinTransformer
+    return SwinTransformer(**kw)
+
+
+@pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
+def test_parity_with_reference(lib):
+    arch = dict(embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), window_size=7)
+    ref = _reference(lib, **arch, drop_path_rate=0.0).eval()
+    ref.init_weights()
+    with torch.no_grad():  # non-trivial biases so that any layout error shows
+        for name, p in ref.named_parameters():
+            if name.endswith("relative_position_bias_table") or name.endswith(".bias"):
+                p.normal_(std=0.1)
+    ours = SwinBackbone(arch=None, **arch, mask_padding=False, pad_small_map=True).eval()
+    report = swin_backbone.load_checkpoint(ours, {"state_dict": ref.state_dict()}, strict=True)
+    assert report.format == "mmdet" and report.complete
+    for size in ODD_SIZES:
+        x = _inputs(1, size)
+        with torch.no_grad():
+            expected = ref(x)
+            got = ours(x)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=f"{lib} at {size}")
+
+
+def test_full_tiny_parity_batch3():
+    ref = _reference("mmdet", drop_path_rate=0.0).eval()
+    ref.init_weights()
+    ours = SwinBackbone("tiny", mask_padding=False).eval()
+    swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True)
+    x = _inputs(3, (65, 97))
+    with torch.no_grad():
+        for e, g in zip(ref(x), ours(x)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- padding is masked
+def _brute_force_block(block, x, ws, shift):
+    """One Swin block, attention written token by token over real tokens only."""
+    b, h, w, c = x.shape
+    attn = block.attn
+    nh = attn.num_heads
+    d = c // nh
+    hp, wp = W.padded_size(h, ws), W.padded_size(w, ws)
+    q, k, v = attn.qkv(block.norm1(x)).view(b, h, w, 3, nh, d).unbind(3)
+    table = attn.relative_position_bias_table
+
+    def region(pos, padded):
+        if shift == 0:
+            return 0
+        return 0 if pos < padded - ws else (1 if pos < padded - shift else 2)
+
+    def where(hh, ww):  # position in the padded, shifted frame
+        r, cc = (hh - shift) % hp, (ww - shift) % wp
+        return r, cc, (r // ws, cc // ws), (region(r, hp), region(cc, wp))
+
+    out = torch.zeros(b, h, w, nh, d)
+    for i in range(h):
+        for j in range(w):
+            r, cc, win, reg = where(i, j)
+            keys, bias = [], []
+            for i2 in range(h):
+                for j2 in range(w):
+                    r2, c2, win2, reg2 = where(i2, j2)
+                    if win2 == win and reg2 == reg:
+                        keys.append((i2, j2))
+                        dy, dx = r % ws - r2 % ws, cc % ws - c2 % ws
+                        bias.append(table[(dy + ws - 1) * (2 * ws - 1) + dx + ws - 1])
+            kk = torch.stack([k[:, a, bb] for a, bb in keys], 2)  # (B, nH, K, d)
+            vv = torch.stack([v[:, a, bb] for a, bb in keys], 2)
+            logits = (q[:, i, j, :, None, :] * attn.scale * kk).sum(-1) + torch.stack(bias, 1)  # (B, nH, K)
+            out[:, i, j] = (logits.softmax(-1)[..., None] * vv).sum(2)
+    x = x + attn.proj(out.reshape(b, h, w, c))
+    return x + block.mlp(block.norm2(x))
+
+
+def _brute_force_backbone(model, img):
+    x = model.patch_embed(img)
+    outs = []
+    for i, stage in enumerate(model.stages):
+        for block in stage.blocks:
+            x = _brute_force_block(block, x, stage.window_size, stage.shift_size if block.shift else 0)
+        outs.append(getattr(model, f"norm{i}")(x).permute(0, 3, 1, 2))
+        if stage.downsample is not None:
+            x = stage.downsample(x)
+    return outs
+
+
+@pytest.mark.parametrize("size", [(23, 29), (9, 30)])
+def test_padding_is_masked_against_brute_force(size):
+    cfg = dict(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0)
+    model = SwinBackbone(**cfg, out_indices=(0, 1), mask_padding=True).eval()
+    model.init_weights()
+    img = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        expected = _brute_force_backbone(model, img)
+        got = model(img)
+        unmasked = SwinBackbone(**cfg, out_indices=(0, 1), mask_padding=False).eval()
+        unmasked.load_state_dict(model.state_dict())
+        plain = unmasked(img)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    # the padded tokens really do change mmdet-style (unmasked) features
+    assert not torch.allclose(plain[0], got[0], atol=1e-4)
+
+
+# ---------------------------------------------------------------- caching
+def test_second_forward_builds_no_mask():
+    model = SwinBackbone(**small_arch()).eval()
+    x = torch.randn(1, 3, 97, 65)
+    with torch.no_grad():
+        model(x)
+        before = W.get_window_layout.cache_info()
+        model(x)
+        after = W.get_window_layout.cache_info()
+    assert after.misses == before.misses
+    assert after.hits > before.hits
+    # masks and indices are never part of the state dict
+    assert not any("mask" in k or "index" in k for k in model.state_dict())
+
+
+# ---------------------------------------------------------------- freezing
+@pytest.mark.parametrize("frozen", [0, 1, 2, 4])
+def test_frozen_stages(frozen):
+    model = SwinBackbone(**small_arch(frozen_stages=frozen, use_abs_pos_embed=True))
+    model.init_weights()
+    model.train()
+    frozen_prefixes = ["patch_embed.", "absolute_pos_embed"] + [f"stages.{i}." for i in range(frozen)] + [
+        f"norm{i}." for i in range(frozen)
+    ]
+    outs = model(torch.randn(2, 3, 40, 40))
+    if frozen == 4:  # everything frozen: nothing to differentiate
+        assert not any(o.requires_grad for o in outs)
+        assert not any(p.requires_grad for p in model.parameters())
+        return
+    sum(o.sum() for o in outs).backward()
+    for name, p in model.named_parameters():
+        is_frozen = any(name.startswith(pref) for pref in frozen_prefixes)
+        assert p.requires_grad == (not is_frozen), name
+        assert (p.grad is None) == is_frozen, name
+    for i in range(frozen):
+        assert not model.stages[i].training
+    assert model.patch_embed.training is False
+    if frozen < 4:
+        assert model.stages[frozen].training
+    assert model.train() is model  # train() returns self (chainable)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+def test_checkpointing_gives_same_gradients():
+    torch.manual_seed(1)
+    plain = SwinBackbone(**small_arch())
+    plain.init_weights()
+    cp = SwinBackbone(**small_arch(with_cp=True))
+    cp.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 45, 37)
+    for model in (plain, cp):
+        model.train()
+        outs = model(x)
+        sum((o * o).mean() for o in outs).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), cp.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+# ---------------------------------------------------------------- precision
+def test_bf16_autocast_and_pure_bf16():
+    model = SwinBackbone(**small_arch()).eval()
+    model.init_weights()
+    x = torch.randn(2, 3, 61, 75)
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(x)
+        pure = model.to(torch.bfloat16)(x.bfloat16())
+    for r, a, p in zip(ref, amp, pure):
+        assert torch.isfinite(a).all() and torch.isfinite(p).all()
+        assert p.dtype == torch.bfloat16
+        assert (a.float() - r).abs().mean() < 0.1 * r.abs().mean()
+        assert (p.float() - r).abs().mean() < 0.1 * r.abs().mean()
+
+
+def test_bf16_autocast_training_step():
+    model = SwinBackbone(**small_arch())
+    model.init_weights()
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = model(torch.randn(2, 3, 50, 50))
+    loss = sum(o.float().square().mean() for o in outs)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_fp16_model_runs_on_cpu():
+    model = SwinBackbone(**small_arch()).eval()
+    model.init_weights()
+    x = torch.randn(1, 3, 47, 53)
+    with torch.no_grad():
+        ref = model(x)
+        try:
+            half = model.half()(x.half())
+        except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - CPU without fp16 kernels
+            pytest.skip(f"fp16 kernels unavailable on this CPU: {err}")
+    for r, h in zip(ref, half):
+        assert h.dtype == torch.float16 and torch.isfinite(h).all()
+        assert (h.float() - r).abs().mean() < 0.05 * r.abs().mean()
+
+
+# ---------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(arch="huge"), "arch"),
+        (dict(arch=None, embed_dims=96, depths=(2, 2), num_heads=(5, 6)), r"num_heads\[0\]"),
+        (dict(out_indices=(0, 4)), "out_indices"),
+        (dict(out_indices=()), "out_indices"),
+        (dict(frozen_stages=5), "frozen_stages"),
+        (dict(frozen_stages=-2), "frozen_stages"),
+        (dict(window_size=-1), "window_size"),
+        (dict(window_size=0), "window_size"),
+        (dict(patch_size=0), "patch_size"),
+        (dict(drop_path_rate=1.5), "drop_path_rate"),
+        (dict(arch=None, embed_dims=32), "depths"),
+        (dict(arch=None, embed_dims=32, depths=(2, 2), num_heads=(2,)), "num_heads"),
+    ],
+)
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SwinBackbone(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "x,match",
+    [
+        (torch.randn(3, 32, 32), "4-D"),
+        (torch.randn(1, 1, 3, 32, 32), "4-D"),
+        (torch.randn(1, 4, 32, 32), "3 channels"),
+        (torch.randn(1, 32, 32, 3), "NHWC"),
+        (torch.randn(0, 3, 32, 32), ">= 1"),
+        (torch.randn(1, 3, 0, 32), ">= 1"),
+        (torch.randint(0, 255, (1, 3, 32, 32), dtype=torch.uint8), "floating-point"),
+        (torch.randn(1, 3, 32, 32, dtype=torch.float64), "dtype"),
+        ([[1.0]], "torch.Tensor"),
+    ],
+)
+def test_bad_input_raises(x, match):
+    model = SwinBackbone(**small_arch()).eval()
+    with pytest.raises(ValueError, match=match):
+        model(x)

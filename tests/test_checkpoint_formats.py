@@ -1,0 +1,242 @@
+"""Every checkpoint format round-trips: build the source model from its library with random
+weights, save its checkpoint, load it into SwinBackbone, compare features (1e-4)."""
+import re
+
+import pytest
+import torch
+
+from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
+from swin_backbone.checkpoint.formats import FROM_OURS, detect_format, unwrap_state_dict
+
+ATOL = 1e-4
+
+
+def _randomize(model):
+    """Non-trivial norms, biases and bias tables, so any layout error shows in the features."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_position_bias_table" in name or (p.dim() == 1 and name.endswith("bias")):
+                p.normal_(std=0.1)
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.1)
+    return model.eval()
+
+
+def _save(tmp_path, obj, name="ckpt.pth"):
+    path = tmp_path / name
+    torch.save(obj, path)
+    return str(path)
+
+
+def _nchw(x):
+    return x.permute(0, 3, 1, 2)
+
+
+# ---------------------------------------------------------------- torchvision
+def test_torchvision_round_trip(tmp_path):
+    from torchvision.models import swin_t
+
+    ref = _randomize(swin_t(weights=None))
+    path = _save(tmp_path, ref.state_dict())
+    ours = SwinBackbone("tiny", out_indices=(3,), pad_small_map=False, mask_padding=False).eval()
+    report = load_checkpoint(ours, path)
+    assert report.format == "torchvision"
+    assert report.complete, report.summary()
+    assert "head.weight" in report.skipped
+    x = torch.randn(2, 3, 256, 320)  # stage maps 64x80 .. 8x10: window padding and shifts everywhere
+    with torch.no_grad():
+        expected = _nchw(ref.norm(ref.features(x)))
+        (got,) = ours(x)
+    torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------- timm and official
+def _timm_model():
+    timm = pytest.importorskip("timm")
+    return _randomize(timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=10))
+
+
+def timm_to_official(state):
+    """timm keys -> official microsoft/Swin-Transformer keys (both use the official channel order)."""
+    out = {}
+    for key, value in state.items():
+        new = re.sub(r"^layers\.(\d+)\.downsample\.", lambda m: f"layers.{int(m.group(1)) - 1}.downsample.", key)
+        new = new.replace("head.fc.", "head.")
+        out[new] = value
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["timm", "official"])
+def test_timm_and_official_round_trip(tmp_path, fmt):
+    ref = _timm_model()
+    state = ref.state_dict()
+    if fmt == "official":
+        state = timm_to_official(state)
+        assert any(k.startswith("layers.0.downsample.") for k in state)
+        checkpoint = {"model": state}  # the official repo wraps in 'model'
+    else:
+        checkpoint = state
+    path = _save(tmp_path, checkpoint)
+    ours = SwinBackbone("tiny", out_indices=(3,), pad_small_map=False).eval()
+    report = load_checkpoint(ours, path)
+    assert report.format == fmt
+    assert report.complete, report.summary()
+    # the classification model's final norm becomes the last stage's output norm
+    assert "norm3.weight" in report.converted
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        expected = _nchw(ref.forward_features(x))
+        (got,) = ours(x)
+    torch.testing.assert_close(got, expected, rtol=ATOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------- mmdet / official detection / ours
+def _mmdet_model():
+    from mmdet.models.backbones import SwinTransformer
+
+    ref = SwinTransformer(drop_path_rate=0.0, depths=(2, 2, 2, 2))
+    ref.init_weights()
+    return _randomize(ref)
+
+
+@pytest.mark.parametrize("layout", ["mmdet", "official-detection", "ours", "ddp-wrapped-detector"])
+def test_detection_layouts_round_trip(tmp_path, layout):
+    ref = _mmdet_model()
+    base = SwinBackbone(arch=None, embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), mask_padding=False)
+    load_checkpoint(base, ref.state_dict(), strict=True)
+    if layout == "mmdet":
+        checkpoint = {"state_dict": {"backbone." + k: v for k, v in ref.state_dict().items()}, "meta": {}}
+    elif layout == "official-detection":
+        official = FROM_OURS["official"](base.state_dict())
+        checkpoint = {"state_dict": {"backbone." + k: v for k, v in official.items()}}
+        checkpoint["state_dict"]["neck.lateral_convs.0.conv.weight"] = torch.zeros(1)
+    elif layout == "ours":
+        checkpoint = base.state_dict()
+    else:
+        checkpoint = {"state_dict": {"module.backbone." + k: v for k, v in ref.state_dict().items()}}
+    path = _save(tmp_path, checkpoint)
+    ours = SwinBackbone(arch=None, embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), mask_padding=False).eval()
+    report = load_checkpoint(ours, path, strict=True)
+    expected_format = {"official-detection": "official", "ddp-wrapped-detector": "mmdet"}.get(layout, layout)
+    assert report.format == expected_format
+    x = torch.randn(1, 3, 75, 91)
+    with torch.no_grad():
+        for e, g in zip(ref(x), ours(x)):
+            torch.testing.assert_close(g, e, rtol=ATOL, atol=ATOL)
+
+
+def test_ours_to_mmdet_conversion_loads_into_mmdet(tmp_path):
+    ref = _mmdet_model()
+    ours = SwinBackbone(arch=None, embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), mask_padding=False)
+    load_checkpoint(ours, ref.state_dict(), strict=True)
+    from mmdet.models.backbones import SwinTransformer
+
+    back = SwinTransformer(drop_path_rate=0.0, depths=(2, 2, 2, 2)).eval()
+    missing, unexpected = back.load_state_dict(FROM_OURS["mmdet"](ours.state_dict()), strict=False)
+    assert not unexpected and all("relative_position_index" in k for k in missing)
+    for a, b in zip(ref.state_dict().values(), back.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- resizing
+def test_window7_checkpoint_into_window12_model(tmp_path):
+    src = SwinBackbone("tiny", window_size=7)
+    src.init_weights()
+    path = _save(tmp_path, {"state_dict": src.state_dict()})
+    dst = SwinBackbone("tiny", window_size=12).eval()
+    report = load_checkpoint(dst, path)
+    tables = [k for k in report.resized if k.endswith("relative_position_bias_table")]
+    assert len(tables) == 12 and report.complete
+    assert dst.stages[0].blocks[0].attn.relative_position_bias_table.shape == (23 * 23, 3)
+    with torch.no_grad():
+        outs = dst(torch.randn(1, 3, 100, 130))
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_resized_table_keeps_centre_and_is_smooth():
+    from swin_backbone.checkpoint.resize import resize_relative_position_bias_table
+
+    table = torch.ones(13 * 13, 2) * torch.tensor([1.0, -2.0])
+    out = resize_relative_position_bias_table(table, 12)
+    assert out.shape == (23 * 23, 2)
+    torch.testing.assert_close(out, torch.ones(23 * 23, 2) * torch.tensor([1.0, -2.0]))
+    rect = resize_relative_position_bias_table(table, (5, 9))  # non-square target
+    assert rect.shape == (9 * 17, 2)
+
+
+def test_abs_pos_embed_and_in_channels_adapted():
+    src = SwinBackbone(**dict(arch=None, embed_dims=32, depths=(2, 2), num_heads=(2, 4)), use_abs_pos_embed=True,
+                       pretrain_img_size=224, out_indices=(0, 1))
+    src.init_weights()
+    state = src.state_dict()
+    state["absolute_pos_embed"] = state["absolute_pos_embed"].flatten(2).transpose(1, 2)  # mmdet's (1, L, C)
+    dst = SwinBackbone(**dict(arch=None, embed_dims=32, depths=(2, 2), num_heads=(2, 4)), use_abs_pos_embed=True,
+                       pretrain_img_size=384, in_channels=1, out_indices=(0, 1))
+    report = load_checkpoint(dst, state)
+    assert set(report.resized) == {"absolute_pos_embed", "patch_embed.proj.weight"}
+    assert dst.absolute_pos_embed.shape == (1, 32, 96, 96)
+    torch.testing.assert_close(dst.patch_embed.proj.weight, src.patch_embed.proj.weight.sum(1, keepdim=True))
+    dst.eval()(torch.randn(1, 1, 50, 70))  # and runs at another size, resizing per forward
+
+
+# ---------------------------------------------------------------- reports and errors
+def test_partial_load_is_reported_by_key():
+    small = SwinBackbone("small", out_indices=(3,))
+    tiny = SwinBackbone("tiny", out_indices=(3,))
+    report = load_checkpoint(tiny, small.state_dict())
+    assert not report.missing
+    assert any(k.startswith("stages.2.blocks.17.") for k in report.unexpected)
+    assert "unexpected" in report.summary()
+    with pytest.raises(CheckpointError, match="strict"):
+        load_checkpoint(tiny, small.state_dict(), strict=True)
+
+
+def test_wrong_architecture_is_an_error():
+    base = SwinBackbone("base")
+    tiny = SwinBackbone("tiny")
+    with pytest.raises(CheckpointError, match=r"format 'ours'.*only \d+ of the model's"):
+        load_checkpoint(tiny, base.state_dict())
+
+
+def test_non_swin_checkpoint_is_an_error(tmp_path):
+    from torchvision.models import resnet18
+
+    path = _save(tmp_path, resnet18(weights=None).state_dict())
+    with pytest.raises(CheckpointError, match="not a Swin Transformer checkpoint.*conv1.weight"):
+        load_checkpoint(SwinBackbone("tiny"), path)
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    model = SwinBackbone("tiny")
+    empty = tmp_path / "empty.pth"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty"):
+        load_checkpoint(model, str(empty))
+    good = _save(tmp_path, model.state_dict(), "good.pth")
+    data = open(good, "rb").read()
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt, truncated"):
+        load_checkpoint(model, str(truncated))
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"\x00not a checkpoint" * 100)
+    with pytest.raises(CheckpointError, match="corrupt, truncated"):
+        load_checkpoint(model, str(garbage))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_checkpoint(model, str(tmp_path / "missing.pth"))
+    with pytest.raises(CheckpointError, match="URLs are not downloaded"):
+        load_checkpoint(model, "https://example.com/swin.pth")
+    with pytest.raises(CheckpointError, match="no tensors"):
+        load_checkpoint(model, {"meta": {"epoch": 3}})
+
+
+def test_detect_format_names():
+    assert detect_format(["features.1.0.attn.qkv.weight"]) == "torchvision"
+    assert detect_format(["stages.0.blocks.0.attn.w_msa.qkv.weight"]) == "mmdet"
+    assert detect_format(["layers.0.blocks.0.attn.qkv.weight", "layers.0.downsample.reduction.weight"]) == "official"
+    assert detect_format(["layers.0.blocks.0.attn.qkv.weight", "layers.1.downsample.reduction.weight"]) == "timm"
+    assert detect_format(["stages.0.blocks.0.attn.qkv.weight"]) == "ours"
+    assert detect_format(["conv1.weight"]) == "unknown"
+    state, steps = unwrap_state_dict({"state_dict": {"module.backbone.a": torch.zeros(1), "module.neck.b": torch.zeros(1)}})
+    assert list(state) == ["a"] and len(steps) == 3

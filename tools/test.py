@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Evaluate a checkpoint with the config's metrics (COCO mAP via pycocotools, mIoU via
+mmseg's IoUMetric); mmdet or mmseg config, scope from its ``default_scope``."""
+import argparse
+import os
+import sys
+
+from mmengine.config import DictAction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from swin_backbone import runner as R  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Test (and evaluate) a detector / segmentor with a Swin backbone")
+    parser.add_argument("config", help="test config file path")
+    parser.add_argument("checkpoint", help="checkpoint file")
+    parser.add_argument("--work-dir", help="the dir to save the evaluation metrics")
+    parser.add_argument("--out", help="dump predictions to a pickle file (mmdet) / a directory (mmseg)")
+    parser.add_argument("--show", action="store_true", help="show predictions in a window")
+    parser.add_argument("--show-dir", help="save painted predictions here (under work_dir/timestamp)")
+    parser.add_argument("--wait-time", type=float, default=2, help="the interval of --show (s)")
+    parser.add_argument(
+        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
+    )
+    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    R.prepare_environment(args.local_rank)
+    cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    if not os.path.isfile(args.checkpoint):
+        raise SystemExit(f"checkpoint {args.checkpoint!r}: no such file")
+    cfg.load_from = args.checkpoint
+    if args.show or args.show_dir:
+        R.trigger_visualization(cfg, args.show, args.show_dir, args.wait_time)
+    scope = R.config_scope(cfg)
+    if args.out and scope == "mmseg":
+        cfg.test_evaluator["output_dir"] = args.out
+        cfg.test_evaluator["keep_results"] = True
+    runner = R.build_runner(cfg)
+    if args.out and scope == "mmdet":
+        from mmdet.evaluation import DumpDetResults
+
+        if not args.out.endswith((".pkl", ".pickle")):
+            raise SystemExit(f"--out: expected a .pkl file, got {args.out!r}")
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    metrics = runner.test()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Train a detector or segmentor (mmdet or mmseg config) with mmengine's Runner.
+
+Same flags and behaviour as mmdet's and mmseg's tools/train.py; the scope is taken from the
+config's ``default_scope``.
+"""
+import argparse
+import os
+import sys
+
+from mmengine.config import DictAction
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from swin_backbone import runner as R  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Train a detector / segmentor with a Swin backbone")
+    parser.add_argument("config", help="train config file path")
+    parser.add_argument("--work-dir", help="the dir to save logs and models")
+    parser.add_argument("--amp", action="store_true", help="mixed precision (fp16 on CUDA, bf16 on CPU)")
+    parser.add_argument("--auto-scale-lr", action="store_true", help="scale the LR by the total batch size")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        type=str,
+        const="auto",
+        help="resume from this checkpoint, or (no value) from the latest one in the work dir",
+    )
+    parser.add_argument(
+        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
+    )
+    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    R.prepare_environment(args.local_rank)
+    cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    if args.amp:
+        R.enable_amp(cfg)
+    if args.auto_scale_lr:
+        if "auto_scale_lr" not in cfg or "base_batch_size" not in cfg.auto_scale_lr:
+            raise SystemExit("--auto-scale-lr: the config has no auto_scale_lr.base_batch_size")
+        cfg.auto_scale_lr.enable = True
+    R.resume_settings(cfg, args.resume)
+    runner = R.build_runner(cfg)
+    runner.train()
+
+
+if __name__ == "__main__":
+    main()
