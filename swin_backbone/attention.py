@@ -57,32 +57,59 @@ def window_attention(
     batch, tokens, three_c = qkv.shape
     n = tokens // num_windows
     head_dim = three_c // (3 * num_heads)
-    # (3, B, nW, nH, N, d): one copy; both views below share this memory.
+    # (B, nW, N, 3, nH, d) -> (3, B, nW, nH, N, d): a view, no copy.
     qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
-    qkv = qkv.contiguous()
-    if mask is None:
-        # Every window sees the same bias: windows go into the batch, the bias broadcasts.
-        q, k, v = qkv.view(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
-        attn_bias = bias.unsqueeze(0)  # (1, nH, N, N)
-    else:
-        # Windows go into the heads dimension so one (1, nW*nH, N, N) mask broadcasts over
-        # the batch (no per-sample copy and no 65535 batch limit in CUDA kernels).
-        q, k, v = qkv.view(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-        attn_bias = (mask.unsqueeze(1) + bias.unsqueeze(0)).reshape(1, num_windows * num_heads, n, n)
-    attn_bias = attn_bias.to(q.dtype)
+    # (nW | 1, nH, N, N) bias + region mask, in the compute dtype.
+    attn_bias = bias.unsqueeze(0) if mask is None else mask.unsqueeze(1) + bias.unsqueeze(0)
+    attn_bias = attn_bias.to(qkv.dtype)
     if fused is None:
-        fused = choose_fused(q, attn_bias)
+        fused = choose_fused(qkv, attn_bias)
     if fused:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        out = _fused(qkv, attn_bias, scale, dropout_p)
     else:
-        attn = (q * scale) @ k.transpose(-2, -1) + attn_bias
-        attn = attn.softmax(dim=-1)
-        if dropout_p > 0:
-            attn = F.dropout(attn, p=dropout_p)
-        out = attn @ v
-    # (B, nW, nH, N, d) -> (B, nW, N, nH, d) -> (B, nW * N, C)
-    out = out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
+        out = _plain(qkv, attn_bias, scale, dropout_p)
     return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
+    """SDPA on strided views of ``qkv`` ``(3, B, nW, nH, N, d)``.
+
+    The kernels read q/k/v through their strides and write the output as ``(B*nW, N, nH, d)``
+    memory, so neither the inputs nor the output are copied. Returns ``(B, nW, N, nH, d)``.
+    """
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if attn_bias.shape[0] == 1 or batch == 1:
+        # One bias for all windows, or one image: windows go into SDPA's batch dimension.
+        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        return out.transpose(1, 2).view(batch, num_windows, n, num_heads, head_dim)
+    # Per-window masks and several images: one call per image reuses the (nW, nH, N, N)
+    # mask instead of materialising a B-times larger one.
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale).transpose(1, 2)
+        for q, k, v in zip(*qkv.unbind(0))
+    ]
+    return torch.stack(outs)
+
+
+def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) v`` with matmuls. Returns ``(B, nW, N, nH, d)``.
+
+    With per-window masks, windows are folded into the heads dimension,
+    ``(B, nW * nH, N, d)``, so one ``(1, nW * nH, N, N)`` bias broadcasts over the batch;
+    with one bias for all windows, windows go into the batch dimension.
+    """
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if attn_bias.shape[0] == 1:
+        q, k, v = qkv.reshape(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
+    else:
+        q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+        attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
+    attn = ((q * scale) @ k.transpose(-2, -1) + attn_bias).softmax(dim=-1)
+    if dropout_p > 0:
+        attn = F.dropout(attn, p=dropout_p)
+    out = attn @ v
+    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 
 class WindowAttention(nn.Module):

@@ -121,6 +121,46 @@ def trigger_visualization(cfg: Config, show: bool, show_dir: Optional[str], wait
             cfg.visualizer["save_dir"] = show_dir
 
 
+def _replace_norm_type(node, old: str, new: str) -> int:
+    count = 0
+    if isinstance(node, dict):
+        if node.get("type") == old:
+            node["type"] = new
+            count += 1
+        for value in node.values():
+            count += _replace_norm_type(value, old, new)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            count += _replace_norm_type(value, old, new)
+    return count
+
+
+def setup_cpu_distributed(cfg: Config) -> None:
+    """Make mmengine's ``pytorch`` launcher work without CUDA (gloo, CPU DDP).
+
+    mmengine 0.10.7 calls ``torch.cuda.set_device``, defaults to nccl and passes
+    ``device_ids=[LOCAL_RANK]`` to DDP, all of which fail on a CPU-only machine. Here the
+    process group is initialised with gloo first (the Runner then skips its own init), DDP
+    gets ``device_ids=None``, and SyncBN (CUDA-only in torch) becomes BN.
+    """
+    if cfg.get("launcher", "none") == "none" or torch.cuda.is_available():
+        return
+    import torch.distributed as dist
+    from mmengine.logging import print_log
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    cfg.env_cfg = dict(cfg.get("env_cfg", {}), dist_cfg=dict(backend="gloo"))
+    cfg.model_wrapper_cfg = dict(
+        type="MMDistributedDataParallel",
+        device_ids=None,
+        broadcast_buffers=False,
+        find_unused_parameters=cfg.get("find_unused_parameters", False),
+    )
+    if _replace_norm_type(cfg.model, "SyncBN", "BN"):
+        print_log("CPU distributed run: SyncBN replaced by BN (torch's SyncBN needs CUDA)", logger="current")
+
+
 def build_runner(cfg: Config):
     """Runner from the config (or the registry's runner if ``runner_type`` is set)."""
     from mmengine.registry import RUNNERS

@@ -32,14 +32,23 @@ MASK_VALUE = -100.0
 PAD_REGION = 9
 
 
-def pad_amount(size: int, multiple: int) -> int:
-    """Zeros to append so that ``size`` becomes a multiple of ``multiple``."""
-    return (multiple - size % multiple) % multiple
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints (also symbolic ones while tracing)."""
+    return (a + b - 1) // b
 
 
 def padded_size(size: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``size``."""
-    return size + pad_amount(size, multiple)
+    """Smallest multiple of ``multiple`` that is >= ``size``.
+
+    Written as ``ceil(size / multiple) * multiple`` so that a tracer can see that the result
+    divides evenly (``size + (-size) % multiple`` hides that behind a modulo).
+    """
+    return ceil_div(size, multiple) * multiple
+
+
+def pad_amount(size: int, multiple: int) -> int:
+    """Zeros to append so that ``size`` becomes a multiple of ``multiple``."""
+    return padded_size(size, multiple) - size
 
 
 def effective_window(
@@ -320,11 +329,6 @@ def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
         ``(B, H * W, C)`` row-major tokens.
     """
     return _TokenGather.apply(windows, layout.inverse, layout.index, False, layout.has_padding)
-
-
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative ints."""
-    return -(-a // b)
 
 
 def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:

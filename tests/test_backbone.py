@@ -63,8 +63,9 @@ def _reference(lib, **kw):
 @pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
 def test_parity_with_reference(lib):
     arch = dict(embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), window_size=7)
-    ref = _reference(lib, **arch, drop_path_rate=0.0).eval()
+    ref = _reference(lib, **arch, drop_path_rate=0.0)
     ref.init_weights()
+    ref.eval()  # (mmdet's train() returns None, so no chaining)
     with torch.no_grad():  # non-trivial biases so that any layout error shows
         for name, p in ref.named_parameters():
             if name.endswith("relative_position_bias_table") or name.endswith(".bias"):
@@ -82,8 +83,9 @@ def test_parity_with_reference(lib):
 
 
 def test_full_tiny_parity_batch3():
-    ref = _reference("mmdet", drop_path_rate=0.0).eval()
+    ref = _reference("mmdet", drop_path_rate=0.0)
     ref.init_weights()
+    ref.eval()
     ours = SwinBackbone("tiny", mask_padding=False).eval()
     swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True)
     x = _inputs(3, (65, 97))

@@ -13,6 +13,7 @@ ATOL = 1e-4
 
 def _randomize(model):
     """Non-trivial norms, biases and bias tables, so any layout error shows in the features."""
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "relative_position_bias_table" in name or (p.dim() == 1 and name.endswith("bias")):
@@ -20,7 +21,7 @@ def _randomize(model):
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):
                 module.weight.normal_(1.0, 0.1)
-    return model.eval()
+    return model
 
 
 def _save(tmp_path, obj, name="ckpt.pth"):
@@ -132,7 +133,7 @@ def test_ours_to_mmdet_conversion_loads_into_mmdet(tmp_path):
     load_checkpoint(ours, ref.state_dict(), strict=True)
     from mmdet.models.backbones import SwinTransformer
 
-    back = SwinTransformer(drop_path_rate=0.0, depths=(2, 2, 2, 2)).eval()
+    back = SwinTransformer(drop_path_rate=0.0, depths=(2, 2, 2, 2))
     missing, unexpected = back.load_state_dict(FROM_OURS["mmdet"](ours.state_dict()), strict=False)
     assert not unexpected and all("relative_position_index" in k for k in missing)
     for a, b in zip(ref.state_dict().values(), back.state_dict().values()):

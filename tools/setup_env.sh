@@ -98,7 +98,10 @@ fi
 log "installing mmdet, mmseg, test and demo dependencies"
 pip_q install "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
     "timm==$TIMM_VERSION" pycocotools pytest ftfy regex tqdm scikit-image
-pip_q install --no-deps --no-build-isolation -e "$ROOT"
+# setuptools' editable build is chatty (license / editable-mode notices): show it only on failure.
+if ! "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" >"$VENV/.editable-install.log" 2>&1; then
+    cat "$VENV/.editable-install.log"; exit 1
+fi
 
 "$VENV/bin/python" -c 'import mmcv.ops, mmdet, mmseg, swin_backbone' \
     || { log "import check failed"; exit 1; }

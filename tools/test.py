@@ -35,6 +35,7 @@ def main(argv=None):
     if not os.path.isfile(args.checkpoint):
         raise SystemExit(f"checkpoint {args.checkpoint!r}: no such file")
     cfg.load_from = args.checkpoint
+    R.setup_cpu_distributed(cfg)
     if args.show or args.show_dir:
         R.trigger_visualization(cfg, args.show, args.show_dir, args.wait_time)
     scope = R.config_scope(cfg)

@@ -46,6 +46,7 @@ def main(argv=None):
             raise SystemExit("--auto-scale-lr: the config has no auto_scale_lr.base_batch_size")
         cfg.auto_scale_lr.enable = True
     R.resume_settings(cfg, args.resume)
+    R.setup_cpu_distributed(cfg)
     runner = R.build_runner(cfg)
     runner.train()
 

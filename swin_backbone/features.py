@@ -1,0 +1,200 @@
+"""Feature-map extraction: images in, multi-scale Swin features out (API used by
+tools/extract_features.py, and usable from notebooks).
+
+>>> from swin_backbone.features import FeatureExtractor
+>>> fx = FeatureExtractor.from_arch('tiny', checkpoint='swin_tiny_patch4_window7_224.pth')
+>>> feats = fx([image_hwc_uint8])          # list (one per image) of {stage: (C, h, w) tensor}
+
+Images of different sizes are never padded together: a batch only ever holds images of one
+size, so an image's features cannot depend on what else was in its batch.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+ImageLike = Union[np.ndarray, torch.Tensor]
+
+
+def to_tensor(image: ImageLike) -> torch.Tensor:
+    """``(H, W, 3)`` uint8 RGB array, ``(H, W)`` grey, or ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255."""
+    if isinstance(image, np.ndarray):
+        if image.ndim == 2:
+            image = np.repeat(image[:, :, None], 3, axis=2)
+        if image.ndim != 3 or image.shape[2] not in (3, 4):
+            raise ValueError(f"image: expected an (H, W, 3) RGB array, got shape {image.shape}")
+        image = torch.from_numpy(np.ascontiguousarray(image[:, :, :3])).permute(2, 0, 1)
+    if not isinstance(image, torch.Tensor) or image.dim() != 3:
+        raise ValueError(f"image: expected an (H, W, 3) array or (C, H, W) tensor, got {type(image).__name__}")
+    return image.float()
+
+
+def resize_to(image: torch.Tensor, size: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """Bilinear resize of a ``(C, H, W)`` image to ``size`` (``None``: keep)."""
+    if size is None or tuple(image.shape[-2:]) == tuple(size):
+        return image
+    return F.interpolate(image[None], size=size, mode="bilinear", align_corners=False)[0]
+
+
+class FeatureExtractor:
+    """Normalises images, batches same-size images, runs a backbone, returns features.
+
+    Args:
+        backbone: any module mapping ``(B, 3, H, W)`` to a tuple of NCHW maps
+            (SwinBackbone, or a backbone built from an mmdet / mmseg config).
+        stages: which outputs to keep, as indices into the backbone's output tuple
+            (``None``: all).
+        mean, std: per-channel normalisation of 0..255 RGB input (ImageNet by default).
+        resize: ``(H, W)`` to resize every image to, or ``None`` to keep each image's size.
+        batch_size: images per forward (same-size images only).
+        device, dtype: where and in which precision to run (``'fp32'``, ``'bf16'``, ``'fp16'``).
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        stages: Optional[Sequence[int]] = None,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        resize: Optional[Tuple[int, int]] = None,
+        batch_size: int = 8,
+        device: Union[str, torch.device] = "cpu",
+        dtype: str = "fp32",
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
+        if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
+            raise ValueError(f"mean/std: expected 3 values each, std > 0, got {mean}, {std}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but CUDA is not available")
+        self.dtype = DTYPES[dtype]
+        self.backbone = backbone.to(self.device, self.dtype).eval()
+        self.stages = None if stages is None else list(stages)
+        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+        self.resize = tuple(resize) if resize else None
+        self.batch_size = batch_size
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_arch(cls, arch: str = "tiny", checkpoint: Optional[str] = None, window_size: int = 7,
+                  out_indices: Sequence[int] = (0, 1, 2, 3), **kwargs) -> "FeatureExtractor":
+        """A SwinBackbone preset (+ a checkpoint of any supported format)."""
+        from .backbone import SwinBackbone
+        from .checkpoint import load_checkpoint
+
+        backbone = SwinBackbone(arch=arch, window_size=window_size, out_indices=out_indices, drop_path_rate=0.0)
+        if checkpoint:
+            load_checkpoint(backbone, checkpoint)
+        else:
+            backbone.init_weights()
+        return cls(backbone, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: str, checkpoint: Optional[str] = None, **kwargs) -> "FeatureExtractor":
+        """The backbone of an mmdet / mmseg config, with a whole-model or backbone checkpoint."""
+        from mmengine.config import Config
+        from mmengine.registry import DefaultScope, init_default_scope
+
+        from .runner import config_scope
+
+        cfg = Config.fromfile(config)
+        scope = config_scope(cfg)
+        init_default_scope(scope)
+        import swin_backbone  # noqa: F401  (registration)
+
+        registry = __import__(f"{scope}.registry", fromlist=["MODELS"]).MODELS
+        backbone_cfg = cfg.model.backbone.copy()
+        backbone_cfg.pop("init_cfg", None)
+        backbone_cfg.pop("pretrained", None)
+        with DefaultScope.overwrite_default_scope(scope):
+            backbone = registry.build(backbone_cfg)
+        if checkpoint:
+            from .checkpoint import load_checkpoint
+
+            load_checkpoint(backbone, checkpoint)
+        return cls(backbone, **kwargs)
+
+    # ------------------------------------------------------------------ running
+    def preprocess(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Same-size ``(3, H, W)`` 0..255 images -> normalised ``(B, 3, H, W)`` batch."""
+        batch = torch.stack([resize_to(im, self.resize) for im in images]).to(self.device)
+        return ((batch - self.mean) / self.std).to(self.dtype)
+
+    @torch.inference_mode()
+    def run_batch(self, images: Sequence[torch.Tensor]) -> List[Dict[int, torch.Tensor]]:
+        """Features of same-size images: one ``{stage: (C, h, w) cpu tensor}`` per image."""
+        outs = self.backbone(self.preprocess(images))
+        keep = self.stages if self.stages is not None else range(len(outs))
+        result = []
+        for i in range(len(images)):
+            result.append(OrderedDict((s, outs[s][i].float().cpu().contiguous()) for s in keep))
+        return result
+
+    def batches(self, sizes: Sequence[Tuple[int, int]]) -> Iterable[List[int]]:
+        """Indices of images (given their ``(H, W)``) grouped into batches of one input size
+        each, in order of first appearance."""
+        groups: "OrderedDict[Tuple[int, int], List[int]]" = OrderedDict()
+        for i, size in enumerate(sizes):
+            groups.setdefault(self.resize or tuple(size), []).append(i)
+        for idx in groups.values():
+            for start in range(0, len(idx), self.batch_size):
+                yield idx[start : start + self.batch_size]
+
+    def __call__(self, images: Sequence[ImageLike]) -> List[Dict[int, torch.Tensor]]:
+        tensors = [to_tensor(im) for im in images]
+        results: List[Optional[Dict[int, torch.Tensor]]] = [None] * len(tensors)
+        for idx in self.batches([tuple(t.shape[-2:]) for t in tensors]):
+            for i, feats in zip(idx, self.run_batch([tensors[i] for i in idx])):
+                results[i] = feats
+        return results  # type: ignore[return-value]
+
+
+def extract_features(images: Sequence[ImageLike], arch: str = "tiny", checkpoint: Optional[str] = None,
+                     **kwargs) -> List[Dict[int, torch.Tensor]]:
+    """One-call API: features of ``images`` from a SwinBackbone preset (+ checkpoint)."""
+    return FeatureExtractor.from_arch(arch, checkpoint, **kwargs)(images)
+
+
+def pca_rgb(feature: torch.Tensor) -> np.ndarray:
+    """First three principal components of a ``(C, h, w)`` map as an ``(h, w, 3)`` uint8 image."""
+    c, h, w = feature.shape
+    flat = feature.float().reshape(c, h * w).T
+    flat = flat - flat.mean(0, keepdim=True)
+    k = min(3, c, h * w)
+    if h * w > 1 and k > 0:
+        _, _, v = torch.linalg.svd(flat, full_matrices=False)
+        comps = flat @ v[:k].T
+    else:
+        comps = torch.zeros(h * w, 0)
+    comps = torch.cat([comps, torch.zeros(h * w, 3 - comps.shape[1])], 1)
+    lo, hi = comps.min(0).values, comps.max(0).values
+    comps = (comps - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    return (comps.reshape(h, w, 3).numpy() * 255).round().astype(np.uint8)
+
+
+def side_by_side(image: np.ndarray, panels: Sequence[np.ndarray]) -> np.ndarray:
+    """The image and each panel upsampled (nearest) to its size, left to right."""
+    h, w = image.shape[:2]
+    tiles = [image[:, :, :3]]
+    for p in panels:
+        t = torch.from_numpy(p).permute(2, 0, 1)[None].float()
+        tiles.append(F.interpolate(t, size=(h, w), mode="nearest")[0].permute(1, 2, 0).byte().numpy())
+    gap = np.full((h, max(2, math.ceil(w / 100)), 3), 255, np.uint8)
+    out = []
+    for t in tiles:
+        out += [t, gap]
+    return np.concatenate(out[:-1], axis=1)

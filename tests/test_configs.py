@@ -1,0 +1,112 @@
+"""Every shipped config loads, builds its model (SwinBackbone inside), and runs a loss and a
+predict forward on a small fake batch."""
+import glob
+import os
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.registry import DefaultScope
+
+import swin_backbone  # noqa: F401
+from swin_backbone import SwinBackbone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True))
+
+
+def _build(path):
+    cfg = Config.fromfile(path)
+    scope = cfg.default_scope
+    registry = __import__(f"{scope}.registry", fromlist=["MODELS"]).MODELS
+    with DefaultScope.overwrite_default_scope(scope):
+        model = registry.build(cfg.model)
+    return cfg, model
+
+
+def test_config_list_is_complete():
+    names = {os.path.relpath(p, os.path.join(ROOT, "configs")) for p in CONFIGS}
+    for expected in [
+        "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py",
+        "mmdet/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py",
+        "mmdet/mask-rcnn_swin-s-p4-w7_fpn_ms-crop-3x_coco.py",
+        "mmdet/cascade-mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py",
+        "mmdet/retinanet_swin-t-p4-w7_fpn_1x_coco.py",
+        "mmseg/upernet_swin-t_512x512_160k_ade20k.py",
+        "mmseg/upernet_swin-s_512x512_160k_ade20k.py",
+        "mmseg/upernet_swin-b_512x512_160k_ade20k.py",
+        "mmseg/fpn_swin-t_512x512_160k_ade20k.py",
+        "toy/mask-rcnn_swin-toy_fpn_toy-coco.py",
+        "toy/upernet_swin-toy_toy-ade.py",
+    ]:
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_config_builds(path):
+    cfg, model = _build(path)
+    assert isinstance(model.backbone, SwinBackbone)
+    assert cfg.custom_imports["imports"] == ["swin_backbone"]
+    init = cfg.model.backbone.get("init_cfg")
+    assert init is None or "://" not in init["checkpoint"]  # never a URL download
+    # the Swin recipe: no weight decay on norms and position tables
+    assert "relative_position_bias_table" in cfg.optim_wrapper.paramwise_cfg.custom_keys
+    assert cfg.optim_wrapper.optimizer.type == "AdamW"
+
+
+def _det_batch(num_classes):
+    from mmdet.testing import demo_mm_inputs
+
+    return demo_mm_inputs(batch_size=2, image_shapes=[(3, 96, 128), (3, 80, 120)], num_items=[2, 3],
+                          num_classes=num_classes, with_mask=True)
+
+
+def _seg_batch(num_classes):
+    from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
+
+    inputs, samples = [], []
+    for h, w in [(96, 128), (96, 128)]:  # mmseg predicts same-size batches only
+        inputs.append(torch.randint(0, 255, (3, h, w), dtype=torch.uint8))
+        s = SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w), pad_shape=(h, w)))
+        s.gt_sem_seg = PixelData(data=torch.randint(0, num_classes, (1, h, w)))
+        samples.append(s)
+    return dict(inputs=inputs, data_samples=samples)
+
+
+FORWARD = {
+    "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py": ("det", 80),
+    "mmdet/cascade-mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py": ("det", 80),
+    "mmdet/retinanet_swin-t-p4-w7_fpn_1x_coco.py": ("det", 80),
+    "mmseg/upernet_swin-t_512x512_160k_ade20k.py": ("seg", 150),
+    "mmseg/fpn_swin-t_512x512_160k_ade20k.py": ("seg", 150),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_loss_and_predict_forward(name):
+    kind, num_classes = FORWARD[name]
+    cfg, model = _build(os.path.join(ROOT, "configs", name))
+    if kind == "seg":
+        model.data_preprocessor.size = None  # keep the fake images' own sizes, padded to 32
+        model.data_preprocessor.size_divisor = 32
+    model.init_weights = lambda: None
+    data = _det_batch(num_classes) if kind == "det" else _seg_batch(num_classes)
+    with DefaultScope.overwrite_default_scope(cfg.default_scope):
+        model.train()
+        batch = model.data_preprocessor(data, True)
+        losses = model(**batch, mode="loss")
+        total = sum(v.sum() for k, v in losses.items() if "loss" in k and isinstance(v, torch.Tensor)) + sum(
+            sum(x.sum() for x in v) for k, v in losses.items() if "loss" in k and isinstance(v, list))
+        assert torch.isfinite(total)
+        total.backward()
+        assert model.backbone.patch_embed.proj.weight.grad is not None
+        model.eval()
+        with torch.no_grad():
+            batch = model.data_preprocessor(data, False)
+            preds = model(**batch, mode="predict")
+    assert len(preds) == 2
+    if kind == "det":
+        assert "pred_instances" in preds[0]
+    else:
+        assert preds[0].pred_sem_seg.data.shape[-2:] == batch["data_samples"][0].img_shape
