@@ -80,6 +80,11 @@ class SwinBackbone(BaseModule):
         mask_padding: ``True`` (default): tokens added by window padding form their own
             attention region, so real tokens never attend to them and features do not depend
             on how much an image was padded. ``False`` reproduces mmdet exactly.
+        channels_last_outputs: ``False`` (default): outputs are contiguous NCHW tensors, as
+            every downstream op expects (mmcv's CPU RoIAlign, for one, silently reads
+            channels-last memory wrongly). ``True``: outputs are NCHW *views* of the
+            channels-last tokens (``torch.channels_last`` memory), saving one copy per
+            output, for necks and heads that handle any memory format (plain convs do).
         convert_weights: accepted for drop-in use of mmdet configs; checkpoint formats are
             detected automatically, so it has no effect.
         init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads
@@ -88,8 +93,7 @@ class SwinBackbone(BaseModule):
     Shapes:
         input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one
         ``(B, C * 2**i, H_i, W_i)`` tensor per ``i`` in ``out_indices``, where
-        ``H_0 = ceil(H / patch_size)`` and each later stage halves it (ceil). Outputs are
-        NCHW views of channels-last memory (``torch.channels_last``), no copies.
+        ``H_0 = ceil(H / patch_size)`` and each later stage halves it (ceil).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class SwinBackbone(BaseModule):
         with_cp: bool = False,
         pad_small_map: bool = True,
         mask_padding: bool = True,
+        channels_last_outputs: bool = False,
         convert_weights: bool = False,
         init_cfg: Optional[Union[dict, List[dict]]] = None,
     ) -> None:
@@ -150,6 +155,7 @@ class SwinBackbone(BaseModule):
         self.use_abs_pos_embed = use_abs_pos_embed
         self.pad_small_map = pad_small_map
         self.mask_padding = mask_padding
+        self.channels_last_outputs = channels_last_outputs
         self.num_stages = len(depths)
         self.num_features = tuple(embed_dims * 2**i for i in range(self.num_stages))
 
@@ -274,7 +280,8 @@ class SwinBackbone(BaseModule):
             stage = self.stages[i]
             out = stage.forward_blocks(x)
             if i in self.out_indices:
-                outs.append(getattr(self, f"norm{i}")(out).permute(0, 3, 1, 2))
+                feat = getattr(self, f"norm{i}")(out).permute(0, 3, 1, 2)
+                outs.append(feat if self.channels_last_outputs else feat.contiguous())
             if i < last:
                 x = stage.downsample(out)
         return tuple(outs)

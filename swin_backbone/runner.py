@@ -33,6 +33,18 @@ class BF16AutocastOptimWrapper(OptimWrapper):
             yield
 
 
+def add_common_args(parser) -> None:
+    """Arguments shared by tools/train.py and tools/test.py (as in mmdet / mmseg)."""
+    from mmengine.config import DictAction
+
+    parser.add_argument(
+        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
+    )
+    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
+    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+
+
 def config_scope(cfg: Config) -> str:
     """``'mmdet'`` or ``'mmseg'``, from the config's ``default_scope``."""
     scope = cfg.get("default_scope")

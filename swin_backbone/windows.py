@@ -172,6 +172,12 @@ def window_attention_mask(
     """
     if not needs_mask(height, width, window, shift, mask_padding):
         return None
+    return _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
+
+
+def _mask_from_labels(
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     labels = partition_grid(region_labels(height, width, window, shift, mask_padding, device), window)
     differs = labels[:, :, None] != labels[:, None, :]
     return torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
@@ -228,10 +234,22 @@ def build_window_layout(
     device: torch.device,
     dtype: torch.dtype,
 ) -> WindowLayout:
-    """Compute a :class:`WindowLayout` (uncached; see :func:`get_window_layout`)."""
+    """Compute a :class:`WindowLayout` (uncached; see :func:`get_window_layout`).
+
+    While tracing with symbolic sizes, whether a size needs padding is not known, so the
+    layout then always allows for it (a zero token that may go unused, a mask that may be
+    all zeros): one graph serves every size.
+    """
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
-    has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
+    if torch.compiler.is_compiling() or not isinstance(height, int) or not isinstance(width, int):
+        has_padding = True
+        mask = None
+        if shift > 0 or mask_padding:
+            mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
+    else:
+        has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
+        mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype)
     return WindowLayout(
         height=height,
         width=width,
@@ -240,7 +258,7 @@ def build_window_layout(
         index=window_token_index(height, width, window, shift, device),
         inverse=window_inverse_index(height, width, window, shift, device),
         has_padding=has_padding,
-        mask=window_attention_mask(height, width, window, shift, mask_padding, device, dtype),
+        mask=mask,
     )
 
 

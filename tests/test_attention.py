@@ -57,3 +57,19 @@ def test_masked_keys_get_no_weight():
     qkv2[0, 3, 2 * d :] += 10.0  # change value of token 3 (region 1)
     out2 = window_attention(qkv2, heads, 1, bias, mask, d**-0.5)
     torch.testing.assert_close(out2[0, :2], base[0, :2])
+
+
+def test_memory_saving_mlp_matches_autograd():
+    from swin_backbone.blocks import Mlp
+
+    torch.manual_seed(0)
+    mlp = Mlp(8, 32).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out = mlp(x)  # grad enabled, no dropout: the recomputing path
+    ref = mlp.fc2(mlp.act(mlp.fc1(x)))
+    torch.testing.assert_close(out, ref)
+    torch.autograd.gradcheck(lambda t: mlp(t), (x,))
+    grads = torch.autograd.grad(out.square().sum(), [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias])
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias])
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)

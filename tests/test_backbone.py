@@ -44,6 +44,23 @@ def test_shapes_at_any_size(size, batch):
     assert expected[0] == (math.ceil(size[0] / 4), math.ceil(size[1] / 4))
 
 
+def test_outputs_are_contiguous_nchw_unless_asked():
+    x = torch.randn(1, 3, 64, 64)
+    for flag in (False, True):
+        model = SwinBackbone(**small_arch(channels_last_outputs=flag)).eval()
+        outs = model(x)
+        assert all(o.is_contiguous() != flag for o in outs)
+        assert all(o.is_contiguous(memory_format=torch.channels_last) for o in outs) == flag
+    # why the default matters: mmcv's CPU RoIAlign silently misreads channels-last memory
+    from mmcv.ops import roi_align
+
+    feat = torch.randn(1, 8, 20, 20)
+    rois = torch.tensor([[0, 2.0, 3.0, 15.0, 12.0]])
+    plain = roi_align(feat, rois, (7, 7), 1.0, 2, "avg", True)
+    cl = roi_align(feat.contiguous(memory_format=torch.channels_last), rois, (7, 7), 1.0, 2, "avg", True)
+    assert not torch.allclose(plain, cl)
+
+
 def test_out_indices_subset_and_order():
     model = SwinBackbone(**small_arch(out_indices=(2, 1))).eval()
     outs = model(torch.randn(1, 3, 64, 64))
@@ -306,3 +323,32 @@ def test_bad_input_raises(x, match):
     model = SwinBackbone(**small_arch()).eval()
     with pytest.raises(ValueError, match=match):
         model(x)
+
+
+def test_package_imports_without_mmdet_and_mmseg():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['mmdet'] = None; sys.modules['mmseg'] = None; sys.modules['mmpretrain'] = None\n"
+        "import torch, swin_backbone\n"
+        "assert swin_backbone.REGISTERED_IN == [], swin_backbone.REGISTERED_IN\n"
+        "m = swin_backbone.SwinBackbone(arch=None, embed_dims=16, depths=(1, 1), num_heads=(1, 2), out_indices=(1,))\n"
+        "print(tuple(m(torch.randn(1, 3, 20, 20))[0].shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "(1, 32, 3, 3)"
+
+
+def test_batch_members_are_independent():
+    # Each image of a batch gets exactly the features it gets alone (fused per-image path,
+    # plain path and mask-free blocks alike).
+    model = SwinBackbone(**small_arch()).eval()
+    model.init_weights()
+    x = torch.randn(3, 3, 45, 61)
+    with torch.no_grad():
+        together = model(x)
+        for i in range(3):
+            alone = model(x[i : i + 1])
+            for t, a in zip(together, alone):
+                torch.testing.assert_close(t[i : i + 1], a, rtol=1e-5, atol=1e-5)

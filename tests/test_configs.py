@@ -12,7 +12,7 @@ import swin_backbone  # noqa: F401
 from swin_backbone import SwinBackbone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True) if "_base_" not in p)
 
 
 def _build(path):

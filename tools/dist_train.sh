@@ -1,22 +1,5 @@
 #!/usr/bin/env bash
 # Distributed training: tools/dist_train.sh CONFIG NPROC [train.py args]
-# torchrun + mmengine's pytorch launcher; nccl on GPUs, gloo on CPU (chosen by the Runner).
+# Env: NNODES, NODE_RANK, MASTER_ADDR, PORT, PYTHON.
 set -euo pipefail
-CONFIG=$1
-NPROC=$2
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-PORT=${PORT:-29500}
-MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-PYTHON=${PYTHON:-python}
-
-PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
-"$PYTHON" -m torch.distributed.run \
-    --nnodes="$NNODES" \
-    --node_rank="$NODE_RANK" \
-    --master_addr="$MASTER_ADDR" \
-    --nproc_per_node="$NPROC" \
-    --master_port="$PORT" \
-    "$(dirname "$0")/train.py" \
-    "$CONFIG" \
-    --launcher pytorch "${@:3}"
+exec bash "$(dirname "$0")/dist_run.sh" "$(dirname "$0")/train.py" "$2" "$1" "${@:3}"

@@ -5,8 +5,6 @@ import argparse
 import os
 import sys
 
-from mmengine.config import DictAction
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from swin_backbone import runner as R  # noqa: E402
 
@@ -20,11 +18,7 @@ def parse_args(argv=None):
     parser.add_argument("--show", action="store_true", help="show predictions in a window")
     parser.add_argument("--show-dir", help="save painted predictions here (under work_dir/timestamp)")
     parser.add_argument("--wait-time", type=float, default=2, help="the interval of --show (s)")
-    parser.add_argument(
-        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
-    )
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    R.add_common_args(parser)
     return parser.parse_args(argv)
 
 

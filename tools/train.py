@@ -8,8 +8,6 @@ import argparse
 import os
 import sys
 
-from mmengine.config import DictAction
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from swin_backbone import runner as R  # noqa: E402
 
@@ -27,11 +25,7 @@ def parse_args(argv=None):
         const="auto",
         help="resume from this checkpoint, or (no value) from the latest one in the work dir",
     )
-    parser.add_argument(
-        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
-    )
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    R.add_common_args(parser)
     return parser.parse_args(argv)
 
 
