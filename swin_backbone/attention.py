@@ -64,21 +64,22 @@ def window_attention(
     attn_bias = attn_bias.to(qkv.dtype)
     if fused is None:
         fused = choose_fused(qkv, attn_bias)
+    per_window = mask is not None  # decided by Python, not by a (possibly symbolic) shape
     if fused:
-        out = _fused(qkv, attn_bias, scale, dropout_p)
+        out = _fused(qkv, attn_bias, per_window, scale, dropout_p)
     else:
-        out = _plain(qkv, attn_bias, scale, dropout_p)
+        out = _plain(qkv, attn_bias, per_window, scale, dropout_p)
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
-def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
+def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
     """SDPA on strided views of ``qkv`` ``(3, B, nW, nH, N, d)``.
 
     The kernels read q/k/v through their strides and write the output as ``(B*nW, N, nH, d)``
     memory, so neither the inputs nor the output are copied. Returns ``(B, nW, N, nH, d)``.
     """
     _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if attn_bias.shape[0] == 1 or batch == 1:
+    if not per_window or batch == 1:
         # One bias for all windows, or one image: windows go into SDPA's batch dimension.
         q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
@@ -92,7 +93,7 @@ def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: 
     return torch.stack(outs)
 
 
-def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: float) -> torch.Tensor:
+def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` with matmuls. Returns ``(B, nW, N, nH, d)``.
 
     With per-window masks, windows are folded into the heads dimension,
@@ -100,7 +101,7 @@ def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, scale: float, dropout_p: 
     with one bias for all windows, windows go into the batch dimension.
     """
     _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if attn_bias.shape[0] == 1:
+    if not per_window:
         q, k, v = qkv.reshape(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
     else:
         q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)

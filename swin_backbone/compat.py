@@ -15,10 +15,15 @@ def allow_mmengine_checkpoints() -> None:
     the plain-data classes they contain fixes that without unpickling arbitrary code
     (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` would).
     """
+    import _codecs
+
     import numpy as np
     import torch
 
-    safe = [collections.OrderedDict, collections.defaultdict, np.ndarray, np.dtype]
+    # getattr: HistoryBuffer keeps bound methods (pickled as getattr(buffer, 'min')); the
+    # weights_only unpickler still refuses to *call* anything not allow-listed, so this only
+    # re-creates attribute references. _codecs.encode: how protocol 2 pickles bytes.
+    safe = [collections.OrderedDict, collections.defaultdict, np.ndarray, np.dtype, getattr, _codecs.encode]
     try:  # numpy >= 1.25 / 2.x
         from numpy._core.multiarray import _reconstruct, scalar
     except ImportError:  # pragma: no cover - older numpy

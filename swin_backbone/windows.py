@@ -88,11 +88,18 @@ def _shift_regions(padded: int, window: int, shift: int, device: torch.device) -
 
 
 def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
-    """``(Hp, Wp)`` grid -> ``(nW, ws * ws)`` rows of its windows, window-major."""
+    """``(Hp, Wp)`` grid -> ``(nW, ws * ws)`` rows of its windows, window-major.
+
+    Computed as one gather with arithmetic indices rather than view + transpose, so that a
+    tracer does not have to special-case maps that are one window wide.
+    """
     hp, wp = grid.shape
-    return grid.view(hp // window, window, wp // window, window).transpose(1, 2).reshape(
-        -1, window * window
-    )
+    n = window * window
+    pos = torch.arange(hp * wp, device=grid.device)
+    win, inner = pos // n, pos % n
+    rows = (win // (wp // window)) * window + inner // window
+    cols = (win % (wp // window)) * window + inner % window
+    return grid.reshape(-1)[rows * wp + cols].view(-1, n)
 
 
 def window_token_index(

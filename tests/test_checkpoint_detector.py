@@ -28,7 +28,9 @@ def _build_det(cfg):
 def test_mmdet_maskrcnn_checkpoint_loads_into_our_config(tmp_path):
     from mmdet.testing import demo_mm_inputs
 
-    ref_cfg = Config.fromfile("mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py")
+    base = tmp_path / "mmdet_swin.py"
+    base.write_text("_base_ = 'mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'\n")
+    ref_cfg = Config.fromfile(str(base))  # mmdet's own Swin Mask R-CNN, its own backbone
     ref_cfg.model.backbone.init_cfg = None
     ref_cfg.model.backbone.depths = [2, 2, 2, 2]
     ref = _build_det(ref_cfg)
@@ -55,8 +57,8 @@ def test_mmdet_maskrcnn_checkpoint_loads_into_our_config(tmp_path):
         batch_ours = ours.data_preprocessor(data, False)
         for a, b in zip(ref.extract_feat(batch_ref["inputs"]), ours.extract_feat(batch_ours["inputs"])):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-        pa = ref.predict(**batch_ref)[0].pred_instances
-        pb = ours.predict(**batch_ours)[0].pred_instances
+        pa = ref.predict(batch_ref["inputs"], batch_ref["data_samples"])[0].pred_instances
+        pb = ours.predict(batch_ours["inputs"], batch_ours["data_samples"])[0].pred_instances
     assert len(pa) == len(pb) > 0
     torch.testing.assert_close(pb.bboxes, pa.bboxes, rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(pb.scores, pa.scores, rtol=1e-3, atol=1e-4)

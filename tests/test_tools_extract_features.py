@@ -125,6 +125,6 @@ def test_tool_rerun_overwrites_cleanly(tmp_path, photos):
 def test_tool_from_config_and_glob(tmp_path, photos):
     src = tmp_path / "images"
     _write_inputs(src, photos)
-    summary = tool.main([str(src / "*.jpg"), str(tmp_path / "f"), "--config",
+    summary = tool.main([str(src / "astro*.jpg"), str(tmp_path / "f"), "--config",
                          "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py", "--no-progress"])
     assert summary["images"] == 1 and not summary["failed"]
