@@ -181,3 +181,22 @@ def build_runner(cfg: Config):
     if "runner_type" not in cfg:
         return Runner.from_cfg(cfg)
     return RUNNERS.build(cfg)
+
+
+def read_metrics(work_dir: str) -> list:
+    """Every metrics row mmengine logged under ``work_dir``, oldest run first.
+
+    Training runs write ``<ts>/vis_data/scalars.json``; test runs ``<ts>/<ts>.json``.
+    """
+    import glob
+    import json
+
+    rows = []
+    runs = sorted(glob.glob(osp.join(work_dir, "*", "")), key=osp.getmtime)
+    for run in runs:
+        ts = osp.basename(osp.normpath(run))
+        for path in (osp.join(run, "vis_data", "scalars.json"), osp.join(run, f"{ts}.json")):
+            if osp.isfile(path):
+                with open(path) as f:
+                    rows += [json.loads(line) for line in f if line.strip()]
+    return rows

@@ -14,14 +14,15 @@ Every step is a separate command, printed before it runs, so it can be repeated 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from swin_backbone.runner import read_metrics  # noqa: E402
+
 DET_CONFIG = "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
 SEG_CONFIG = "configs/toy/upernet_swin-toy_toy-ade.py"
 
@@ -29,18 +30,6 @@ SEG_CONFIG = "configs/toy/upernet_swin-toy_toy-ade.py"
 def run(cmd, env=None):
     print("\n$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
-
-
-def latest_scalars(work_dir: str) -> dict:
-    """The metrics of the newest run under ``work_dir`` (mmengine's scalars.json)."""
-    files = sorted(glob.glob(os.path.join(work_dir, "*", "vis_data", "scalars.json")), key=os.path.getmtime)
-    if not files:
-        return {}
-    last = {}
-    with open(files[-1]) as f:
-        for line in f:
-            last.update(json.loads(line))
-    return last
 
 
 def main(argv=None) -> int:
@@ -69,7 +58,9 @@ def main(argv=None) -> int:
     run(train, env)
     checkpoint = open(os.path.join(ROOT, work_dir, "last_checkpoint")).read().strip()
     run([py, "tools/test.py", config, checkpoint, "--work-dir", work_dir], env)
-    metrics = latest_scalars(os.path.join(ROOT, work_dir))
+    metrics = {}
+    for row in read_metrics(os.path.join(ROOT, work_dir)):  # the test run's metrics come last
+        metrics.update(row)
     minutes = (time.time() - start) / 60
     print("\n" + "=" * 72)
     if args.seg:
