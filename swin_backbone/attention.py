@@ -38,6 +38,8 @@ def window_attention(
     scale: float,
     dropout_p: float = 0.0,
     fused: Optional[bool] = None,
+    masked_windows: Optional[torch.Tensor] = None,
+    window_masks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Multi-head attention inside each window.
 
@@ -51,6 +53,10 @@ def window_attention(
         dropout_p: attention dropout probability (pass 0 in eval).
         fused: force the fused (True) or plain (False) kernel; ``None`` picks by
             :func:`choose_fused`.
+        masked_windows, window_masks: ``(nM,)`` windows whose mask is not all zero and their
+            ``(nM, N, N)`` masks. When given, every window is computed with the shared bias
+            only and these few windows are recomputed with their masks, instead of
+            materialising an ``(nW, nH, N, N)`` bias (and its gradient) for all windows.
     Returns:
         ``(B, nW * N, C)`` attention output, before the output projection.
     """
@@ -59,16 +65,22 @@ def window_attention(
     head_dim = three_c // (3 * num_heads)
     # (B, nW, N, 3, nH, d) -> (3, B, nW, nH, N, d): a view, no copy.
     qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
-    # (nW | 1, nH, N, N) bias + region mask, in the compute dtype.
-    attn_bias = bias.unsqueeze(0) if mask is None else mask.unsqueeze(1) + bias.unsqueeze(0)
-    attn_bias = attn_bias.to(qkv.dtype)
+    shared = bias.unsqueeze(0).to(qkv.dtype)  # (1, nH, N, N)
     if fused is None:
-        fused = choose_fused(qkv, attn_bias)
-    per_window = mask is not None  # decided by Python, not by a (possibly symbolic) shape
-    if fused:
-        out = _fused(qkv, attn_bias, per_window, scale, dropout_p)
+        fused = choose_fused(qkv, shared)
+    kernel = _fused if fused else _plain
+    if mask is None or masked_windows is not None:
+        out = kernel(qkv, shared, False, scale, dropout_p)  # (B, nW, N, nH, d)
+        if mask is not None and masked_windows.numel():
+            fix = (window_masks.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)
+            fixed = kernel(qkv.index_select(2, masked_windows), fix, True, scale, dropout_p)
+            # In place when nothing needs the old values (SDPA keeps its output for backward).
+            out = out.index_copy_(1, masked_windows, fixed) if not out.requires_grad else out.index_copy(
+                1, masked_windows, fixed
+            )
     else:
-        out = _plain(qkv, attn_bias, per_window, scale, dropout_p)
+        attn_bias = (mask.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)  # (nW, nH, N, N)
+        out = kernel(qkv, attn_bias, True, scale, dropout_p)
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
@@ -106,7 +118,9 @@ def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: 
     else:
         q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
         attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
-    attn = ((q * scale) @ k.transpose(-2, -1) + attn_bias).softmax(dim=-1)
+    # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
+    # scaled copy of q would be), and no second logits-sized temporary is made.
+    attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
     out = attn @ v
@@ -167,6 +181,8 @@ class WindowAttention(nn.Module):
             self.scale,
             self.attn_drop_rate if self.training else 0.0,
             fused,
+            layout.masked_windows,
+            layout.window_masks,
         )
         return self.proj_drop(self.proj(out))
 

@@ -23,10 +23,13 @@ import torch
 
 T = TypeVar("T")
 
-#: Additive mask value between tokens of different regions. -100 is what every pretrained
-#: Swin used; exp(-100) underflows to 0 in fp32 softmax and, unlike finfo.min, it is finite
-#: and exact in fp16 / bf16 (no -inf, no NaN when a row is all masked).
-MASK_VALUE = -100.0
+#: Additive mask value between tokens of different regions. The pretrained Swins used -100,
+#: but exp(-100) = 3.7e-44 is a *denormal* float: every masked attention weight then becomes
+#: a denormal, and the matmuls that read them (attention @ V, the output projection, their
+#: gradients) run up to 30x slower on x86 CPUs (measured: 457 ms instead of 8 ms for one
+#: projection). exp(-1e4) underflows to exactly 0, which changes results by < 1e-40 and is
+#: finite in fp16 and bf16 (no -inf, no NaN: a row always keeps its own token).
+MASK_VALUE = -1e4
 
 #: Region label given to tokens that exist only because of window padding.
 PAD_REGION = 9
@@ -216,6 +219,11 @@ class WindowLayout:
         inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
         has_padding: whether ``index`` refers to the zero padding token ``H * W``.
         mask: ``(nW, N, N)`` additive mask in the compute dtype, or ``None``.
+        masked_windows: ``(nM,)`` indices of the windows whose mask is not all zeros, or
+            ``None`` (unknown while tracing: then every window uses ``mask``). Shift
+            regions and padding only ever meet in the last row and column of windows, so
+            attention can run on all windows with the shared bias alone and redo just these.
+        window_masks: ``mask[masked_windows]``, ``(nM, N, N)``.
     """
 
     height: int
@@ -226,6 +234,8 @@ class WindowLayout:
     inverse: torch.Tensor
     has_padding: bool
     mask: Optional[torch.Tensor]
+    masked_windows: Optional[torch.Tensor] = None
+    window_masks: Optional[torch.Tensor] = None
 
     @property
     def num_windows(self) -> int:
@@ -254,9 +264,14 @@ def build_window_layout(
         mask = None
         if shift > 0 or mask_padding:
             mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
+        masked = window_masks = None
     else:
         has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
         mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype)
+        masked = window_masks = None
+        if mask is not None:
+            masked = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
+            window_masks = mask.index_select(0, masked)
     return WindowLayout(
         height=height,
         width=width,
@@ -266,6 +281,8 @@ def build_window_layout(
         inverse=window_inverse_index(height, width, window, shift, device),
         has_padding=has_padding,
         mask=mask,
+        masked_windows=masked,
+        window_masks=window_masks,
     )
 
 
@@ -278,7 +295,12 @@ def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """
 
     def decorate(fn: Callable[..., T]) -> Callable[..., T]:
-        cached = lru_cache(maxsize=maxsize)(fn)
+        @lru_cache(maxsize=maxsize)
+        def cached(*args):
+            # Cached tensors outlive the call: built under inference_mode they would be
+            # inference tensors, unusable by a later training step at the same size.
+            with torch.inference_mode(False):
+                return fn(*args)
 
         @wraps(fn)
         def wrapper(*args):

@@ -73,3 +73,29 @@ def test_memory_saving_mlp_matches_autograd():
     ref_grads = torch.autograd.grad(ref.square().sum(), [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias])
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("size,shift,batch", [((9, 12), 3, 2), ((9, 12), 0, 1), ((14, 21), 3, 1), ((8, 8), 3, 3)])
+def test_masked_window_fixup_equals_full_mask(fused, size, shift, batch):
+    # Recomputing only the windows whose mask is non-zero gives the full-mask result.
+    torch.manual_seed(0)
+    attn = WindowAttention(16, 2, 7).double()
+    torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
+    layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float64)
+    assert layout.masked_windows is not None and 0 < layout.masked_windows.numel() < layout.num_windows + 1
+    full = dataclasses.replace(layout, masked_windows=None, window_masks=None)
+    x = torch.randn(batch, layout.index.numel(), 16, dtype=torch.float64)
+    results = []
+    for lay in (layout, full):
+        attn.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        out = attn(xi, lay, fused=fused)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad, attn.relative_position_bias_table.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    if size[0] % 7 == 0 and size[1] % 7 == 0:  # no padding: only the last row / column of windows
+        n_h, n_w = size[0] // 7, size[1] // 7
+        expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
+        assert set(layout.masked_windows.tolist()) == expected

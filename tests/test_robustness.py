@@ -137,6 +137,19 @@ def test_cache_is_keyed_by_size_and_dtype(model):
         torch.testing.assert_close(o, r, rtol=5e-2, atol=5e-2)  # bf16-rounded weights, fp32 again
 
 
+def test_inference_mode_then_training_at_the_same_size():
+    # Layouts cached during an inference_mode forward must still work in a training step.
+    W.clear_caches()
+    model = SwinBackbone(**small_arch())
+    model.init_weights()
+    x = torch.randn(1, 3, 52, 68)
+    with torch.inference_mode():
+        model.eval()(x)
+    outs = model.train()(x)
+    sum(o.mean() for o in outs).backward()
+    assert model.stages[0].blocks[1].attn.relative_position_bias_table.grad is not None
+
+
 # ---------------------------------------------------------------- compile and export
 def test_torch_compile_dynamic_matches_eager_without_recompiles():
     import torch._dynamo

@@ -4,7 +4,8 @@
 Measures (interleaved A B A B ... after warm-up, medians):
   1. forward, eval, 1x3x800x1216 under inference_mode;
   2. forward + backward, train mode, 2x3x512x512;
-  3. peak memory of (2): CPU: peak RSS growth in a fresh subprocess per model;
+  3. peak memory of (2): CPU: peak RSS growth (kernel high-water mark, reset first) in a
+     fresh subprocess per model;
      CUDA: torch.cuda.max_memory_allocated;
 plus the backbone's FLOPs (torch.utils.flop_counter; 1 multiply-add = 2 FLOPs) and the achieved
 GFLOP/s of (1) beside this machine's dense fp32 matmul GFLOP/s (the physical ceiling).
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -112,7 +112,8 @@ def matmul_ceiling(device: str, n: int = 2048, iters: int = 5) -> float:
 def memory_child(name: str, device: str, batch: int, size: int) -> None:
     """Run in a fresh process: peak memory of one fwd+bwd beyond the model and input."""
     models = build_pair(device)
-    model = models[name].train()
+    model = models[name]
+    model.train()  # (mmdet's train() returns None: no chaining)
     del models
     x = torch.randn(batch, 3, size, size, device=device)
     if device == "cuda":
@@ -126,21 +127,38 @@ def memory_child(name: str, device: str, batch: int, size: int) -> None:
         import gc
 
         gc.collect()
-        base = _rss_bytes()
+        base = _reset_peak_rss()
         train_step(model, x)()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = _peak_rss() - base
     print(json.dumps({"peak_bytes": int(peak)}))
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0) and return the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_kb("VmHWM")
 
 
 def peak_memory(name: str, device: str, batch: int, size: int) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", name, "--device", device,
            "--batch", str(batch), "--size", str(size)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    # Large blocks straight from / back to the OS (mmap), so RSS follows live tensors instead
+    # of glibc's retained free memory.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
 
 
