@@ -95,7 +95,8 @@ def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: 
         # One bias for all windows, or one image: windows go into SDPA's batch dimension.
         q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-        return out.transpose(1, 2).view(batch, num_windows, n, num_heads, head_dim)
+        # CPU and CUDA kernels allocate the output as (B*nW, N, nH, d): reshape is then a view.
+        return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
     # Per-window masks and several images: one call per image reuses the (nW, nH, N, N)
     # mask instead of materialising a B-times larger one.
     outs = [

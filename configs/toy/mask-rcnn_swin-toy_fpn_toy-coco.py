@@ -45,10 +45,10 @@ test_pipeline = [
     dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
     dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
 ]
+loader = dict(batch_size=4, num_workers=2, persistent_workers=True)
 train_dataloader = dict(
-    batch_size=4,
-    num_workers=2,
-    persistent_workers=True,
+    **loader,
+    sampler=dict(type='InfiniteSampler'),  # iteration-based training: no epoch restarts
     dataset=dict(
         data_root=data_root,
         metainfo=metainfo,
@@ -56,9 +56,7 @@ train_dataloader = dict(
         data_prefix=dict(img='train2017/'),
         pipeline=train_pipeline))
 val_dataloader = dict(
-    batch_size=4,
-    num_workers=2,
-    persistent_workers=True,
+    **loader,
     dataset=dict(
         data_root=data_root,
         metainfo=metainfo,

@@ -41,19 +41,18 @@ dataset = dict(
     img_suffix='.jpg',
     seg_map_suffix='.png',
     reduce_zero_label=True)
+loader = dict(num_workers=2, persistent_workers=True)
 train_dataloader = dict(
+    **loader,
     batch_size=4,
-    num_workers=2,
-    persistent_workers=True,
     dataset=dict(
         _delete_=True,
         **dataset,
         data_prefix=dict(img_path='images/training', seg_map_path='annotations/training'),
         pipeline=train_pipeline))
 val_dataloader = dict(
+    **loader,
     batch_size=1,
-    num_workers=2,
-    persistent_workers=True,
     dataset=dict(
         _delete_=True,
         **dataset,
