@@ -209,11 +209,10 @@ class SwinStage(nn.Module):
     def layouts(self, height: int, width: int, x: torch.Tensor) -> Tuple[WindowLayout, WindowLayout]:
         """The (regular, shifted) window layouts for an ``height x width`` map (cached)."""
         window, shift = effective_window(height, width, self.window_size, self.shift_size, self.pad_small_map)
-        mask_dtype = x.dtype if x.is_floating_point() else torch.float32
-        regular = get_window_layout(height, width, window, 0, self.mask_padding, x.device, mask_dtype)
+        regular = get_window_layout(height, width, window, 0, self.mask_padding, x.device, x.dtype)
         if shift == 0:
             return regular, regular
-        return regular, get_window_layout(height, width, window, shift, self.mask_padding, x.device, mask_dtype)
+        return regular, get_window_layout(height, width, window, shift, self.mask_padding, x.device, x.dtype)
 
     def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging)."""

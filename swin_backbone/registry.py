@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import List
 
-from torch import nn
-
 #: Registries that receive SwinBackbone, by importable module path.
 REGISTRY_MODULES = ("mmdet.registry", "mmseg.registry", "mmpretrain.registry")
 
@@ -30,18 +28,3 @@ def register(module: type, name: str = "SwinBackbone") -> List[str]:
             registry.register_module(name=name, module=module, force=True)
         done.append(path.split(".")[0])
     return done
-
-
-def registered_in() -> List[str]:
-    """Libraries whose ``MODELS`` currently build ``SwinBackbone`` (for diagnostics)."""
-    found = []
-    for path in REGISTRY_MODULES:
-        try:
-            registry = importlib.import_module(path).MODELS
-        except ImportError:
-            continue
-        if isinstance(registry.module_dict.get("SwinBackbone"), type) and issubclass(
-            registry.module_dict["SwinBackbone"], nn.Module
-        ):
-            found.append(path.split(".")[0])
-    return found

@@ -241,3 +241,21 @@ def test_detect_format_names():
     assert detect_format(["conv1.weight"]) == "unknown"
     state, steps = unwrap_state_dict({"state_dict": {"module.backbone.a": torch.zeros(1), "module.neck.b": torch.zeros(1)}})
     assert list(state) == ["a"] and len(steps) == 3
+
+
+def test_whole_model_load_reports_leftovers_through_torch():
+    # Through the state-dict pre-hook (load_from / --resume path), keys the backbone lacks are
+    # not dropped silently: torch lists them, already converted to our names.
+    from swin_backbone.checkpoint.formats import FROM_OURS
+
+    class Detector(torch.nn.Module):
+        def __init__(self, arch):
+            super().__init__()
+            self.backbone = SwinBackbone(arch, out_indices=(3,))
+
+    small = FROM_OURS["mmdet"](SwinBackbone("small", out_indices=(3,)).state_dict())
+    result = Detector("tiny").load_state_dict({"backbone." + k: v for k, v in small.items()}, strict=False)
+    assert not result.missing_keys
+    assert "backbone.stages.2.blocks.17.mlp.fc1.weight" in result.unexpected_keys
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        Detector("tiny").load_state_dict({"backbone." + k: v for k, v in small.items()}, strict=True)

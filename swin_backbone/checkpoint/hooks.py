@@ -36,10 +36,9 @@ def _convert_on_load(
         return
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
-    # Tensors that could not be fitted are put back so torch reports them as usual.
-    for key in report.mismatched:
-        state[key] = sub.get(key, state.get(key))
-    state_dict.update({prefix + k: v for k, v in state.items() if v is not None})
+    # Everything goes back converted, unexpected and mismatched tensors included, so torch
+    # reports those as usual (and fails on them under strict loading).
+    state_dict.update({prefix + k: v for k, v in state.items()})
     print_log(
         f"SwinBackbone: converted checkpoint keys under '{prefix}' from format '{report.format}' "
         f"({len(report.converted)} renamed/reordered, {len(report.resized)} resized, "

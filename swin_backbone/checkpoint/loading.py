@@ -13,6 +13,7 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
+from ..compat import allow_mmengine_checkpoints
 from .formats import CheckpointError, StateDict, describe_keys, detect_format, to_ours, unwrap_state_dict
 from .resize import (
     adapt_patch_embed_channels,
@@ -90,17 +91,6 @@ class LoadReport:
         return dict(self.__dict__)
 
 
-def _allow_mmengine_pickles() -> None:
-    """Allow-list the plain-data globals of mmengine Runner checkpoints for weights_only.
-
-    Done with ``torch.serialization.add_safe_globals`` rather than ``weights_only=False``
-    so that loading a checkpoint never executes arbitrary pickled code.
-    """
-    from ..compat import allow_mmengine_checkpoints
-
-    allow_mmengine_checkpoints()
-
-
 def read_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> dict:
     """Read a checkpoint file safely (``weights_only``), with errors that say what is wrong."""
     path = os.fspath(path)
@@ -113,7 +103,7 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torc
         raise FileNotFoundError(f"checkpoint {path!r}: no such file")
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"checkpoint {path!r}: the file is empty")
-    _allow_mmengine_pickles()
+    allow_mmengine_checkpoints()  # Runner checkpoints, without weights_only=False
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as err:
@@ -129,13 +119,13 @@ def _model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=False)
 
 
-def adapt_to_model(state: StateDict, model: nn.Module, report: LoadReport) -> StateDict:
+def adapt_to_model(state: StateDict, target: Mapping[str, torch.Tensor], report: LoadReport) -> StateDict:
     """Resize tensors whose shape differs from the model's where that is meaningful.
 
     Handles relative-position-bias tables (other window), absolute position embeddings
     (other grid or layout) and the patch-embedding conv (other ``in_channels``).
+    ``target`` is the model's state dict.
     """
-    target = _model_state(model)
     out: StateDict = OrderedDict()
     for key, value in state.items():
         want = target.get(key)
@@ -166,9 +156,10 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
     """Unwrap, detect, convert and resize a checkpoint for ``model``.
 
     Returns:
-        ``(state_dict, report)``: a state dict in our key names and the model's shapes
-        (tensors that still do not fit are removed and listed in ``report.mismatched``),
-        and a :class:`LoadReport` with everything but ``loaded`` / ``missing`` filled.
+        ``(state_dict, report)``: every tensor in our key names, resized to the model where
+        possible, and a :class:`LoadReport` with everything but ``loaded`` / ``missing``
+        filled; keys the model lacks are in ``report.unexpected``, tensors that still do not
+        fit in ``report.mismatched``.
     """
     report = LoadReport(source=source)
     raw, report.unwrapped = unwrap_state_dict(checkpoint)
@@ -179,17 +170,14 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
             f"(ours, official, mmdet/mmseg/mmpretrain, timm, torchvision); keys seen: {describe_keys(raw)}"
         )
     state, report.converted, report.skipped = to_ours(raw, report.format)
-    state = adapt_to_model(state, model, report)
     target = _model_state(model)
-    fitting: StateDict = OrderedDict()
+    state = adapt_to_model(state, target, report)
     for key, value in state.items():
         if key not in target:
             report.unexpected.append(key)
         elif value.shape != target[key].shape:
             report.mismatched[key] = f"checkpoint {tuple(value.shape)} vs model {tuple(target[key].shape)}"
-        else:
-            fitting[key] = value
-    return fitting, report
+    return state, report
 
 
 def load_checkpoint(
@@ -219,6 +207,7 @@ def load_checkpoint(
     obj = read_checkpoint(checkpoint, map_location) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
     state, report = prepare_state_dict(obj, model, source)
     target = _model_state(model)
+    state = {k: v for k, v in state.items() if k in target and k not in report.mismatched}
     report.loaded = [k for k in target if k in state]
     report.missing = [k for k in target if k not in state]
     if len(report.loaded) < min_match * len(target):
