@@ -1,15 +1,19 @@
 """Window multi-head self-attention with a relative position bias.
 
 The whole algorithm is the pure function :func:`window_attention`; :class:`WindowAttention`
-only owns the weights. Two interchangeable kernels compute it:
+only owns the weights. Three interchangeable kernels compute it:
 
-* fused: ``F.scaled_dot_product_attention`` with the bias (+ mask) as an additive float mask;
-* plain: ``softmax(q @ k^T * scale + bias) @ v``.
+* ``fused``: ``F.scaled_dot_product_attention`` with the bias (+ mask) as an additive float mask;
+* ``plain``: ``softmax(q @ k^T * scale + bias) @ v`` with autograd's own graph;
+* ``recompute``: the fused forward, and a hand-written backward that recomputes the attention
+  probabilities from ``qkv`` (:class:`_RecomputedAttention`).
 
 On CPU the fused kernel is only fast when the mask does not require grad (else torch silently
-falls back to its slow math kernel, see shared/PERFORMANCE.md), so in training the plain path
-is used there. On CUDA the memory-efficient kernel takes a float mask with grad, so the fused
-path is always used. Both give the same numbers (tested).
+falls back to its slow math kernel, see shared/PERFORMANCE.md), and its backward gives no bias
+gradient, so CPU training uses ``recompute``: SDPA speed forward, and only ``qkv`` kept for
+backward. ``plain`` remains for attention dropout and for ``torch.compile`` (inductor fuses
+it). On CUDA the memory-efficient kernel takes a float mask with grad, so ``fused`` is always
+used. All give the same numbers (tested).
 """
 from __future__ import annotations
 
@@ -22,11 +26,19 @@ from torch import nn
 from .windows import WindowLayout, get_relative_position_index
 
 
-def choose_fused(q: torch.Tensor, attn_bias: torch.Tensor) -> bool:
-    """Whether the fused SDPA kernel is exact *and* fast for these inputs."""
+KERNELS = ("fused", "plain", "recompute")
+
+
+def choose_kernel(q: torch.Tensor, attn_bias: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """The fastest exact kernel for these inputs (see the module docstring)."""
     if q.device.type == "cuda":
-        return True
-    return not (torch.is_grad_enabled() and attn_bias.requires_grad)
+        return "fused"  # memory-efficient SDPA computes the bias gradient itself
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or attn_bias.requires_grad)
+    if not needs_grad:
+        return "fused"
+    if dropout_p > 0 or torch.compiler.is_compiling():
+        return "plain"  # autograd's own graph (dropout masks; traceable for inductor)
+    return "recompute"
 
 
 def window_attention(
@@ -37,7 +49,7 @@ def window_attention(
     mask: Optional[torch.Tensor],
     scale: float,
     dropout_p: float = 0.0,
-    fused: Optional[bool] = None,
+    kernel: Optional[str] = None,
     masked_windows: Optional[torch.Tensor] = None,
     window_masks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -51,8 +63,8 @@ def window_attention(
         mask: ``(nW, N, N)`` additive region mask, or ``None``.
         scale: query scale (``head_dim ** -0.5`` by default).
         dropout_p: attention dropout probability (pass 0 in eval).
-        fused: force the fused (True) or plain (False) kernel; ``None`` picks by
-            :func:`choose_fused`.
+        kernel: ``"fused"``, ``"plain"`` or ``"recompute"`` (see the module docstring);
+            ``None`` picks by :func:`choose_kernel`.
         masked_windows, window_masks: ``(nM,)`` windows whose mask is not all zero and their
             ``(nM, N, N)`` masks. When given, every window is computed with the shared bias
             only and these few windows are recomputed with their masks, instead of
@@ -60,28 +72,82 @@ def window_attention(
     Returns:
         ``(B, nW * N, C)`` attention output, before the output projection.
     """
+    if kernel is None:
+        kernel = choose_kernel(qkv, bias, dropout_p)
+    if kernel == "recompute":
+        if dropout_p > 0:
+            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
+        return _RecomputedAttention.apply(qkv, bias, mask, num_heads, num_windows, scale, masked_windows, window_masks)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
     batch, tokens, three_c = qkv.shape
     n = tokens // num_windows
     head_dim = three_c // (3 * num_heads)
     # (B, nW, N, 3, nH, d) -> (3, B, nW, nH, N, d): a view, no copy.
     qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
     shared = bias.unsqueeze(0).to(qkv.dtype)  # (1, nH, N, N)
-    if fused is None:
-        fused = choose_fused(qkv, shared)
-    kernel = _fused if fused else _plain
+    run = _fused if kernel == "fused" else _plain
     if mask is None or masked_windows is not None:
-        out = kernel(qkv, shared, False, scale, dropout_p)  # (B, nW, N, nH, d)
+        out = run(qkv, shared, False, scale, dropout_p)  # (B, nW, N, nH, d)
         if mask is not None and masked_windows.numel():
             fix = (window_masks.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)
-            fixed = kernel(qkv.index_select(2, masked_windows), fix, True, scale, dropout_p)
+            fixed = run(qkv.index_select(2, masked_windows), fix, True, scale, dropout_p)
             # In place when nothing needs the old values (SDPA keeps its output for backward).
             out = out.index_copy_(1, masked_windows, fixed) if not out.requires_grad else out.index_copy(
                 1, masked_windows, fixed
             )
     else:
         attn_bias = (mask.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)  # (nW, nH, N, N)
-        out = kernel(qkv, attn_bias, True, scale, dropout_p)
+        out = run(qkv, attn_bias, True, scale, dropout_p)
     return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+class _RecomputedAttention(torch.autograd.Function):
+    """Window attention that keeps only ``qkv`` for backward and recomputes the probabilities.
+
+    Forward is the fused SDPA kernel (fast on CPU, no ``(…, N, N)`` tensor kept). Backward
+    recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
+    hand, which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
+    would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, bias, mask, num_heads, num_windows, scale, masked_windows, window_masks):
+        ctx.save_for_backward(qkv, bias, mask)
+        ctx.shape = (num_heads, num_windows, scale)
+        return window_attention(qkv, num_heads, num_windows, bias, mask, scale, 0.0, "fused", masked_windows, window_masks)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        qkv, bias, mask = ctx.saved_tensors
+        num_heads, num_windows, scale = ctx.shape
+        batch, tokens, three_c = qkv.shape
+        n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
+        # fp16 / bf16: softmax and the bias-gradient sum accumulate in fp32.
+        acc = torch.promote_types(dtype, torch.float32)
+        # One contiguous (3, B, nW, nH, N, d) copy: every matmul below is then a plain bmm.
+        q, k, v = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
+        full_bias = bias if mask is None else mask.unsqueeze(1) + bias  # (nW | 1, nH, N, N)
+        logits = torch.matmul(q, k.transpose(-2, -1)).mul_(scale).add_(full_bias.to(dtype))
+        # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
+        probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
+        del logits
+        # (B, nW, nH, N, d), contiguous once for the two matmuls that read it.
+        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim).transpose(2, 3).contiguous()
+        grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+        # Softmax backward: dS = P * (dP - rowsum(P * dP)).
+        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1))
+        grad_logits = grad_logits.sub_((probs * grad_logits).sum(-1, keepdim=True)).mul_(probs)
+        del probs
+        grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad_logits.sum((0, 1), dtype=acc).to(bias.dtype)  # (nH, N, N)
+        grad_logits.mul_(scale)
+        grad_q = torch.matmul(grad_logits, k)
+        grad_k = torch.matmul(grad_logits.transpose(-2, -1), q)
+        # (B, nW, nH, N, d) x 3 -> (B, nW, N, 3, nH, d), the memory order of qkv.
+        grad_qkv = torch.stack([g.transpose(2, 3) for g in (grad_q, grad_k, grad_v)], 3)
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
 
 
 def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
@@ -171,17 +237,21 @@ class WindowAttention(nn.Module):
         n = window * window
         return table[index].view(n, n, self.num_heads).permute(2, 0, 1)
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout, fused: Optional[bool] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
         """``(B, nW * N, C)`` window-layout tokens -> same shape."""
+        return self.attend(self.qkv(x), layout, kernel)
+
+    def attend(self, qkv: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
+        """Attention and output projection from ``(B, nW * N, 3C)`` projected tokens."""
         out = window_attention(
-            self.qkv(x),
+            qkv,
             self.num_heads,
             layout.num_windows,
             self.relative_position_bias(layout.window),
             layout.mask,
             self.scale,
             self.attn_drop_rate if self.training else 0.0,
-            fused,
+            kernel,
             layout.masked_windows,
             layout.window_masks,
         )

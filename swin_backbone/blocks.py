@@ -14,13 +14,13 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
+from .recompute import gelu_linear, norm_linear
 from .windows import (
     WindowLayout,
     ceil_div,
     effective_window,
     get_window_layout,
     pad_amount,
-    window_partition,
     window_reverse,
 )
 
@@ -43,37 +43,11 @@ class PatchEmbed(nn.Module):
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
 
-class _GeluLinear(torch.autograd.Function):
-    """``F.linear(F.gelu(h), weight, bias)`` that saves only ``h`` for the backward pass.
-
-    Autograd would keep both the GELU input and its output (``2 x 4C`` values per token, the
-    largest activations of a Swin block); the output is recomputed instead (one cheap
-    elementwise pass), which cuts a block's saved activations by about a quarter.
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        out = F.linear(F.gelu(h), weight.to(h.dtype), None if bias is None else bias.to(h.dtype))
-        ctx.save_for_backward(h, weight)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        h, weight = ctx.saved_tensors
-        act = F.gelu(h)
-        grad_act = grad @ weight.to(grad.dtype)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = (grad_2d.t() @ act.reshape(-1, act.shape[-1])).to(weight.dtype)
-        grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return torch.ops.aten.gelu_backward(grad_act, h), grad_weight, grad_bias
-
-
 class Mlp(nn.Module):
     """Two-layer feed-forward network (``fc1 -> GELU -> drop -> fc2 -> drop``).
 
-    In training without dropout, ``GELU -> fc2`` runs as :class:`_GeluLinear` to save
-    memory; the numbers are the same.
+    In training without dropout, ``GELU -> fc2`` keeps only the GELU input for backward
+    (:func:`~swin_backbone.recompute.gelu_linear`); the numbers are the same.
     """
 
     def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
@@ -84,9 +58,12 @@ class Mlp(nn.Module):
         self.drop = nn.Dropout(drop_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.drop.p == 0 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return _GeluLinear.apply(h, self.fc2.weight, self.fc2.bias)
+        return self.from_hidden(self.fc1(x))
+
+    def from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP after ``fc1``: ``(..., hidden)`` -> ``(..., C)``."""
+        if self.drop.p == 0:
+            return gelu_linear(h, self.fc2)
         return self.drop(self.fc2(self.drop(self.act(h))))
 
 
@@ -122,9 +99,10 @@ class SwinBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        windows = window_partition(self.norm1(x), layout)
-        x = x + self.drop_path(window_reverse(self.attn(windows, layout), layout))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        # norm -> partition -> qkv and norm -> fc1 keep only x for backward (recompute.py).
+        qkv = norm_linear(x, self.norm1, self.attn.qkv, layout)  # (B, nW * N, 3C)
+        x = x + self.drop_path(window_reverse(self.attn.attend(qkv, layout), layout))
+        return x + self.drop_path(self.mlp.from_hidden(norm_linear(x, self.norm2, self.mlp.fc1)))
 
 
 class PatchMerging(nn.Module):
@@ -148,7 +126,7 @@ class PatchMerging(nn.Module):
         x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
         # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-        return self.reduction(self.norm(x))
+        return norm_linear(x, self.norm, self.reduction)
 
 
 class SwinStage(nn.Module):

@@ -217,7 +217,11 @@ class WindowLayout:
         window, shift: effective window and shift.
         index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
         inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
-        has_padding: whether ``index`` refers to the zero padding token ``H * W``.
+        has_padding: whether the window layout holds padding tokens (zeros).
+        pad_slots: ``(nP,)`` positions of the padding tokens in the window layout, where
+            ``index`` reads token 0 and the gather then writes zeros (no padded copy of the
+            input); ``None`` while tracing, where ``index`` reads an appended zero token
+            ``H * W`` instead.
         mask: ``(nW, N, N)`` additive mask in the compute dtype, or ``None``.
         masked_windows: ``(nM,)`` indices of the windows whose mask is not all zeros, or
             ``None`` (unknown while tracing: then every window uses ``mask``). Shift
@@ -236,6 +240,16 @@ class WindowLayout:
     mask: Optional[torch.Tensor]
     masked_windows: Optional[torch.Tensor] = None
     window_masks: Optional[torch.Tensor] = None
+    pad_slots: Optional[torch.Tensor] = None
+
+    def to_windows(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H * W, C)`` row-major tokens -> ``(B, nW * N, C)`` window layout (no autograd
+        node of its own; see :func:`window_partition`)."""
+        return gather_tokens(x, self.index, self.has_padding, self.pad_slots)
+
+    def to_tokens(self, windows: torch.Tensor) -> torch.Tensor:
+        """``(B, nW * N, C)`` window layout -> ``(B, H * W, C)`` row-major tokens."""
+        return gather_tokens(windows, self.inverse, False, None)
 
     @property
     def num_windows(self) -> int:
@@ -259,30 +273,35 @@ def build_window_layout(
     """
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
+    index = window_token_index(height, width, window, shift, device)
+    masked = window_masks = pad_slots = None
     if torch.compiler.is_compiling() or not isinstance(height, int) or not isinstance(width, int):
         has_padding = True
         mask = None
         if shift > 0 or mask_padding:
             mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
-        masked = window_masks = None
     else:
         has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
         mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype)
-        masked = window_masks = None
         if mask is not None:
             masked = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
             window_masks = mask.index_select(0, masked)
+        if has_padding:
+            is_pad = index == height * width
+            pad_slots = is_pad.nonzero().squeeze(1)
+            index = index.masked_fill(is_pad, 0)
     return WindowLayout(
         height=height,
         width=width,
         window=window,
         shift=shift,
-        index=window_token_index(height, width, window, shift, device),
+        index=index,
         inverse=window_inverse_index(height, width, window, shift, device),
         has_padding=has_padding,
         mask=mask,
         masked_windows=masked,
         window_masks=window_masks,
+        pad_slots=pad_slots,
     )
 
 
@@ -330,7 +349,7 @@ def clear_caches() -> None:
 
 
 class _TokenGather(torch.autograd.Function):
-    """``out = cat([x, 0], 1)[:, index]`` whose backward is a gather too.
+    """``gather_tokens(x, index, pad_in, pad_slots)`` whose backward is a gather too.
 
     ``index`` and ``inverse`` are mutually inverse on the real tokens (each real token occurs
     exactly once in the window layout), so the gradient is a plain gather with ``inverse``
@@ -338,22 +357,29 @@ class _TokenGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, pad_in: bool, pad_out: bool):
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x, index, inverse, pad_slots, pad_in: bool, pad_out: bool):
+        ctx.save_for_backward(inverse, pad_slots)
         ctx.pad_out = pad_out
-        return _gather(x, index, pad_in)
+        return gather_tokens(x, index, pad_in, pad_slots)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return _gather(grad, inverse, ctx.pad_out), None, None, None, None
+        inverse, pad_slots = ctx.saved_tensors
+        return gather_tokens(grad, inverse, ctx.pad_out, pad_slots), None, None, None, None, None
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor, pad: bool) -> torch.Tensor:
-    """``(B, L, C)`` -> ``(B, len(index), C)``; ``index == L`` reads a zero token if ``pad``."""
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    return x.index_select(1, index)
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(B, L, C)`` -> ``(B, len(index), C)``, with zeros at the padding slots if ``pad``.
+
+    Padding slots are ``pad_slots`` (``index`` reads any real token there, then the slots are
+    zeroed), or, when ``pad_slots`` is ``None`` (tracing), ``index == L`` (a zero token is
+    appended to ``x`` first).
+    """
+    if not pad:
+        return x.index_select(1, index)
+    if pad_slots is None:
+        return torch.nn.functional.pad(x, (0, 0, 0, 1)).index_select(1, index)
+    return x.index_select(1, index).index_fill_(1, pad_slots, 0)
 
 
 def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
@@ -364,7 +390,7 @@ def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, nW * N, C)`` tokens in window layout; padding tokens are zeros.
     """
-    return _TokenGather.apply(x, layout.index, layout.inverse, layout.has_padding, False)
+    return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
 def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
@@ -375,7 +401,7 @@ def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, H * W, C)`` row-major tokens.
     """
-    return _TokenGather.apply(windows, layout.inverse, layout.index, False, layout.has_padding)
+    return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 
 def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:
@@ -398,6 +424,7 @@ __all__ = [
     "build_window_layout",
     "ceil_div",
     "clear_caches",
+    "gather_tokens",
     "effective_window",
     "get_relative_position_index",
     "get_window_layout",

@@ -1,10 +1,10 @@
-"""The fused (SDPA) and plain attention kernels agree, in values and gradients."""
+"""The fused (SDPA), plain and recompute attention kernels agree, in values and gradients."""
 import dataclasses
 
 import pytest
 import torch
 
-from swin_backbone.attention import WindowAttention, choose_fused, window_attention
+from swin_backbone.attention import KERNELS, WindowAttention, choose_kernel, window_attention
 from swin_backbone.windows import build_window_layout
 
 
@@ -13,7 +13,7 @@ def _layout(h, w, shift, mask_padding=True):
 
 
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3)])
-def test_fused_equals_plain_forward_and_backward(size, shift):
+def test_kernels_agree_forward_and_backward(size, shift):
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
@@ -21,26 +21,50 @@ def test_fused_equals_plain_forward_and_backward(size, shift):
     x = torch.randn(2, layout.index.numel(), 32, dtype=torch.float64)
     grads = {}
     outs = {}
-    for fused in (True, False):
+    for kernel in KERNELS:
         attn.zero_grad()
         xi = x.clone().requires_grad_(True)
         mask = None if layout.mask is None else layout.mask.double()
-        out = attn(xi, dataclasses.replace(layout, mask=mask), fused=fused)
+        out = attn(xi, dataclasses.replace(layout, mask=mask), kernel=kernel)
         out.square().sum().backward()
-        outs[fused] = out.detach()
-        grads[fused] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
-    torch.testing.assert_close(outs[True], outs[False])
-    for a, b in zip(grads[True], grads[False]):
-        torch.testing.assert_close(a, b)
+        outs[kernel] = out.detach()
+        grads[kernel] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
+    for kernel in ("fused", "recompute"):
+        torch.testing.assert_close(outs[kernel], outs["plain"])
+        for a, b in zip(grads[kernel], grads["plain"]):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_recompute_kernel_gradcheck(with_mask):
+    # The hand-written backward against finite differences, for qkv and the bias.
+    torch.manual_seed(0)
+    heads, windows, n, d, batch = 2, 3, 4, 3, 2
+    qkv = torch.randn(batch, windows * n, 3 * heads * d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(heads, n, n, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if with_mask:
+        mask = torch.zeros(windows, n, n, dtype=torch.float64)
+        mask[1, :2, 2:] = mask[1, 2:, :2] = -5.0
+
+    def fn(qkv, bias):
+        return window_attention(qkv, heads, windows, bias, mask, d**-0.5, kernel="recompute")
+
+    assert torch.autograd.gradcheck(fn, (qkv, bias))
 
 
 def test_kernel_choice():
     q = torch.zeros(1, 1, 4, 2)
     bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
-    assert not choose_fused(q, bias)  # CPU, grad needed for the bias: plain is faster
+    assert choose_kernel(q, bias) == "recompute"  # CPU training: SDPA forward, own backward
+    assert choose_kernel(q, bias, dropout_p=0.1) == "plain"  # dropout needs autograd's graph
     with torch.no_grad():
-        assert choose_fused(q, bias)
-    assert choose_fused(q, bias.detach())
+        assert choose_kernel(q, bias) == "fused"
+    assert choose_kernel(q, bias.detach()) == "fused"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        window_attention(torch.zeros(1, 4, 6), 1, 1, torch.zeros(1, 4, 4), None, 1.0, kernel="flash")
+    with pytest.raises(ValueError, match="dropout_p=0.5"):
+        window_attention(torch.zeros(1, 4, 6), 1, 1, torch.zeros(1, 4, 4), None, 1.0, 0.5, kernel="recompute")
 
 
 def test_masked_keys_get_no_weight():
@@ -59,25 +83,9 @@ def test_masked_keys_get_no_weight():
     torch.testing.assert_close(out2[0, :2], base[0, :2])
 
 
-def test_memory_saving_mlp_matches_autograd():
-    from swin_backbone.blocks import Mlp
-
-    torch.manual_seed(0)
-    mlp = Mlp(8, 32).double()
-    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    out = mlp(x)  # grad enabled, no dropout: the recomputing path
-    ref = mlp.fc2(mlp.act(mlp.fc1(x)))
-    torch.testing.assert_close(out, ref)
-    torch.autograd.gradcheck(lambda t: mlp(t), (x,))
-    grads = torch.autograd.grad(out.square().sum(), [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias])
-    ref_grads = torch.autograd.grad(ref.square().sum(), [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias])
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b)
-
-
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("size,shift,batch", [((9, 12), 3, 2), ((9, 12), 0, 1), ((14, 21), 3, 1), ((8, 8), 3, 3)])
-def test_masked_window_fixup_equals_full_mask(fused, size, shift, batch):
+def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch):
     # Recomputing only the windows whose mask is non-zero gives the full-mask result.
     torch.manual_seed(0)
     attn = WindowAttention(16, 2, 7).double()
@@ -90,7 +98,7 @@ def test_masked_window_fixup_equals_full_mask(fused, size, shift, batch):
     for lay in (layout, full):
         attn.zero_grad()
         xi = x.clone().requires_grad_(True)
-        out = attn(xi, lay, fused=fused)
+        out = attn(xi, lay, kernel=kernel)
         out.square().sum().backward()
         results.append((out.detach(), xi.grad, attn.relative_position_bias_table.grad.clone()))
     for a, b in zip(*results):

@@ -1,0 +1,91 @@
+"""The memory-saving layer pairs give the plain modules' values and gradients."""
+import pytest
+import torch
+from torch import nn
+
+from swin_backbone.blocks import Mlp
+from swin_backbone.recompute import _NormLinear, gelu_linear, norm_linear
+from swin_backbone.windows import build_window_layout, window_partition
+
+
+def _modules(c_in=8, c_out=12, dtype=torch.float64):
+    torch.manual_seed(0)
+    norm, linear = nn.LayerNorm(c_in).to(dtype), nn.Linear(c_in, c_out).to(dtype)
+    with torch.no_grad():  # non-trivial affine parameters
+        norm.weight.normal_(1, 0.3)
+        norm.bias.normal_(0, 0.3)
+    return norm, linear
+
+
+@pytest.mark.parametrize("size,shift", [(None, 0), ((14, 14), 3), ((9, 12), 3), ((9, 12), 0)])
+def test_norm_linear_matches_modules(size, shift):
+    norm, linear = _modules()
+    layout = None
+    shape = (2, 5, 8)
+    if size is not None:
+        layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float64)
+        shape = (2, size[0] * size[1], 8)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    params = [x, norm.weight, norm.bias, linear.weight, linear.bias]
+    out = norm_linear(x, norm, linear, layout)
+    assert out.grad_fn.name() == "_NormLinearBackward"
+    normed = norm(x)
+    ref = linear(normed if layout is None else window_partition(normed, layout))
+    torch.testing.assert_close(out, ref)
+    probe = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, params, probe), torch.autograd.grad(ref, params, probe)):
+        torch.testing.assert_close(a, b)
+
+
+def test_norm_linear_gradcheck():
+    norm, linear = _modules(4, 3)
+    layout = build_window_layout(3, 4, 2, 1, True, torch.device("cpu"), torch.float64)
+    x = torch.randn(2, 12, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, nw, nb, w, b):
+        return _NormLinear.apply(x, nw, nb, norm.eps, w, b, layout)
+
+    assert torch.autograd.gradcheck(fn, (x, norm.weight, norm.bias, linear.weight, linear.bias))
+
+
+def test_plain_modules_run_without_grad():
+    norm, linear = _modules()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert norm_linear(x, norm, linear).grad_fn is None
+    # Frozen parameters, input without grad: nothing to save for, the plain path.
+    for p in (*norm.parameters(), *linear.parameters()):
+        p.requires_grad_(False)
+    assert norm_linear(x, norm, linear).grad_fn is None
+
+
+def test_norm_linear_under_bf16_autocast():
+    norm, linear = _modules(dtype=torch.float32)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    params = [x, norm.weight, linear.weight, linear.bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm_linear(x, norm, linear)
+        ref = linear(norm(x))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.float().sum(), params)
+    ref_grads = torch.autograd.grad(ref.float().sum(), params)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_memory_saving_mlp_matches_autograd():
+    torch.manual_seed(0)
+    mlp = Mlp(8, 32).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out = mlp(x)  # grad enabled, no dropout: the recomputing path
+    assert out.grad_fn.name() == "_GeluLinearBackward"
+    ref = mlp.fc2(mlp.act(mlp.fc1(x)))
+    torch.testing.assert_close(out, ref)
+    torch.autograd.gradcheck(lambda t: mlp(t), (x,))
+    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        assert gelu_linear(x, nn.Linear(8, 3).double()).grad_fn is None
