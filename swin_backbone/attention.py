@@ -103,48 +103,52 @@ def window_attention(
 
 
 class _RecomputedAttention(torch.autograd.Function):
-    """Window attention that keeps only ``qkv`` for backward and recomputes the probabilities.
+    """Window attention that keeps only ``qkv`` (and its output) for backward.
 
-    Forward is the fused SDPA kernel (fast on CPU, no ``(…, N, N)`` tensor kept). Backward
+    Forward is the fused SDPA kernel (fast on CPU, no ``(..., N, N)`` tensor kept). Backward
     recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
     hand, which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
+    The output is kept by the next linear layer anyway, so saving it here costs nothing.
     """
 
     @staticmethod
     def forward(ctx, qkv, bias, mask, num_heads, num_windows, scale, masked_windows, window_masks):
-        ctx.save_for_backward(qkv, bias, mask)
+        out = window_attention(qkv, num_heads, num_windows, bias, mask, scale, 0.0, "fused", masked_windows, window_masks)
+        ctx.save_for_backward(qkv, bias, mask, out)
         ctx.shape = (num_heads, num_windows, scale)
-        return window_attention(qkv, num_heads, num_windows, bias, mask, scale, 0.0, "fused", masked_windows, window_masks)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qkv, bias, mask = ctx.saved_tensors
+        qkv, bias, mask, out = ctx.saved_tensors
         num_heads, num_windows, scale = ctx.shape
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
-        # fp16 / bf16: softmax and the bias-gradient sum accumulate in fp32.
+        # fp16 / bf16: softmax and the reductions accumulate in fp32.
         acc = torch.promote_types(dtype, torch.float32)
-        # One contiguous (3, B, nW, nH, N, d) copy: every matmul below is then a plain bmm.
-        q, k, v = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5).contiguous()
+        q, k, v = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
+        # Contiguous (B, nW, nH, N, d) copies, so every matmul below is a plain bmm; q is
+        # scaled while it is copied (the logits then need no scaling pass).
+        q, k, v = q * scale, k.contiguous(), v.contiguous()
         full_bias = bias if mask is None else mask.unsqueeze(1) + bias  # (nW | 1, nH, N, N)
-        logits = torch.matmul(q, k.transpose(-2, -1)).mul_(scale).add_(full_bias.to(dtype))
+        logits = torch.matmul(q, k.transpose(-2, -1)).add_(full_bias.to(dtype))
         # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
         probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
         del logits
-        # (B, nW, nH, N, d), contiguous once for the two matmuls that read it.
-        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim).transpose(2, 3).contiguous()
+        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim)
+        # Softmax backward: dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(dO * O)
+        # per query, a (B, nW, nH, N, 1) term read off the output instead of the N x N logits.
+        delta = (grad_out.to(acc) * out.view_as(grad_out).to(acc)).sum(-1).transpose(2, 3).unsqueeze(-1)
+        grad_out = grad_out.transpose(2, 3).contiguous()  # (B, nW, nH, N, d), read twice
         grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-        # Softmax backward: dS = P * (dP - rowsum(P * dP)).
-        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1))
-        grad_logits = grad_logits.sub_((probs * grad_logits).sum(-1, keepdim=True)).mul_(probs)
+        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta.to(dtype)).mul_(probs)
         del probs
         grad_bias = None
         if ctx.needs_input_grad[1]:
             grad_bias = grad_logits.sum((0, 1), dtype=acc).to(bias.dtype)  # (nH, N, N)
-        grad_logits.mul_(scale)
-        grad_q = torch.matmul(grad_logits, k)
-        grad_k = torch.matmul(grad_logits.transpose(-2, -1), q)
+        grad_q = torch.matmul(grad_logits, k).mul_(scale)
+        grad_k = torch.matmul(grad_logits.transpose(-2, -1), q)  # q is already scaled
         # (B, nW, nH, N, d) x 3 -> (B, nW, N, 3, nH, d), the memory order of qkv.
         grad_qkv = torch.stack([g.transpose(2, 3) for g in (grad_q, grad_k, grad_v)], 3)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
@@ -157,6 +161,10 @@ def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: 
     memory, so neither the inputs nor the output are copied. Returns ``(B, nW, N, nH, d)``.
     """
     _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if not torch.is_grad_enabled():
+        # CPU SDPA picks its slow math kernel for a mask that requires grad, even under
+        # no_grad (as inside _RecomputedAttention.forward), where no gradient can flow anyway.
+        attn_bias = attn_bias.detach()
     if not per_window or batch == 1:
         # One bias for all windows, or one image: windows go into SDPA's batch dimension.
         q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views

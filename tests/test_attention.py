@@ -107,3 +107,25 @@ def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch):
         n_h, n_w = size[0] // 7, size[1] // 7
         expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
         assert set(layout.masked_windows.tolist()) == expected
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_cpu_uses_flash_sdpa_not_math(train):
+    # torch silently falls back to its slow math SDPA kernel for some masks (one that requires
+    # grad, even under no_grad): the backbone must reach the CPU flash kernel in eval and in
+    # training (inside the recompute kernel), including the masked-window fix-up.
+    from torch.profiler import profile
+
+    from swin_backbone import SwinBackbone
+
+    from .conftest import small_arch
+
+    model = SwinBackbone(**small_arch()).train(train)
+    x = torch.randn(2, 3, 61, 75)
+    with torch.set_grad_enabled(train), profile() as prof:
+        outs = model(x)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert "aten::_scaled_dot_product_attention_math" not in names
+    if train:
+        sum(o.sum() for o in outs).backward()
