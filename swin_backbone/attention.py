@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .windows import WindowLayout, get_relative_position_index
+from .windows import WindowLayout, get_relative_position_index, window_reverse
 
 
 KERNELS = ("fused", "plain", "recompute")
@@ -63,8 +63,8 @@ def window_attention(
         mask: ``(nW, N, N)`` additive region mask, or ``None``.
         scale: query scale (``head_dim ** -0.5`` by default).
         dropout_p: attention dropout probability (pass 0 in eval).
-        kernel: ``"fused"``, ``"plain"`` or ``"recompute"`` (see the module docstring);
-            ``None`` picks by :func:`choose_kernel`.
+        kernel: ``"fused"`` or ``"plain"`` (see the module docstring); ``None`` picks by
+            :func:`choose_kernel` (``"recompute"`` is :func:`attention_to_tokens`'s).
         masked_windows, window_masks: ``(nM,)`` windows whose mask is not all zero and their
             ``(nM, N, N)`` masks. When given, every window is computed with the shared bias
             only and these few windows are recomputed with their masks, instead of
@@ -74,12 +74,8 @@ def window_attention(
     """
     if kernel is None:
         kernel = choose_kernel(qkv, bias, dropout_p)
-    if kernel == "recompute":
-        if dropout_p > 0:
-            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
-        return _RecomputedAttention.apply(qkv, bias, mask, num_heads, num_windows, scale, masked_windows, window_masks)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    if kernel not in ("fused", "plain"):
+        raise ValueError(f"kernel must be 'fused', 'plain' or None here, got {kernel!r} (see attention_to_tokens)")
     batch, tokens, three_c = qkv.shape
     n = tokens // num_windows
     head_dim = three_c // (3 * num_heads)
@@ -102,8 +98,43 @@ def window_attention(
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
+def attention_to_tokens(
+    qkv: torch.Tensor,
+    num_heads: int,
+    bias: torch.Tensor,
+    layout: WindowLayout,
+    scale: float,
+    dropout_p: float = 0.0,
+    kernel: Optional[str] = None,
+) -> torch.Tensor:
+    """:func:`window_attention` over ``layout``, returned in row-major token order.
+
+    The tokens leave the window layout before the output projection, so the projection runs
+    on real tokens only, not on the padding that fills the last windows.
+
+    Args:
+        qkv: ``(B, nW * N, 3 * C)`` in ``layout``'s window order.
+        kernel: one of :data:`KERNELS`, or ``None`` for :func:`choose_kernel`'s choice.
+    Returns:
+        ``(B, H * W, C)``.
+    """
+    if kernel is None:
+        kernel = choose_kernel(qkv, bias, dropout_p)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    if kernel == "recompute":
+        if dropout_p > 0:
+            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
+        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout)
+    out = window_attention(
+        qkv, num_heads, layout.num_windows, bias, layout.mask, scale, dropout_p, kernel,
+        layout.masked_windows, layout.window_masks,
+    )
+    return window_reverse(out, layout)
+
+
 class _RecomputedAttention(torch.autograd.Function):
-    """Window attention that keeps only ``qkv`` (and its output) for backward.
+    """Window attention + un-partition that keeps only ``qkv`` (and its output) for backward.
 
     Forward is the fused SDPA kernel (fast on CPU, no ``(..., N, N)`` tensor kept). Backward
     recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
@@ -113,16 +144,23 @@ class _RecomputedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv, bias, mask, num_heads, num_windows, scale, masked_windows, window_masks):
-        out = window_attention(qkv, num_heads, num_windows, bias, mask, scale, 0.0, "fused", masked_windows, window_masks)
-        ctx.save_for_backward(qkv, bias, mask, out)
-        ctx.shape = (num_heads, num_windows, scale)
+    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
+        out = window_attention(
+            qkv, num_heads, layout.num_windows, bias, layout.mask, scale, 0.0, "fused",
+            layout.masked_windows, layout.window_masks,
+        )
+        out = layout.to_tokens(out)  # (B, H * W, C)
+        ctx.save_for_backward(qkv, bias, out)
+        ctx.num_heads, ctx.scale, ctx.layout = num_heads, scale, layout
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qkv, bias, mask, out = ctx.saved_tensors
-        num_heads, num_windows, scale = ctx.shape
+        qkv, bias, out = ctx.saved_tensors
+        num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
+        num_windows, mask = layout.num_windows, layout.mask
+        # Back to the window layout; padding rows get zero gradient (and so a zero delta).
+        grad_out, out = layout.to_windows(grad_out), layout.to_windows(out)
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
         # fp16 / bf16: softmax and the reductions accumulate in fp32.
@@ -151,7 +189,7 @@ class _RecomputedAttention(torch.autograd.Function):
         grad_k = torch.matmul(grad_logits.transpose(-2, -1), q)  # q is already scaled
         # (B, nW, nH, N, d) x 3 -> (B, nW, N, 3, nH, d), the memory order of qkv.
         grad_qkv = torch.stack([g.transpose(2, 3) for g in (grad_q, grad_k, grad_v)], 3)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None
 
 
 def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
@@ -246,22 +284,20 @@ class WindowAttention(nn.Module):
         return table[index].view(n, n, self.num_heads).permute(2, 0, 1)
 
     def forward(self, x: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
-        """``(B, nW * N, C)`` window-layout tokens -> same shape."""
+        """``(B, nW * N, C)`` window-layout tokens -> ``(B, H * W, C)`` row-major tokens."""
         return self.attend(self.qkv(x), layout, kernel)
 
     def attend(self, qkv: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
-        """Attention and output projection from ``(B, nW * N, 3C)`` projected tokens."""
-        out = window_attention(
+        """``(B, nW * N, 3C)`` projected window tokens -> ``(B, H * W, C)`` after the output
+        projection (which runs on the real tokens only)."""
+        out = attention_to_tokens(
             qkv,
             self.num_heads,
-            layout.num_windows,
             self.relative_position_bias(layout.window),
-            layout.mask,
+            layout,
             self.scale,
             self.attn_drop_rate if self.training else 0.0,
             kernel,
-            layout.masked_windows,
-            layout.window_masks,
         )
         return self.proj_drop(self.proj(out))
 

@@ -21,7 +21,6 @@ from .windows import (
     effective_window,
     get_window_layout,
     pad_amount,
-    window_reverse,
 )
 
 
@@ -104,7 +103,7 @@ class SwinBlock(nn.Module):
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         # norm -> partition -> qkv and norm -> fc1 keep only x for backward (recompute.py).
         qkv = norm_linear(x, self.norm1, self.attn.qkv, layout)  # (B, nW * N, 3C)
-        x = x + self.drop_path(window_reverse(self.attn.attend(qkv, layout), layout))
+        x = x + self.drop_path(self.attn.attend(qkv, layout))
         return x + self.drop_path(self.mlp.from_hidden(norm_linear(x, self.norm2, self.mlp.fc1)))
 
 

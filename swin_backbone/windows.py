@@ -375,11 +375,17 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
     zeroed), or, when ``pad_slots`` is ``None`` (tracing), ``index == L`` (a zero token is
     appended to ``x`` first).
     """
-    if not pad:
-        return x.index_select(1, index)
-    if pad_slots is None:
+    if pad and pad_slots is None:
         return torch.nn.functional.pad(x, (0, 0, 0, 1)).index_select(1, index)
-    return x.index_select(1, index).index_fill_(1, pad_slots, 0)
+    batch, length, channels = x.shape
+    if torch.compiler.is_compiling():
+        out = x.index_select(1, index)
+    else:
+        # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
+        # (B * L, C) rows it is a parallel row copy, ~4x faster.
+        rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
+        out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
+    return out.index_fill_(1, pad_slots, 0) if pad else out
 
 
 def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from swin_backbone.attention import KERNELS, WindowAttention, choose_kernel, window_attention
+from swin_backbone.attention import KERNELS, WindowAttention, attention_to_tokens, choose_kernel, window_attention
 from swin_backbone.windows import build_window_layout
 
 
@@ -35,20 +35,19 @@ def test_kernels_agree_forward_and_backward(size, shift):
             torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_recompute_kernel_gradcheck(with_mask):
-    # The hand-written backward against finite differences, for qkv and the bias.
+@pytest.mark.parametrize("size,shift,mask_padding", [((4, 6), 0, False), ((3, 5), 1, True), ((4, 4), 1, False)])
+def test_recompute_kernel_gradcheck(size, shift, mask_padding):
+    # The hand-written backward against finite differences, for qkv and the bias, with no
+    # mask, with shift + padding masks, and with a shift mask alone.
     torch.manual_seed(0)
-    heads, windows, n, d, batch = 2, 3, 4, 3, 2
-    qkv = torch.randn(batch, windows * n, 3 * heads * d, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(heads, n, n, dtype=torch.float64, requires_grad=True)
-    mask = None
-    if with_mask:
-        mask = torch.zeros(windows, n, n, dtype=torch.float64)
-        mask[1, :2, 2:] = mask[1, 2:, :2] = -5.0
+    heads, d, window = 2, 3, 2
+    layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64)
+    assert (layout.mask is None) == (shift == 0 and not mask_padding)
+    qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
     def fn(qkv, bias):
-        return window_attention(qkv, heads, windows, bias, mask, d**-0.5, kernel="recompute")
+        return attention_to_tokens(qkv, heads, bias, layout, d**-0.5, kernel="recompute")
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
@@ -61,10 +60,14 @@ def test_kernel_choice():
     with torch.no_grad():
         assert choose_kernel(q, bias) == "fused"
     assert choose_kernel(q, bias.detach()) == "fused"
+    layout = _layout(7, 7, 0)
+    qkv, bias = torch.zeros(1, 49, 6), torch.zeros(1, 49, 49)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        window_attention(torch.zeros(1, 4, 6), 1, 1, torch.zeros(1, 4, 4), None, 1.0, kernel="flash")
+        attention_to_tokens(qkv, 1, bias, layout, 1.0, kernel="flash")
+    with pytest.raises(ValueError, match="kernel must be 'fused', 'plain'"):
+        window_attention(qkv, 1, 1, bias, None, 1.0, kernel="recompute")
     with pytest.raises(ValueError, match="dropout_p=0.5"):
-        window_attention(torch.zeros(1, 4, 6), 1, 1, torch.zeros(1, 4, 4), None, 1.0, 0.5, kernel="recompute")
+        attention_to_tokens(qkv, 1, bias, layout, 1.0, 0.5, kernel="recompute")
 
 
 def test_masked_keys_get_no_weight():
