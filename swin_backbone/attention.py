@@ -159,28 +159,32 @@ class _RecomputedAttention(torch.autograd.Function):
         qkv, bias, out = ctx.saved_tensors
         num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
         num_windows, mask = layout.num_windows, layout.mask
-        # Back to the window layout; padding rows get zero gradient (and so a zero delta).
-        grad_out, out = layout.to_windows(grad_out), layout.to_windows(out)
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
         # fp16 / bf16: softmax and the reductions accumulate in fp32.
         acc = torch.promote_types(dtype, torch.float32)
+        # Softmax backward: dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(dO * O)
+        # per query and head: a (B, H * W, nH) term read off the output (row-major tokens)
+        # instead of the N x N logits.
+        delta = (grad_out.to(acc) * out.to(acc)).view(batch, -1, num_heads, head_dim).sum(-1)
+        # Back to the window layout; padding rows get zero gradient and a zero delta.
+        grad_out, delta = layout.to_windows(grad_out), layout.to_windows(delta.to(dtype))
+        delta = delta.view(batch, num_windows, n, num_heads).transpose(2, 3).unsqueeze(-1)  # (B, nW, nH, N, 1)
         q, k, v = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
         # Contiguous (B, nW, nH, N, d) copies, so every matmul below is a plain bmm; q is
         # scaled while it is copied (the logits then need no scaling pass).
-        q, k, v = q * scale, k.contiguous(), v.contiguous()
+        # (Elementwise ops keep their input's strides, so q * scale would stay permuted.)
+        q = torch.mul(q, scale, out=torch.empty(q.shape, dtype=dtype, device=q.device))
+        k, v = k.contiguous(), v.contiguous()
         full_bias = bias if mask is None else mask.unsqueeze(1) + bias  # (nW | 1, nH, N, N)
         logits = torch.matmul(q, k.transpose(-2, -1)).add_(full_bias.to(dtype))
         # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
         probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
         del logits
-        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim)
-        # Softmax backward: dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(dO * O)
-        # per query, a (B, nW, nH, N, 1) term read off the output instead of the N x N logits.
-        delta = (grad_out.to(acc) * out.view_as(grad_out).to(acc)).sum(-1).transpose(2, 3).unsqueeze(-1)
-        grad_out = grad_out.transpose(2, 3).contiguous()  # (B, nW, nH, N, d), read twice
+        # (B, nW, nH, N, d), contiguous once for the two matmuls that read it.
+        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim).transpose(2, 3).contiguous()
         grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta.to(dtype)).mul_(probs)
+        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta).mul_(probs)
         del probs
         grad_bias = None
         if ctx.needs_input_grad[1]:

@@ -14,6 +14,7 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
+from .chunked import mlp_residual
 from .recompute import gelu_linear, norm_linear
 from .windows import (
     WindowLayout,
@@ -104,7 +105,18 @@ class SwinBlock(nn.Module):
         # norm -> partition -> qkv and norm -> fc1 keep only x for backward (recompute.py).
         qkv = norm_linear(x, self.norm1, self.attn.qkv, layout)  # (B, nW * N, 3C)
         x = x + self.drop_path(self.attn.attend(qkv, layout))
+        if self._mlp_in_chunks(x):
+            return mlp_residual(x, self.norm2, self.mlp.fc1, self.mlp.fc2)
         return x + self.drop_path(self.mlp.from_hidden(norm_linear(x, self.norm2, self.mlp.fc1)))
+
+    def _mlp_in_chunks(self, x: torch.Tensor) -> bool:
+        """Inference without dropout / stochastic depth: the row-chunked MLP (chunked.py)."""
+        if torch.compiler.is_compiling() or self.mlp.drop.p > 0:
+            return False
+        if self.training and self.drop_path.p > 0:
+            return False
+        params = (self.norm2.weight, self.mlp.fc1.weight, self.mlp.fc2.weight)
+        return not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
 
 
 class PatchMerging(nn.Module):

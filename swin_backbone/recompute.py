@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .chunked import chunk_rows
 from .windows import WindowLayout, window_partition
 
 
@@ -38,21 +39,55 @@ def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Ten
 
 
 class _GeluLinear(torch.autograd.Function):
-    """``F.linear(F.gelu(h), weight, bias)`` that saves only ``h`` for the backward pass."""
+    """``F.linear(F.gelu(h), weight, bias)`` that saves only ``h`` for the backward pass.
+
+    Both passes run in row chunks (chunked.py), so ``gelu(h)`` and its gradient exist only a
+    chunk at a time; fp16 / bf16 run whole, so the weight gradient is accumulated by one matmul.
+    """
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        out = F.linear(F.gelu(h), weight.to(h.dtype), None if bias is None else bias.to(h.dtype))
+        w = weight.to(h.dtype)  # autocast: h is already in the compute dtype
+        rows = h.reshape(-1, h.shape[-1])
+        out = rows.new_empty(rows.shape[0], w.shape[0])
+        for part in _row_parts(rows.shape[0], h):
+            torch.matmul(F.gelu(rows[part]), w.t(), out=out[part])
+        if bias is not None:
+            out.add_(bias.to(h.dtype))
         ctx.save_for_backward(h, weight)
-        return out
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out.view(*h.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_act, grad_w, grad_b = _linear_backward(grad, F.gelu(h), weight, (needs[0], needs[1], needs[2]))
-        grad_h = torch.ops.aten.gelu_backward(grad_act, h) if needs[0] else None
-        return grad_h, grad_w, grad_b
+        w = weight.to(h.dtype)
+        acc = torch.promote_types(h.dtype, torch.float32)  # fp16 / bf16 reduce in fp32
+        rows, grad_rows = h.reshape(-1, h.shape[-1]), grad.reshape(-1, grad.shape[-1]).to(h.dtype)
+        grad_h = torch.empty_like(rows) if needs[0] else None
+        grad_w = rows.new_zeros(w.shape, dtype=acc) if needs[1] else None
+        for part in _row_parts(rows.shape[0], h):
+            act = F.gelu(rows[part])
+            if grad_w is not None:
+                if acc == act.dtype:
+                    grad_w.addmm_(grad_rows[part].t(), act)
+                else:
+                    grad_w += grad_rows[part].t() @ act
+            if grad_h is not None:
+                torch.ops.aten.gelu_backward.grad_input(grad_rows[part] @ w, rows[part], grad_input=grad_h[part])
+        return (
+            None if grad_h is None else grad_h.view(h.shape),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            grad_rows.sum(0, dtype=acc).to(ctx.bias_dtype) if needs[2] else None,
+        )
+
+
+def _row_parts(num_rows: int, h: torch.Tensor):
+    """Row slices of :func:`~swin_backbone.chunked.chunk_rows` size (one slice for fp16/bf16,
+    whose weight gradient must accumulate in a single fp32-accumulating matmul)."""
+    step = chunk_rows(h.shape[-1], h.element_size()) if h.dtype in (torch.float32, torch.float64) else num_rows
+    return [slice(start, start + step) for start in range(0, max(num_rows, 1), max(step, 1))]
 
 
 class _NormLinear(torch.autograd.Function):

@@ -75,7 +75,17 @@ def test_norm_linear_under_bf16_autocast():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
-def test_memory_saving_mlp_matches_autograd():
+@pytest.fixture(params=["default", "tiny"])
+def chunk_budget(request, monkeypatch):
+    """Run with the default chunk size and with 3 rows of 32 float64 per chunk (ragged end)."""
+    from swin_backbone import chunked
+
+    if request.param == "tiny":
+        monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 32 * 8)
+    return request.param
+
+
+def test_memory_saving_mlp_matches_autograd(chunk_budget):
     torch.manual_seed(0)
     mlp = Mlp(8, 32).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
@@ -88,4 +98,45 @@ def test_memory_saving_mlp_matches_autograd():
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
         torch.testing.assert_close(a, b)
     with torch.no_grad():
-        assert gelu_linear(x, nn.Linear(8, 3).double()).grad_fn is None
+        assert gelu_linear(torch.randn(4, 32, dtype=torch.float64), nn.Linear(32, 3).double()).grad_fn is None
+
+
+def test_gelu_linear_under_bf16_autocast():
+    torch.manual_seed(0)
+    mlp = Mlp(8, 32)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mlp(x)
+        ref = mlp.fc2(mlp.act(mlp.fc1(x)))
+    assert out.grad_fn.name() == "_GeluLinearBackward" and out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)  # bias added after rounding
+    for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 10])
+def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
+    from swin_backbone.chunked import mlp_residual
+
+    torch.manual_seed(0)
+    mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
+    x = torch.randn(1, rows, 8, dtype=torch.float64)
+    with torch.no_grad():
+        got = mlp_residual(x, norm, mlp.fc1, mlp.fc2)
+        torch.testing.assert_close(got, x + mlp(norm(x)))
+    assert got.shape == x.shape
+
+
+def test_chunked_mlp_residual_under_autocast():
+    from swin_backbone.chunked import mlp_residual
+
+    torch.manual_seed(0)
+    mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
+    x = torch.randn(2, 7, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mlp_residual(x, norm, mlp.fc1, mlp.fc2)
+        ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref)

@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Speed and memory of SwinBackbone against mmdet 3.3's SwinTransformer, same weights, same run.
 
-Measures (interleaved A B A B ... after warm-up, medians):
+Measures (interleaved A B A B ... after warm-up; medians, and speedups as the median of the
+per-round ratios):
   1. forward, eval, 1x3x800x1216 under inference_mode;
   2. forward + backward, train mode, 2x3x512x512;
   3. peak memory of (2): CPU: peak RSS growth (kernel high-water mark, reset first) in a
      fresh subprocess per model;
      CUDA: torch.cuda.max_memory_allocated;
 plus the backbone's FLOPs (torch.utils.flop_counter; 1 multiply-add = 2 FLOPs) and the achieved
-GFLOP/s of (1) beside this machine's dense fp32 matmul GFLOP/s (the physical ceiling).
+GFLOP/s of (1) beside this machine's dense fp32 matmul GFLOP/s (the physical ceiling), measured
+in the same rounds as (1).
 On CUDA it also runs bf16 autocast at 800x1333, batch 1 and 8.
 
-    python tools/benchmark.py [--iters 5] [--json out.json] [--device cpu|cuda]
+    python tools/benchmark.py [--iters 9] [--json out.json] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -100,13 +102,17 @@ def count_flops(model, x) -> int:
     return counter.get_total_flops()
 
 
-def matmul_ceiling(device: str, n: int = 2048, iters: int = 5) -> float:
-    """Dense fp32 matmul GFLOP/s on this device (best of ``iters``)."""
+def matmul_step(device: str, n: int = 2048) -> Callable[[], None]:
+    """One dense fp32 ``n x n`` matmul (``2 n^3`` FLOPs): the machine's attainable peak."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    a @ b
-    best = min(timed(lambda: a @ b, device) for _ in range(iters))
-    return 2 * n**3 / best / 1e9
+
+    def run():
+        for _ in range(4):
+            a @ b
+
+    run.flops = 4 * 2 * n**3  # type: ignore[attr-defined]
+    return run
 
 
 def memory_child(name: str, device: str, batch: int, size: int) -> None:
@@ -154,7 +160,7 @@ def _peak_rss() -> int:
 
 def peak_memory(name: str, device: str, batch: int, size: int) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", name, "--device", device,
-           "--batch", str(batch), "--size", str(size)]
+           "--batch", str(batch), "--train-size", str(size)]
     # Large blocks straight from / back to the OS (mmap), so RSS follows live tensors instead
     # of glibc's retained free memory.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
@@ -163,8 +169,10 @@ def peak_memory(name: str, device: str, batch: int, size: int) -> int:
 
 
 def summarize(label: str, times: Dict[str, List[float]]) -> dict:
+    """Medians, and the speedup as the median of per-round ratios: each round runs both models
+    back to back, so a ratio within a round is immune to the machine's drift between rounds."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["mmdet"] / med["ours"]
+    ratio = statistics.median(m / o for m, o in zip(times["mmdet"], times["ours"]))
     print(f"{label}: ours {med['ours'] * 1e3:.0f} ms, mmdet {med['mmdet'] * 1e3:.0f} ms, speedup {ratio:.2f}x")
     return {"ours_s": med["ours"], "mmdet_s": med["mmdet"], "speedup": ratio, "samples": times}
 
@@ -172,16 +180,17 @@ def summarize(label: str, times: Dict[str, List[float]]) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the numbers here")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
+    parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--size", type=int, default=512, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
-        memory_child(args.memory_child, args.device, args.batch, args.size)
+        memory_child(args.memory_child, args.device, args.batch, args.train_size)
         return {}
 
     device = args.device
@@ -191,33 +200,42 @@ def main(argv=None) -> dict:
     print(f"device {device}" + (f" ({results['gpu']})" if device == "cuda" else f", {torch.get_num_threads()} threads"))
     models = build_pair(device)
 
-    x_eval = torch.randn(1, 3, 800, 1216, device=device)
+    eh, ew = args.eval_size
+    ts = args.train_size
+    x_eval = torch.randn(1, 3, eh, ew, device=device)
     for m in models.values():
         m.eval()
-    times = interleave({k: eval_step(m, x_eval) for k, m in models.items()}, device, args.iters, args.warmup)
-    results["forward_eval_1x3x800x1216"] = summarize("forward eval 1x3x800x1216", times)
+    # The matmul ceiling is measured in the same rounds, so it sees the same machine state.
+    matmul = matmul_step(device)
+    times = interleave({**{k: eval_step(m, x_eval) for k, m in models.items()}, "matmul": matmul},
+                       device, args.iters, args.warmup)
+    matmul_times = times.pop("matmul")
+    eval_times = times
+    results["forward_eval"] = summarize(f"forward eval 1x3x{eh}x{ew}", eval_times)
 
-    x_train = torch.randn(2, 3, 512, 512, device=device)
+    x_train = torch.randn(2, 3, ts, ts, device=device)
     for m in models.values():
         m.train()
     times = interleave({k: train_step(m, x_train) for k, m in models.items()}, device, args.iters, args.warmup)
-    results["forward_backward_2x3x512x512"] = summarize("forward+backward train 2x3x512x512", times)
+    results["forward_backward"] = summarize(f"forward+backward train 2x3x{ts}x{ts}", times)
 
     if not args.skip_memory:
-        mem = {k: peak_memory(k, device, 2, 512) for k in models}
+        mem = {k: peak_memory(k, device, 2, ts) for k in models}
         ratio = mem["ours"] / mem["mmdet"]
-        print(f"peak memory fwd+bwd 2x3x512x512: ours {mem['ours'] / 2**20:.0f} MiB, "
+        print(f"peak memory fwd+bwd 2x3x{ts}x{ts}: ours {mem['ours'] / 2**20:.0f} MiB, "
               f"mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {ratio:.2f}x")
-        results["peak_memory_2x3x512x512"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"], "ratio": ratio}
+        results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"], "ratio": ratio}
 
     models["ours"].eval()
     flops = count_flops(models["ours"], x_eval)
-    ceiling = matmul_ceiling(device)
-    achieved = flops / results["forward_eval_1x3x800x1216"]["ours_s"] / 1e9
-    print(f"FLOPs 1x3x800x1216: {flops / 1e9:.1f} GFLOP; achieved {achieved:.0f} GFLOP/s "
-          f"= {100 * achieved / ceiling:.0f}% of the dense fp32 matmul ceiling ({ceiling:.0f} GFLOP/s)")
-    results["flops"] = {"gflop": flops / 1e9, "achieved_gflops": achieved, "matmul_gflops": ceiling,
-                        "fraction_of_ceiling": achieved / ceiling}
+    achieved = [flops / t / 1e9 for t in eval_times["ours"]]
+    ceiling = [matmul.flops / t / 1e9 for t in matmul_times]  # type: ignore[attr-defined]
+    fraction = statistics.median(a / c for a, c in zip(achieved, ceiling))
+    print(f"FLOPs 1x3x{eh}x{ew}: {flops / 1e9:.1f} GFLOP; achieved {statistics.median(achieved):.0f} GFLOP/s "
+          f"= {100 * fraction:.0f}% of the dense fp32 matmul ceiling ({statistics.median(ceiling):.0f} GFLOP/s, "
+          f"2048x2048 matmuls measured in the same rounds)")
+    results["flops"] = {"gflop": flops / 1e9, "achieved_gflops": statistics.median(achieved),
+                        "matmul_gflops": statistics.median(ceiling), "fraction_of_ceiling": fraction}
 
     if device == "cuda":
         for batch in (1, 8):
