@@ -40,6 +40,12 @@ def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _mod(a: torch.Tensor, b) -> torch.Tensor:
+    """Python's ``a % b`` for an integer tensor, as ``a - (a // b) * b``: the ONNX exporter has
+    no translation for ``remainder`` by a symbolic size (dynamic H, W), but has one for this."""
+    return a - (a // b) * b
+
+
 def padded_size(size: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``size``.
 
@@ -74,7 +80,7 @@ def _rolled_rows(size: int, padded: int, shift: int, device: torch.device) -> to
 
     Returns ``(padded,)`` int64; values >= ``size`` are padding rows.
     """
-    return (torch.arange(padded, device=device) + shift) % padded
+    return _mod(torch.arange(padded, device=device) + shift, padded)
 
 
 def _shift_regions(padded: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
@@ -99,9 +105,9 @@ def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
     hp, wp = grid.shape
     n = window * window
     pos = torch.arange(hp * wp, device=grid.device)
-    win, inner = pos // n, pos % n
+    win, inner = pos // n, _mod(pos, n)
     rows = (win // (wp // window)) * window + inner // window
-    cols = (win % (wp // window)) * window + inner % window
+    cols = _mod(win, wp // window) * window + _mod(inner, window)
     return grid.reshape(-1)[rows * wp + cols].view(-1, n)
 
 
@@ -130,11 +136,11 @@ def window_inverse_index(
     so ``layout[inverse]`` undoes partition, shift and padding in one gather.
     """
     hp, wp = padded_size(height, window), padded_size(width, window)
-    r = (torch.arange(height, device=device) - shift) % hp  # row in the shifted map
-    c = (torch.arange(width, device=device) - shift) % wp
+    r = _mod(torch.arange(height, device=device) - shift, hp)  # row in the shifted map
+    c = _mod(torch.arange(width, device=device) - shift, wp)
     n_win_w = wp // window
     win = (r[:, None] // window) * n_win_w + (c[None, :] // window)
-    pos = (r[:, None] % window) * window + (c[None, :] % window)
+    pos = _mod(r[:, None], window) * window + _mod(c[None, :], window)
     return (win * window * window + pos).reshape(-1)
 
 

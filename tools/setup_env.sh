@@ -97,7 +97,8 @@ fi
 
 log "installing mmdet, mmseg, test and demo dependencies"
 pip_q install "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
-    "timm==$TIMM_VERSION" pycocotools pytest ftfy regex tqdm scikit-image
+    "timm==$TIMM_VERSION" pycocotools pytest ftfy regex tqdm scikit-image \
+    onnx onnxscript onnxruntime
 # setuptools' editable build is chatty (license / editable-mode notices): show it only on failure.
 if ! "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" >"$VENV/.editable-install.log" 2>&1; then
     cat "$VENV/.editable-install.log"; exit 1
