@@ -224,6 +224,8 @@ class WindowLayout:
         index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
         inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
         has_padding: whether the window layout holds padding tokens (zeros).
+        padding_masked: padding tokens are masked out of attention (``mask_padding``), so
+            the values they carry cannot change any real token's result.
         pad_slots: ``(nP,)`` positions of the padding tokens in the window layout, where
             ``index`` reads token 0 and the gather then writes zeros (no padded copy of the
             input); ``None`` while tracing, where ``index`` reads an appended zero token
@@ -247,6 +249,7 @@ class WindowLayout:
     masked_windows: Optional[torch.Tensor] = None
     window_masks: Optional[torch.Tensor] = None
     pad_slots: Optional[torch.Tensor] = None
+    padding_masked: bool = False
 
     def to_windows(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H * W, C)`` row-major tokens -> ``(B, nW * N, C)`` window layout (no autograd
@@ -308,6 +311,7 @@ def build_window_layout(
         masked_windows=masked,
         window_masks=window_masks,
         pad_slots=pad_slots,
+        padding_masked=mask_padding,
     )
 
 

@@ -136,6 +136,36 @@ def test_training_gradients_match_reference(size):
         torch.testing.assert_close(g, converted[name], msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_projecting_before_partition_changes_nothing(train, monkeypatch):
+    # With padding masked, the qkv projection may run before the window partition (padding
+    # rows then hold zeros, not the qkv bias): outputs and gradients must not change.
+    from swin_backbone import blocks
+
+    torch.manual_seed(0)
+    model = SwinBackbone(**small_arch()).double().train(train)
+    x = torch.randn(2, 3, 61, 75, dtype=torch.float64)
+    results = []
+    for break_even in (0, 10**9):  # always / never project first
+        monkeypatch.setattr(blocks, "PROJECT_FIRST_BREAK_EVEN", break_even)
+        model.zero_grad()
+        with torch.set_grad_enabled(train):
+            outs = model(x)
+        grads = []
+        if train:
+            sum((o * o).sum() for o in outs).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+        results.append((outs, grads))
+    layout = model.stages[0].layouts(16, 19, x)[1]
+    assert layout.has_padding and blocks.project_before_partition(layout, 16) is False  # break-even 10**9
+    monkeypatch.setattr(blocks, "PROJECT_FIRST_BREAK_EVEN", 0)
+    assert blocks.project_before_partition(layout, 16) is True
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_full_tiny_parity_batch3():
     ref = _reference("mmdet", drop_path_rate=0.0)
     ref.init_weights()
