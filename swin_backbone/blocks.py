@@ -15,7 +15,7 @@ from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
 from .chunked import mlp_residual
-from .recompute import gelu_linear, norm_linear
+from .recompute import norm_linear, norm_mlp
 from .windows import (
     WindowLayout,
     ceil_div,
@@ -50,8 +50,8 @@ class PatchEmbed(nn.Module):
 class Mlp(nn.Module):
     """Two-layer feed-forward network (``fc1 -> GELU -> drop -> fc2 -> drop``).
 
-    In training without dropout, ``GELU -> fc2`` keeps only the GELU input for backward
-    (:func:`~swin_backbone.recompute.gelu_linear`); the numbers are the same.
+    In training without dropout it keeps only its input (and ``fc1``'s output) for backward
+    (:func:`~swin_backbone.recompute.norm_mlp`); the numbers are the same.
     """
 
     def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
@@ -61,14 +61,12 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dims, embed_dims)
         self.drop = nn.Dropout(drop_rate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_hidden(self.fc1(x))
-
-    def from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP after ``fc1``: ``(..., hidden)`` -> ``(..., C)``."""
+    def forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """``(..., C)`` -> ``(..., C)``, applying ``norm`` to the input first if given."""
         if self.drop.p == 0:
-            return gelu_linear(h, self.fc2)
-        return self.drop(self.fc2(self.drop(self.act(h))))
+            return norm_mlp(x, norm, self.fc1, self.fc2)
+        x = x if norm is None else norm(x)
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
 def project_before_partition(layout: WindowLayout, channels: int) -> bool:
@@ -122,7 +120,7 @@ class SwinBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        # norm -> partition -> qkv and norm -> fc1 keep only x for backward (recompute.py).
+        # norm -> partition -> qkv and norm -> MLP keep only x (and h) for backward (recompute.py).
         if project_before_partition(layout, x.shape[-1]):
             qkv = window_partition(norm_linear(x, self.norm1, self.attn.qkv), layout)
         else:
@@ -130,7 +128,7 @@ class SwinBlock(nn.Module):
         x = x + self.drop_path(self.attn.attend(qkv, layout))
         if self._mlp_in_chunks(x):
             return mlp_residual(x, self.norm2, self.mlp.fc1, self.mlp.fc2)
-        return x + self.drop_path(self.mlp.from_hidden(norm_linear(x, self.norm2, self.mlp.fc1)))
+        return x + self.drop_path(self.mlp(x, self.norm2))
 
     def _mlp_in_chunks(self, x: torch.Tensor) -> bool:
         """Inference without dropout / stochastic depth: the row-chunked MLP (chunked.py)."""

@@ -38,56 +38,108 @@ def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Ten
     return grad_in, grad_w, grad_b
 
 
-class _GeluLinear(torch.autograd.Function):
-    """``F.linear(F.gelu(h), weight, bias)`` that saves only ``h`` for the backward pass.
+class _NormMlp(torch.autograd.Function):
+    """``fc2(gelu(fc1(layer_norm(x))))`` (LayerNorm optional) that saves ``x``, the LayerNorm
+    statistics and ``h = fc1(...)`` for backward, not the LayerNorm or GELU outputs.
 
-    Both passes run in row chunks (chunked.py), so ``gelu(h)`` and its gradient exist only a
-    chunk at a time; fp16 / bf16 run whole, so the weight gradient is accumulated by one matmul.
+    The GELU -> fc2 forward and the whole backward run in row chunks (chunked.py): GELU, the
+    recomputed LayerNorm output and every gradient exist a chunk at a time, and each bias /
+    weight gradient is accumulated while its chunk is in cache. fp16 / bf16 run as one chunk,
+    so their weight gradients come from single fp32-accumulating matmuls.
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        w = weight.to(h.dtype)  # autocast: h is already in the compute dtype
-        rows = h.reshape(-1, h.shape[-1])
-        out = rows.new_empty(rows.shape[0], w.shape[0])
-        for part in _row_parts(rows.shape[0], h):
-            torch.matmul(F.gelu(rows[part]), w.t(), out=out[part])
-        if bias is not None:
-            out.add_(bias.to(h.dtype))
-        ctx.save_for_backward(h, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.view(*h.shape[:-1], w.shape[0])
+    def forward(ctx, x, norm_weight, norm_bias, eps: float, w1, b1, w2, b2):
+        rows = x.reshape(-1, x.shape[-1])
+        mean = rstd = None
+        normed = rows
+        if norm_weight is not None:
+            normed, mean, rstd = torch.native_layer_norm(rows, (rows.shape[-1],), norm_weight, norm_bias, eps)
+        h = F.linear(normed, w1, b1)  # autocast applies here as for nn.Linear
+        w2c = w2.to(h.dtype)
+        out = h.new_empty(h.shape[0], w2.shape[0])
+        for part in _row_parts(h):
+            torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
+        if b2 is not None:
+            out.add_(b2.to(h.dtype))
+        ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
+        ctx.eps = eps
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        return out.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        w = weight.to(h.dtype)
-        acc = torch.promote_types(h.dtype, torch.float32)  # fp16 / bf16 reduce in fp32
-        rows, grad_rows = h.reshape(-1, h.shape[-1]), grad.reshape(-1, grad.shape[-1]).to(h.dtype)
-        grad_h = torch.empty_like(rows) if needs[0] else None
-        grad_w = rows.new_zeros(w.shape, dtype=acc) if needs[1] else None
-        for part in _row_parts(rows.shape[0], h):
-            act = F.gelu(rows[part])
-            if grad_w is not None:
-                if acc == act.dtype:
-                    grad_w.addmm_(grad_rows[part].t(), act)
-                else:
-                    grad_w += grad_rows[part].t() @ act
-            if grad_h is not None:
-                torch.ops.aten.gelu_backward.grad_input(grad_rows[part] @ w, rows[part], grad_input=grad_h[part])
+        x, mean, rstd, norm_weight, norm_bias, w1, h, w2 = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # x, norm_weight, norm_bias, eps, w1, b1, w2, b2
+        dtype, channels = h.dtype, x.shape[-1]
+        acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
+        w1c, w2c = w1.to(dtype), w2.to(dtype)
+        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, grad.shape[-1]).to(dtype)
+
+        def zeros(shape, needed):
+            return rows.new_zeros(shape, dtype=acc) if needed else None
+
+        grad_x = torch.empty_like(rows) if needs[0] else None
+        grad_nw, grad_nb = zeros(channels, needs[1]), zeros(channels, needs[2])
+        grad_w1, grad_b1 = zeros(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
+        grad_w2 = zeros(w2.shape, needs[6])
+        below_fc1 = any(needs[:3])
+        for part in _row_parts(h):
+            act = F.gelu(h[part])
+            if grad_w2 is not None:
+                _accumulate_mm(grad_w2, grad_rows[part].t(), act)
+            if not (below_fc1 or needs[4] or needs[5]):
+                continue
+            grad_h = torch.ops.aten.gelu_backward(grad_rows[part] @ w2c, h[part])
+            if grad_b1 is not None:
+                grad_b1 += grad_h.sum(0, dtype=acc)
+            if grad_w1 is not None:
+                normed = rows[part]
+                if norm_weight is not None:
+                    normed = torch.native_layer_norm(normed, (channels,), norm_weight, norm_bias, ctx.eps)[0]
+                _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype))
+            if not below_fc1:
+                continue
+            grad_normed = (grad_h @ w1c).to(x.dtype)
+            if norm_weight is None:
+                grad_x[part] = grad_normed
+                continue
+            dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
+                grad_normed, rows[part], (channels,), mean[part], rstd[part], norm_weight, norm_bias, list(needs[:3])
+            )
+            if grad_x is not None:
+                grad_x[part] = dx
+            if grad_nw is not None:
+                grad_nw += dnw
+            if grad_nb is not None:
+                grad_nb += dnb
+        b1_dtype, b2_dtype = ctx.bias_dtypes
         return (
-            None if grad_h is None else grad_h.view(h.shape),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            grad_rows.sum(0, dtype=acc).to(ctx.bias_dtype) if needs[2] else None,
+            None if grad_x is None else grad_x.view(x.shape),
+            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
+            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
+            None,
+            None if grad_w1 is None else grad_w1.to(w1.dtype),
+            None if grad_b1 is None else grad_b1.to(b1_dtype),
+            None if grad_w2 is None else grad_w2.to(w2.dtype),
+            grad_rows.sum(0, dtype=acc).to(b2_dtype) if needs[7] else None,
         )
 
 
-def _row_parts(num_rows: int, h: torch.Tensor):
-    """Row slices of :func:`~swin_backbone.chunked.chunk_rows` size (one slice for fp16/bf16,
-    whose weight gradient must accumulate in a single fp32-accumulating matmul)."""
-    step = chunk_rows(h.shape[-1], h.element_size()) if h.dtype in (torch.float32, torch.float64) else num_rows
-    return [slice(start, start + step) for start in range(0, max(num_rows, 1), max(step, 1))]
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` (``out`` may be a wider accumulation dtype than ``a`` and ``b``)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
+
+
+def _row_parts(h: torch.Tensor):
+    """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.chunked.chunk_rows` size
+    (one slice for fp16/bf16, whose weight gradients need one fp32-accumulating matmul)."""
+    rows = h.shape[0]
+    step = chunk_rows(h.shape[-1], h.element_size()) if h.dtype in (torch.float32, torch.float64) else max(rows, 1)
+    return [slice(start, start + step) for start in range(0, max(rows, 1), step)]
 
 
 class _NormLinear(torch.autograd.Function):
@@ -123,11 +175,21 @@ class _NormLinear(torch.autograd.Function):
         return grad_x, grad_nw, grad_nb, None, grad_w, grad_b, None
 
 
-def gelu_linear(h: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(gelu(h))``; in training keeps ``h`` only (not ``gelu(h)``) for backward."""
-    if _saves_memory(h, linear.weight):
-        return _GeluLinear.apply(h, linear.weight, linear.bias)
-    return linear(F.gelu(h))
+def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:
+    """``fc2(gelu(fc1(norm(x))))`` (``norm`` may be None); in training keeps only ``x``, the
+    LayerNorm statistics and ``fc1``'s output for backward (:class:`_NormMlp`).
+
+    Args:
+        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
+    """
+    fusable = norm is None or (
+        isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
+    )
+    params = (fc1.weight, fc2.weight) + (() if norm is None else (norm.weight,))
+    if fusable and _saves_memory(x, *params):
+        nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+        return _NormMlp.apply(x, nw, nb, eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    return fc2(F.gelu(fc1(x if norm is None else norm(x))))
 
 
 def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Optional[WindowLayout] = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from swin_backbone.blocks import Mlp
-from swin_backbone.recompute import _NormLinear, gelu_linear, norm_linear
+from swin_backbone.recompute import _NormLinear, norm_linear, norm_mlp
 from swin_backbone.windows import build_window_layout, window_partition
 
 
@@ -85,31 +85,50 @@ def chunk_budget(request, monkeypatch):
     return request.param
 
 
-def test_memory_saving_mlp_matches_autograd(chunk_budget):
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_memory_saving_mlp_matches_autograd(chunk_budget, with_norm):
     torch.manual_seed(0)
     mlp = Mlp(8, 32).double()
+    norm, _ = _modules(8, 8)
+    norm = norm if with_norm else None
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    out = mlp(x)  # grad enabled, no dropout: the recomputing path
-    assert out.grad_fn.name() == "_GeluLinearBackward"
-    ref = mlp.fc2(mlp.act(mlp.fc1(x)))
+    out = mlp(x, norm)  # grad enabled, no dropout: the recomputing path
+    assert out.grad_fn.name() == "_NormMlpBackward"
+    ref = mlp.fc2(mlp.act(mlp.fc1(x if norm is None else norm(x))))
     torch.testing.assert_close(out, ref)
-    torch.autograd.gradcheck(lambda t: mlp(t), (x,))
-    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias]
+    params = [x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
+    params += [] if norm is None else [norm.weight, norm.bias]
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
         torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda t, *ps: mlp(t, norm), (x, *params[1:]))
     with torch.no_grad():
-        assert gelu_linear(torch.randn(4, 32, dtype=torch.float64), nn.Linear(32, 3).double()).grad_fn is None
+        assert norm_mlp(x, norm, mlp.fc1, mlp.fc2).grad_fn is None
 
 
-def test_gelu_linear_under_bf16_autocast():
+def test_memory_saving_mlp_partial_gradients():
+    # Frozen parameters / an input without grad: only the gradients that are asked for.
     torch.manual_seed(0)
-    mlp = Mlp(8, 32)
+    mlp, (norm, _) = Mlp(8, 32).double(), _modules(8, 8)
+    for p in (*norm.parameters(), mlp.fc1.weight):
+        p.requires_grad_(False)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    out = mlp(x, norm)
+    assert out.grad_fn.name() == "_NormMlpBackward"
+    ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
+    params = [mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
+    for a, b in zip(torch.autograd.grad(out.sum(), params), torch.autograd.grad(ref.sum(), params)):
+        torch.testing.assert_close(a, b)
+
+
+def test_memory_saving_mlp_under_bf16_autocast():
+    torch.manual_seed(0)
+    mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
     x = torch.randn(2, 5, 8, requires_grad=True)
-    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias]
+    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias, norm.weight]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = mlp(x)
-        ref = mlp.fc2(mlp.act(mlp.fc1(x)))
-    assert out.grad_fn.name() == "_GeluLinearBackward" and out.dtype == ref.dtype == torch.bfloat16
+        out = mlp(x, norm)
+        ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
+    assert out.grad_fn.name() == "_NormMlpBackward" and out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)  # bias added after rounding
     for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
         assert a.dtype == b.dtype == torch.float32
