@@ -131,8 +131,11 @@ class SwinBlock(nn.Module):
         return x + self.drop_path(self.mlp(x, self.norm2))
 
     def _mlp_in_chunks(self, x: torch.Tensor) -> bool:
-        """Inference without dropout / stochastic depth: the row-chunked MLP (chunked.py)."""
-        if torch.compiler.is_compiling() or self.mlp.drop.p > 0:
+        """CPU inference without dropout / stochastic depth: the row-chunked MLP (chunked.py).
+
+        Chunking is a CPU cache optimisation; on GPUs it would only multiply kernel launches.
+        """
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or self.mlp.drop.p > 0:
             return False
         if self.training and self.drop_path.p > 0:
             return False

@@ -4,8 +4,9 @@ At detection resolution a stage-1 MLP's hidden tensor is ~90 MB per image: compu
 it is written by one matmul, read and rewritten by GELU and read again by the next matmul,
 each time from main memory (and freshly page-faulted, since allocations that large go
 straight to the OS). In chunks of ~8 MB the same work stays in cache: measured ~2x faster
-for the MLP on CPU. Used whenever no activations are kept for backward (inference); the
-training path chunks only what it recomputes (see recompute.py).
+for the MLP on CPU. Used on CPU whenever no activations are kept for backward (inference);
+the training path chunks only what it recomputes (see recompute.py). GPUs run whole tensors:
+there chunks would only multiply kernel launches.
 """
 from __future__ import annotations
 

@@ -136,9 +136,11 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _row_parts(h: torch.Tensor):
     """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.chunked.chunk_rows` size
-    (one slice for fp16/bf16, whose weight gradients need one fp32-accumulating matmul)."""
+    on CPU (a cache optimisation). One slice on other devices, and for fp16/bf16, whose weight
+    gradients need one fp32-accumulating matmul."""
     rows = h.shape[0]
-    step = chunk_rows(h.shape[-1], h.element_size()) if h.dtype in (torch.float32, torch.float64) else max(rows, 1)
+    chunked = h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
+    step = chunk_rows(h.shape[-1], h.element_size()) if chunked else max(rows, 1)
     return [slice(start, start + step) for start in range(0, max(rows, 1), step)]
 
 
