@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recompute import grad_needed
 from .windows import WindowLayout, get_relative_position_index, window_reverse
 
 
@@ -33,8 +34,7 @@ def choose_kernel(q: torch.Tensor, attn_bias: torch.Tensor, dropout_p: float = 0
     """The fastest exact kernel for these inputs (see the module docstring)."""
     if q.device.type == "cuda":
         return "fused"  # memory-efficient SDPA computes the bias gradient itself
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or attn_bias.requires_grad)
-    if not needs_grad:
+    if not grad_needed(q, attn_bias):
         return "fused"
     if dropout_p > 0 or torch.compiler.is_compiling():
         return "plain"  # autograd's own graph (dropout masks; traceable for inductor)
@@ -126,11 +126,15 @@ def attention_to_tokens(
         if dropout_p > 0:
             raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
         return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout)
-    out = window_attention(
+    return window_reverse(_in_layout(qkv, num_heads, bias, layout, scale, dropout_p, kernel), layout)
+
+
+def _in_layout(qkv, num_heads: int, bias, layout: WindowLayout, scale: float, dropout_p: float, kernel: str):
+    """:func:`window_attention` with the windows, mask and masked windows of ``layout``."""
+    return window_attention(
         qkv, num_heads, layout.num_windows, bias, layout.mask, scale, dropout_p, kernel,
         layout.masked_windows, layout.window_masks,
     )
-    return window_reverse(out, layout)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -145,11 +149,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
-        out = window_attention(
-            qkv, num_heads, layout.num_windows, bias, layout.mask, scale, 0.0, "fused",
-            layout.masked_windows, layout.window_masks,
-        )
-        out = layout.to_tokens(out)  # (B, H * W, C)
+        out = layout.to_tokens(_in_layout(qkv, num_heads, bias, layout, scale, 0.0, "fused"))  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout = num_heads, scale, layout
         return out

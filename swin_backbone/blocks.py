@@ -15,7 +15,7 @@ from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
 from .chunked import mlp_residual
-from .recompute import norm_linear, norm_mlp
+from .recompute import grad_needed, norm_linear, norm_mlp
 from .windows import (
     WindowLayout,
     ceil_div,
@@ -69,6 +69,10 @@ class Mlp(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
+#: ``padding share x C`` above which :func:`project_before_partition` projects first.
+PROJECT_FIRST_BREAK_EVEN = 48
+
+
 def project_before_partition(layout: WindowLayout, channels: int) -> bool:
     """Whether to run the qkv projection on the real tokens and partition its output.
 
@@ -82,10 +86,6 @@ def project_before_partition(layout: WindowLayout, channels: int) -> bool:
         return False
     real = layout.height * layout.width
     return (layout.index.numel() - real) * channels >= PROJECT_FIRST_BREAK_EVEN * real
-
-
-#: ``padding share x C`` above which :func:`project_before_partition` projects first.
-PROJECT_FIRST_BREAK_EVEN = 48
 
 
 class SwinBlock(nn.Module):
@@ -139,8 +139,7 @@ class SwinBlock(nn.Module):
             return False
         if self.training and self.drop_path.p > 0:
             return False
-        params = (self.norm2.weight, self.mlp.fc1.weight, self.mlp.fc2.weight)
-        return not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+        return not grad_needed(x, self.norm2.weight, self.mlp.fc1.weight, self.mlp.fc2.weight)
 
 
 class PatchMerging(nn.Module):

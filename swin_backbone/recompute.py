@@ -20,9 +20,19 @@ from .chunked import chunk_rows
 from .windows import WindowLayout, window_partition
 
 
+def grad_needed(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records ops on these tensors (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _saves_memory(*tensors: torch.Tensor) -> bool:
     """Whether a backward pass will need these activations (and we may replace autograd's)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(t.requires_grad for t in tensors)
+    return grad_needed(*tensors) and not torch.compiler.is_compiling()
+
+
+def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
+    """Whether the hand-written LayerNorm backward applies: an affine LayerNorm in x's dtype."""
+    return isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
 
 
 def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, needs: tuple):
@@ -184,11 +194,8 @@ def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn
     Args:
         x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
     """
-    fusable = norm is None or (
-        isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
-    )
     params = (fc1.weight, fc2.weight) + (() if norm is None else (norm.weight,))
-    if fusable and _saves_memory(x, *params):
+    if (norm is None or _fusable(norm, x)) and _saves_memory(x, *params):
         nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
         return _NormMlp.apply(x, nw, nb, eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
     return fc2(F.gelu(fc1(x if norm is None else norm(x))))
@@ -203,8 +210,7 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Opt
     Returns:
         ``(B, nW * N, C_out)`` with a layout, else ``(..., C_out)``.
     """
-    fusable = isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
-    if fusable and _saves_memory(x, norm.weight, linear.weight):
+    if _fusable(norm, x) and _saves_memory(x, norm.weight, linear.weight):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias, layout)
     normed = norm(x)
     return linear(normed if layout is None else window_partition(normed, layout))

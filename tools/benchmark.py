@@ -103,7 +103,7 @@ def count_flops(model, x) -> int:
 
 
 def matmul_step(device: str, n: int = 2048) -> Callable[[], None]:
-    """One dense fp32 ``n x n`` matmul (``2 n^3`` FLOPs): the machine's attainable peak."""
+    """Four dense fp32 ``n x n`` matmuls (``run.flops`` = ``8 n^3``): the attainable peak."""
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
 
