@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import chunked
 from .recompute import grad_needed
 from .windows import WindowLayout, get_relative_position_index, window_reverse
 
@@ -142,7 +143,8 @@ class _RecomputedAttention(torch.autograd.Function):
 
     Forward is the fused SDPA kernel (fast on CPU, no ``(..., N, N)`` tensor kept). Backward
     recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
-    hand, which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
+    hand (:func:`attention_backward`, a cache-sized group of windows at a time on CPU), which
+    also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
     The output is kept by the next linear layer anyway, so saving it here costs nothing.
     """
@@ -161,39 +163,73 @@ class _RecomputedAttention(torch.autograd.Function):
         num_windows, mask = layout.num_windows, layout.mask
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
-        # fp16 / bf16: softmax and the reductions accumulate in fp32.
-        acc = torch.promote_types(dtype, torch.float32)
+        acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
         # Softmax backward: dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(dO * O)
         # per query and head: a (B, H * W, nH) term read off the output (row-major tokens)
         # instead of the N x N logits.
         delta = (grad_out.to(acc) * out.to(acc)).view(batch, -1, num_heads, head_dim).sum(-1)
         # Back to the window layout; padding rows get zero gradient and a zero delta.
         grad_out, delta = layout.to_windows(grad_out), layout.to_windows(delta.to(dtype))
-        delta = delta.view(batch, num_windows, n, num_heads).transpose(2, 3).unsqueeze(-1)  # (B, nW, nH, N, 1)
-        q, k, v = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
-        # Contiguous (B, nW, nH, N, d) copies, so every matmul below is a plain bmm; q is
-        # scaled while it is copied (the logits then need no scaling pass).
-        # (Elementwise ops keep their input's strides, so q * scale would stay permuted.)
-        q = torch.mul(q, scale, out=torch.empty(q.shape, dtype=dtype, device=q.device))
-        k, v = k.contiguous(), v.contiguous()
-        full_bias = bias if mask is None else mask.unsqueeze(1) + bias  # (nW | 1, nH, N, N)
-        logits = torch.matmul(q, k.transpose(-2, -1)).add_(full_bias.to(dtype))
-        # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
-        probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
-        del logits
-        # (B, nW, nH, N, d), contiguous once for the two matmuls that read it.
-        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim).transpose(2, 3).contiguous()
-        grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-        grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta).mul_(probs)
-        del probs
-        grad_bias = None
-        if ctx.needs_input_grad[1]:
-            grad_bias = grad_logits.sum((0, 1), dtype=acc).to(bias.dtype)  # (nH, N, N)
-        grad_q = torch.matmul(grad_logits, k).mul_(scale)
-        grad_k = torch.matmul(grad_logits.transpose(-2, -1), q)  # q is already scaled
-        # (B, nW, nH, N, d) x 3 -> (B, nW, N, 3, nH, d), the memory order of qkv.
-        grad_qkv = torch.stack([g.transpose(2, 3) for g in (grad_q, grad_k, grad_v)], 3)
+        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim)
+        delta = delta.view(batch, num_windows, n, num_heads)
+        qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
+        grad_qkv = torch.empty_like(qkv)
+        grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
+        # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
+        step = num_windows
+        if qkv.device.type == "cpu":
+            step = chunked.chunk_rows(batch * num_heads * n * n, qkv.element_size(), chunked.ATTENTION_CHUNK_BYTES)
+        for start in range(0, num_windows, step):
+            part = slice(start, start + step)
+            attention_backward(
+                qkv[:, part], grad_out[:, part], delta[:, part], bias,
+                None if mask is None else mask[part], scale, grad_qkv[:, part], grad_bias,
+            )
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None
+
+
+def attention_backward(
+    qkv: torch.Tensor,
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    bias: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    grad_qkv: torch.Tensor,
+    grad_bias: Optional[torch.Tensor],
+) -> None:
+    """Gradients of window attention for some windows, recomputing the probabilities.
+
+    Args:
+        qkv: ``(B, w, N, 3, nH, d)`` queries, keys and values of ``w`` windows (a view).
+        grad_out: ``(B, w, N, nH, d)`` gradient of the attention output.
+        delta: ``(B, w, N, nH)`` ``rowsum(grad_out * out)`` per query and head.
+        bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None.
+        grad_qkv: ``(B, w, N, 3, nH, d)`` written with the gradient of ``qkv``.
+        grad_bias: ``(nH, N, N)`` in fp32 or wider, accumulated into; None to skip.
+    """
+    dtype = qkv.dtype
+    acc = torch.promote_types(dtype, torch.float32)
+    # One contiguous (3, B, w, nH, N, d) copy, so that every matmul below is a plain bmm.
+    q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).contiguous().unbind(0)
+    q.mul_(scale)  # the logits then need no scaling pass
+    logits = torch.matmul(q, k.transpose(-2, -1)).add_(bias.to(dtype))
+    if mask is not None:
+        logits += mask.unsqueeze(1).to(dtype)
+    # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
+    probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
+    del logits
+    grad_out = grad_out.transpose(2, 3).contiguous()  # (B, w, nH, N, d)
+    grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta.transpose(2, 3).unsqueeze(-1)).mul_(probs)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum((0, 1), dtype=acc)
+    grads = torch.empty((3,) + q.shape, dtype=dtype, device=q.device)
+    torch.matmul(grad_logits, k, out=grads[0]).mul_(scale)
+    torch.matmul(grad_logits.transpose(-2, -1), q, out=grads[1])  # q is already scaled
+    torch.matmul(probs.transpose(-2, -1), grad_out, out=grads[2])
+    grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
 
 
 def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:

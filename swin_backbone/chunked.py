@@ -1,14 +1,18 @@
-"""Row-chunked MLP: the ``4C``-wide hidden activations are made a few thousand tokens at a time.
+"""Chunk sizes for CPU work that runs faster a cache-sized piece at a time, and the row-chunked
+inference MLP: the ``4C``-wide hidden activations are made a few thousand tokens at a time.
 
 At detection resolution a stage-1 MLP's hidden tensor is ~90 MB per image: computed whole,
 it is written by one matmul, read and rewritten by GELU and read again by the next matmul,
 each time from main memory (and freshly page-faulted, since allocations that large go
 straight to the OS). In chunks of ~8 MB the same work stays in cache: measured ~2x faster
 for the MLP on CPU. Used on CPU whenever no activations are kept for backward (inference);
-the training path chunks only what it recomputes (see recompute.py). GPUs run whole tensors:
-there chunks would only multiply kernel launches.
+the training path chunks only what it recomputes (see recompute.py), and the attention
+backward runs a few windows at a time (attention.py). GPUs run whole tensors: there chunks
+would only multiply kernel launches.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +21,17 @@ from torch import nn
 #: Bytes of hidden activations per chunk: well inside a server L3 cache / a few L2 caches.
 CHUNK_BYTES = 8 * 2**20
 
+#: Bytes of ``(B, windows, nH, N, N)`` attention logits per chunk of the attention backward
+#: (attention.py): its softmax and five small matmuls then share the cache. Measured in a
+#: 2 x 512 x 512 training step: stage-1 blocks 72 ms (whole tensors: 102 ms); smaller chunks
+#: lose to per-call overhead in the later stages (whose maps are one or two chunks anyway).
+ATTENTION_CHUNK_BYTES = 4 * 2**20
 
-def chunk_rows(width: int, itemsize: int) -> int:
-    """Rows per chunk so that a ``(rows, width)`` tensor takes about :data:`CHUNK_BYTES`."""
-    return max(1, CHUNK_BYTES // (width * itemsize))
+
+def chunk_rows(width: int, itemsize: int, budget: Optional[int] = None) -> int:
+    """Rows per chunk so that a ``(rows, width)`` tensor takes about ``budget`` bytes
+    (default :data:`CHUNK_BYTES`)."""
+    return max(1, (CHUNK_BYTES if budget is None else budget) // (width * itemsize))
 
 
 def mlp_residual(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:

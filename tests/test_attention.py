@@ -12,8 +12,22 @@ def _layout(h, w, shift, mask_padding=True):
     return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3)])
-def test_kernels_agree_forward_and_backward(size, shift):
+@pytest.fixture(params=[None, 1, 3], ids=["whole", "1-window-chunks", "3-window-chunks"])
+def windows_per_chunk(request, monkeypatch):
+    """Returns a setter that makes the recompute backward run this many windows per chunk
+    (given one window's logits bytes); None keeps the default budget."""
+    from swin_backbone import chunked
+
+    def set_budget(window_bytes):
+        if request.param is not None:
+            monkeypatch.setattr(chunked, "ATTENTION_CHUNK_BYTES", request.param * window_bytes)
+
+    return set_budget
+
+
+@pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
+def test_kernels_agree_forward_and_backward(size, shift, windows_per_chunk):
+    windows_per_chunk(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
@@ -36,11 +50,12 @@ def test_kernels_agree_forward_and_backward(size, shift):
 
 
 @pytest.mark.parametrize("size,shift,mask_padding", [((4, 6), 0, False), ((3, 5), 1, True), ((4, 4), 1, False)])
-def test_recompute_kernel_gradcheck(size, shift, mask_padding):
+def test_recompute_kernel_gradcheck(size, shift, mask_padding, windows_per_chunk):
     # The hand-written backward against finite differences, for qkv and the bias, with no
     # mask, with shift + padding masks, and with a shift mask alone.
     torch.manual_seed(0)
     heads, d, window = 2, 3, 2
+    windows_per_chunk(2 * heads * window**4 * 8)
     layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64)
     assert (layout.mask is None) == (shift == 0 and not mask_padding)
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
