@@ -17,16 +17,29 @@ def _modules(c_in=8, c_out=12, dtype=torch.float64):
     return norm, linear
 
 
+@pytest.fixture(params=["default", "tiny"])
+def chunk_budget(request, monkeypatch):
+    """Run with the default chunk size and with 3 rows of 32 float64 per chunk (ragged end)."""
+    from swin_backbone import chunked
+
+    if request.param == "tiny":
+        monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 32 * 8)
+    return request.param
+
+
 @pytest.mark.parametrize("size,shift", [(None, 0), ((14, 14), 3), ((9, 12), 3), ((9, 12), 0)])
-def test_norm_linear_matches_modules(size, shift):
+@pytest.mark.parametrize("bias", [True, False])
+def test_norm_linear_matches_modules(chunk_budget, size, shift, bias):
     norm, linear = _modules()
+    if not bias:
+        linear = nn.Linear(8, 12, bias=False).double()
     layout = None
     shape = (2, 5, 8)
     if size is not None:
         layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float64)
         shape = (2, size[0] * size[1], 8)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
-    params = [x, norm.weight, norm.bias, linear.weight, linear.bias]
+    params = [x, norm.weight, norm.bias, linear.weight] + ([linear.bias] if bias else [])
     out = norm_linear(x, norm, linear, layout)
     assert out.grad_fn.name() == "_NormLinearBackward"
     normed = norm(x)
@@ -37,7 +50,7 @@ def test_norm_linear_matches_modules(size, shift):
         torch.testing.assert_close(a, b)
 
 
-def test_norm_linear_gradcheck():
+def test_norm_linear_gradcheck(chunk_budget):
     norm, linear = _modules(4, 3)
     layout = build_window_layout(3, 4, 2, 1, True, torch.device("cpu"), torch.float64)
     x = torch.randn(2, 12, 4, dtype=torch.float64, requires_grad=True)
@@ -73,16 +86,6 @@ def test_norm_linear_under_bf16_autocast():
     for a, b in zip(grads, ref_grads):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-
-
-@pytest.fixture(params=["default", "tiny"])
-def chunk_budget(request, monkeypatch):
-    """Run with the default chunk size and with 3 rows of 32 float64 per chunk (ragged end)."""
-    from swin_backbone import chunked
-
-    if request.param == "tiny":
-        monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 32 * 8)
-    return request.param
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
