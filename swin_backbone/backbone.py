@@ -11,6 +11,7 @@ from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
 from .blocks import PatchEmbed, SwinStage
+from .chunked import norm_nchw
 from .validation import check_config, check_input
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
@@ -280,8 +281,8 @@ class SwinBackbone(BaseModule):
             stage = self.stages[i]
             out = stage.forward_blocks(x)
             if i in self.out_indices:
-                feat = getattr(self, f"norm{i}")(out).permute(0, 3, 1, 2)
-                outs.append(feat if self.channels_last_outputs else feat.contiguous())
+                norm = getattr(self, f"norm{i}")
+                outs.append(norm(out).permute(0, 3, 1, 2) if self.channels_last_outputs else norm_nchw(out, norm))
             if i < last:
                 x = stage.downsample(out)
         return tuple(outs)

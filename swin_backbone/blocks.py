@@ -14,7 +14,7 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
-from .chunked import mlp_residual
+from .chunked import mlp_residual_
 from .recompute import grad_needed, norm_linear, norm_mlp
 from .windows import (
     WindowLayout,
@@ -125,10 +125,12 @@ class SwinBlock(nn.Module):
             qkv = window_partition(norm_linear(x, self.norm1, self.attn.qkv), layout)
         else:
             qkv = norm_linear(x, self.norm1, self.attn.qkv, layout)  # (B, nW * N, 3C)
-        x = x + self.drop_path(self.attn.attend(qkv, layout))
+        # Residuals are added into the branch's fresh output (x + y == y + x exactly): no new
+        # map-sized tensor, whose pages the OS would have to supply.
+        x = self.drop_path(self.attn.attend(qkv, layout)).add_(x)
         if self._mlp_in_chunks(x):
-            return mlp_residual(x, self.norm2, self.mlp.fc1, self.mlp.fc2)
-        return x + self.drop_path(self.mlp(x, self.norm2))
+            return mlp_residual_(x, self.norm2, self.mlp.fc1, self.mlp.fc2)  # x is ours: in place
+        return self.drop_path(self.mlp(x, self.norm2)).add_(x)
 
     def _mlp_in_chunks(self, x: torch.Tensor) -> bool:
         """CPU inference without dropout / stochastic depth: the row-chunked MLP (chunked.py).

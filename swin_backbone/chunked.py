@@ -27,6 +27,9 @@ CHUNK_BYTES = 8 * 2**20
 #: lose to per-call overhead in the later stages (whose maps are one or two chunks anyway).
 ATTENTION_CHUNK_BYTES = 4 * 2**20
 
+#: Bytes of map rows per chunk of :func:`norm_nchw`'s transposing copy.
+TRANSPOSE_CHUNK_BYTES = 2**20
+
 
 def chunk_rows(width: int, itemsize: int, budget: Optional[int] = None) -> int:
     """Rows per chunk so that a ``(rows, width)`` tensor takes about ``budget`` bytes
@@ -34,24 +37,39 @@ def chunk_rows(width: int, itemsize: int, budget: Optional[int] = None) -> int:
     return max(1, (CHUNK_BYTES if budget is None else budget) // (width * itemsize))
 
 
-def mlp_residual(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:
-    """``x + fc2(gelu(fc1(norm(x))))`` in row chunks, without autograd.
+def mlp_residual_(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:
+    """``x += fc2(gelu(fc1(norm(x))))`` in row chunks, in place, without autograd.
+
+    The residual goes into ``x`` (which the caller owns) instead of a new map-sized tensor:
+    an allocation that large comes from the OS page by page, and the add ran ~2x slower.
 
     Args:
-        x: ``(..., C)`` tokens (not modified).
+        x: ``(..., C)`` contiguous tokens, modified in place.
     Returns:
-        a new tensor of ``x``'s shape and (autocast-aware) result dtype.
+        ``x``.
     """
-    width = fc1.out_features
-    rows = x.reshape(-1, x.shape[-1])
-    step = chunk_rows(width, x.element_size())
-    out = None
+    rows = x.view(-1, x.shape[-1])
+    step = chunk_rows(fc1.out_features, x.element_size())
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step]
-        y = fc2(F.gelu(fc1(norm(chunk))))
+        chunk.add_(fc2(F.gelu(fc1(norm(chunk)))))
+    return x
+
+
+def norm_nchw(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``norm(x)`` for a ``(B, H, W, C)`` map, returned as a contiguous ``(B, C, H, W)``.
+
+    Without autograd on CPU the transposing copy runs a few rows of the map at a time: whole,
+    its strided writes miss the cache (stage 1 at 800 x 1216: 54 ms; by rows: 11 ms).
+    """
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+        return norm(x).permute(0, 3, 1, 2).contiguous()
+    batch, height, width, channels = x.shape
+    step = chunk_rows(width * channels, x.element_size(), TRANSPOSE_CHUNK_BYTES)
+    out = None
+    for start in range(0, height, step):
+        part = norm(x[:, start : start + step]).permute(0, 3, 1, 2)
         if out is None:  # dtype known only now (autocast)
-            out = torch.empty(rows.shape[0], y.shape[-1], dtype=torch.result_type(x, y), device=x.device)
-        torch.add(chunk, y, out=out[start : start + step])
-    if out is None:  # no rows
-        return x + fc2(F.gelu(fc1(norm(x))))
-    return out.view(x.shape)
+            out = part.new_empty(batch, channels, height, width)
+        out[:, :, start : start + step] = part
+    return norm(x).permute(0, 3, 1, 2).contiguous() if out is None else out

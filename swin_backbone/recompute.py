@@ -54,7 +54,10 @@ class _NormMlp(torch.autograd.Function):
             normed, mean, rstd = torch.native_layer_norm(rows, (rows.shape[-1],), norm_weight, norm_bias, eps)
         h = F.linear(normed, w1, b1)  # autocast applies here as for nn.Linear
         w2c = w2.to(h.dtype)
-        out = h.new_empty(h.shape[0], w2.shape[0])
+        # Allocated in the output's shape, so that what is returned is no view (a caller may
+        # add a residual into it in place, which autograd forbids on views made in here).
+        result = h.new_empty(*x.shape[:-1], w2.shape[0])
+        out = result.view(-1, w2.shape[0])
         for part in _row_parts(h):
             torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
         if b2 is not None:
@@ -62,7 +65,7 @@ class _NormMlp(torch.autograd.Function):
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
         ctx.eps = eps
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
-        return out.view(*x.shape[:-1], w2.shape[0])
+        return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

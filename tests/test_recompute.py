@@ -140,25 +140,43 @@ def test_memory_saving_mlp_under_bf16_autocast():
 
 @pytest.mark.parametrize("rows", [0, 1, 10])
 def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
-    from swin_backbone.chunked import mlp_residual
+    from swin_backbone.chunked import mlp_residual_
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
-        got = mlp_residual(x, norm, mlp.fc1, mlp.fc2)
-        torch.testing.assert_close(got, x + mlp(norm(x)))
-    assert got.shape == x.shape
+        ref = x + mlp(norm(x))
+        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2)
+    assert got is x  # in place
+    torch.testing.assert_close(got, ref)
 
 
 def test_chunked_mlp_residual_under_autocast():
-    from swin_backbone.chunked import mlp_residual
+    from swin_backbone.chunked import mlp_residual_
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        got = mlp_residual(x, norm, mlp.fc1, mlp.fc2)
         ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
+        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 1, 3, 8), (1, 0, 3, 8)])
+def test_norm_nchw_by_rows_matches_plain(monkeypatch, shape):
+    from swin_backbone import chunked
+
+    monkeypatch.setattr(chunked, "TRANSPOSE_CHUNK_BYTES", 2 * 7 * 8 * 8)  # two rows per chunk
+    norm, _ = _modules(8, 8)
+    x = torch.randn(shape, dtype=torch.float64)
+    with torch.no_grad():
+        got = chunked.norm_nchw(x, norm)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, norm(x).permute(0, 3, 1, 2))
+    # With autograd: the plain path, and gradients flow.
+    x.requires_grad_(True)
+    chunked.norm_nchw(x, norm).sum().backward()
+    assert x.grad is not None
