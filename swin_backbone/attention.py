@@ -179,8 +179,7 @@ class _RecomputedAttention(torch.autograd.Function):
         step = num_windows
         if qkv.device.type == "cpu":
             step = chunked.chunk_rows(batch * num_heads * n * n, qkv.element_size(), chunked.ATTENTION_CHUNK_BYTES)
-        for start in range(0, num_windows, step):
-            part = slice(start, start + step)
+        for part in chunked.chunk_slices(num_windows, step):
             attention_backward(
                 qkv[:, part], grad_out[:, part], delta[:, part], bias,
                 None if mask is None else mask[part], scale, grad_qkv[:, part], grad_bias,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked import chunk_rows
+from .chunked import chunk_rows, chunk_slices
 from .windows import WindowLayout, batched_rows, window_partition
 
 
@@ -144,10 +144,8 @@ def _row_parts(h: torch.Tensor):
 def _parts(rows: int, width: int, like: torch.Tensor):
     """Slices of ``rows`` rows, each ``(rows, width)`` piece about a chunk in ``like``'s dtype
     (see :func:`_row_parts`)."""
-    step = max(rows, 1)
-    if _chunked(like):
-        step = chunk_rows(width, like.element_size())
-    return [slice(start, start + step) for start in range(0, max(rows, 1), step)]
+    step = chunk_rows(width, like.element_size()) if _chunked(like) else rows
+    return chunk_slices(rows, step)
 
 
 def _chunked(x: torch.Tensor) -> bool:

@@ -180,3 +180,15 @@ def test_norm_nchw_by_rows_matches_plain(monkeypatch, shape):
     x.requires_grad_(True)
     chunked.norm_nchw(x, norm).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("total,step", [(0, 4), (1, 4), (2048, 1365), (32768, 5461), (10, 3), (10, 10), (10, 1)])
+def test_chunk_slices_cover_evenly(total, step):
+    from swin_backbone.chunked import chunk_slices
+
+    parts = chunk_slices(total, step)
+    covered = [i for p in parts for i in range(total)[p]]
+    assert covered == list(range(total))  # in order, each once
+    sizes = [len(range(total)[p]) for p in parts]
+    assert max(sizes) <= step
+    assert max(sizes) - min(sizes) <= 1
