@@ -35,6 +35,40 @@ def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
     return isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
 
 
+class _NormGrads:
+    """Gradients of ``layer_norm(rows)`` (or of the identity, without a norm) w.r.t. the rows,
+    weight and bias, gathered chunk by chunk; ``needs`` says which are wanted."""
+
+    def __init__(self, rows: torch.Tensor, needs, acc: torch.dtype) -> None:
+        self.rows, self.needs = rows, list(needs)
+        self.x = torch.empty_like(rows) if needs[0] else None
+        self.weight, self.bias = (rows.new_zeros(rows.shape[-1], dtype=acc) if n else None for n in needs[1:3])
+
+    def add(self, part: slice, grad_normed: torch.Tensor, stats, weight, bias) -> None:
+        """Backward of rows ``part`` given the gradient of their normalised values and their
+        ``(mean, rstd)`` (None without a norm)."""
+        if stats is None:
+            self.x[part] = grad_normed
+            return
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad_normed, self.rows[part], (self.rows.shape[-1],), *stats, weight, bias, self.needs
+        )
+        if self.x is not None:
+            self.x[part] = dx
+        if self.weight is not None:
+            self.weight += dw
+        if self.bias is not None:
+            self.bias += db
+
+    def results(self, shape, weight, bias) -> tuple:
+        """``(grad_x, grad_weight, grad_bias)``, each None where not wanted."""
+        return (
+            None if self.x is None else self.x.view(shape),
+            None if self.weight is None else self.weight.to(weight.dtype),
+            None if self.bias is None else self.bias.to(bias.dtype),
+        )
+
+
 class _NormMlp(torch.autograd.Function):
     """``fc2(gelu(fc1(layer_norm(x))))`` (LayerNorm optional) that saves ``x``, the LayerNorm
     statistics and ``h = fc1(...)`` for backward, not the LayerNorm or GELU outputs.
@@ -79,8 +113,7 @@ class _NormMlp(torch.autograd.Function):
         def zeros(shape, needed):
             return rows.new_zeros(shape, dtype=acc) if needed else None
 
-        grad_x = torch.empty_like(rows) if needs[0] else None
-        grad_nw, grad_nb = zeros(channels, needs[1]), zeros(channels, needs[2])
+        norm_grads = _NormGrads(rows, needs[:3], acc)
         grad_w1, grad_b1 = zeros(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
         grad_w2 = zeros(w2.shape, needs[6])
         below_fc1 = any(needs[:3])
@@ -100,24 +133,11 @@ class _NormMlp(torch.autograd.Function):
                 _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype))
             if not below_fc1:
                 continue
-            grad_normed = (grad_h @ w1c).to(x.dtype)
-            if norm_weight is None:
-                grad_x[part] = grad_normed
-                continue
-            dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-                grad_normed, rows[part], (channels,), mean[part], rstd[part], norm_weight, norm_bias, list(needs[:3])
-            )
-            if grad_x is not None:
-                grad_x[part] = dx
-            if grad_nw is not None:
-                grad_nw += dnw
-            if grad_nb is not None:
-                grad_nb += dnb
+            stats = None if norm_weight is None else (mean[part], rstd[part])
+            norm_grads.add(part, (grad_h @ w1c).to(x.dtype), stats, norm_weight, norm_bias)
         b1_dtype, b2_dtype = ctx.bias_dtypes
         return (
-            None if grad_x is None else grad_x.view(x.shape),
-            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
-            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
+            *norm_grads.results(x.shape, norm_weight, norm_bias),
             None,
             None if grad_w1 is None else grad_w1.to(w1.dtype),
             None if grad_b1 is None else grad_b1.to(b1_dtype),
@@ -187,8 +207,7 @@ class _NormLinear(torch.autograd.Function):
         if layout is not None:
             src = batched_rows(layout.inverse, x.shape[0], layout.index.numel())
         below = any(needs[:3])
-        grad_x = torch.empty_like(rows) if needs[0] else None
-        grad_nw, grad_nb = (rows.new_zeros(channels, dtype=acc) if n else None for n in needs[1:3])
+        norm_grads = _NormGrads(rows, needs[:3], acc)
         grad_w = rows.new_zeros(weight.shape, dtype=acc) if needs[4] else None
         grad_b = rows.new_zeros(grad_rows.shape[-1], dtype=acc) if needs[5] else None
         weight_c = weight.to(dtype)
@@ -199,24 +218,13 @@ class _NormLinear(torch.autograd.Function):
             normed, mean, rstd = torch.native_layer_norm(rows[part], (channels,), norm_weight, norm_bias, ctx.eps)
             if grad_w is not None:
                 _accumulate_mm(grad_w, g.t(), normed.to(dtype))
-            if not below:
-                continue
-            dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-                (g @ weight_c).to(x.dtype), rows[part], (channels,), mean, rstd, norm_weight, norm_bias, list(needs[:3])
-            )
-            if grad_x is not None:
-                grad_x[part] = dx
-            if grad_nw is not None:
-                grad_nw += dnw
-            if grad_nb is not None:
-                grad_nb += dnb
+            if below:
+                norm_grads.add(part, (g @ weight_c).to(x.dtype), (mean, rstd), norm_weight, norm_bias)
         if grad_b is not None and layout is not None and layout.has_padding:
             # Rows of padding slots hold no token, but the bias reached them too.
             grad_b += grad_rows.index_select(0, _pad_rows(layout, x.shape[0])).sum(0, dtype=acc)
         return (
-            None if grad_x is None else grad_x.view(x.shape),
-            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
-            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
+            *norm_grads.results(x.shape, norm_weight, norm_bias),
             None,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(ctx.bias_dtype),
