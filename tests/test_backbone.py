@@ -306,6 +306,33 @@ def test_checkpointing_gives_same_gradients():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def test_stochastic_depth_and_dropout_training():
+    # Dropped paths, dropout and attention dropout in training: the residuals (added in place
+    # into the branch outputs) still backpropagate; eval ignores the rates entirely.
+    torch.manual_seed(0)
+    rates = dict(drop_path_rate=0.5, drop_rate=0.1, attn_drop_rate=0.1)
+    model = SwinBackbone(**small_arch(**rates))
+    model.init_weights()
+    plain = SwinBackbone(**small_arch())
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 45, 37)
+    before = x.clone()
+    model.train()
+    first = model(x)
+    sum((o * o).mean() for o in first).backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        again = model(x)
+    assert any(not torch.equal(a, b) for a, b in zip(first, again))  # stochastic in training
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        for a, b in zip(model(x), plain(x)):
+            torch.testing.assert_close(a, b)
+    assert torch.equal(x, before)  # the input is never written to
+
+
 # ---------------------------------------------------------------- precision
 def test_bf16_autocast_and_pure_bf16():
     model = SwinBackbone(**small_arch()).eval()
