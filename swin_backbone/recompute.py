@@ -4,9 +4,11 @@ In a Swin block, autograd keeps both the input and the output of every LayerNorm
 is the next linear's input) and both the input and the output of the GELU. The LayerNorm and
 GELU outputs are one elementwise pass away from what is kept anyway, so the functions here
 keep only the inputs and recompute the outputs in backward: a block's saved activations
-shrink by about a third, for two extra elementwise passes. Values and gradients are the
-same as the plain modules' (tested); the plain modules run whenever no gradient is needed or
-while ``torch.compile`` traces (inductor makes its own choices there).
+shrink by about a third, for two extra elementwise passes. On CPU their backward passes run
+in cache-sized row chunks (chunked.py), recomputing each chunk right where it is used.
+Values and gradients are the same as the plain modules' (tested); the plain modules run
+whenever no gradient is needed or while ``torch.compile`` traces (inductor makes its own
+choices there).
 """
 from __future__ import annotations
 
