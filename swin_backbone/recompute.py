@@ -4,9 +4,10 @@ In a Swin block, autograd keeps both the input and the output of every LayerNorm
 is the next linear's input) and both the input and the output of the GELU. The LayerNorm and
 GELU outputs are one elementwise pass away from what is kept anyway, so the functions here
 keep only the inputs and recompute the outputs in backward: a block's saved activations
-shrink by about a third, for two extra elementwise passes. On CPU their backward passes run
-in cache-sized row chunks (chunked.py), recomputing each chunk right where it is used.
-Values and gradients are the same as the plain modules' (tested); the plain modules run
+shrink by about a third, for two extra elementwise passes. On CPU the MLP's GELU -> fc2
+forward and its whole backward run in cache-sized row chunks (chunked.py), recomputing each
+chunk right where it is used. (Chunking the norm -> qkv backward the same way measured faster
+alone but not inside a training step, so it runs on whole tensors.) Values and gradients are the same as the plain modules' (tested); the plain modules run
 whenever no gradient is needed or while ``torch.compile`` traces (inductor makes its own
 choices there).
 """
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .chunked import chunk_rows, chunk_slices
-from .windows import WindowLayout, batched_rows, window_partition
+from .windows import WindowLayout, window_partition
 
 
 def grad_needed(*tensors: torch.Tensor) -> bool:
@@ -35,6 +36,19 @@ def _saves_memory(*tensors: torch.Tensor) -> bool:
 def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
     """Whether the hand-written LayerNorm backward applies: an affine LayerNorm in x's dtype."""
     return isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
+
+
+def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, needs: tuple):
+    """Gradients of ``F.linear(inputs, weight, bias)`` w.r.t. ``(inputs, weight, bias)``.
+
+    Computed in ``grad``'s dtype (the forward's autocast dtype); parameter gradients are
+    returned in the parameters' dtype.
+    """
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+    grad_in = grad @ weight.to(grad.dtype) if needs[0] else None
+    grad_w = grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1]).to(grad.dtype)).to(weight.dtype) if needs[1] else None
+    grad_b = grad_2d.sum(0).to(weight.dtype) if needs[2] else None
+    return grad_in, grad_w, grad_b
 
 
 class _NormGrads:
@@ -160,78 +174,42 @@ def _row_parts(h: torch.Tensor):
     """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.chunked.chunk_rows` size
     on CPU (a cache optimisation). One slice on other devices, and for fp16/bf16, whose weight
     gradients need one fp32-accumulating matmul."""
-    return _parts(h.shape[0], h.shape[-1], h)
-
-
-def _parts(rows: int, width: int, like: torch.Tensor):
-    """Slices of ``rows`` rows, each ``(rows, width)`` piece about a chunk in ``like``'s dtype
-    (see :func:`_row_parts`)."""
-    step = chunk_rows(width, like.element_size()) if _chunked(like) else rows
-    return chunk_slices(rows, step)
-
-
-def _chunked(x: torch.Tensor) -> bool:
-    """Whether work on ``x`` runs in row chunks: CPU fp32 / fp64 (see :func:`_row_parts`)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-
-
-def _pad_rows(layout: WindowLayout, batch: int) -> torch.Tensor:
-    """Rows of the padding slots in a flattened ``(B * nW * N, ...)`` window-layout batch."""
-    return batched_rows(layout.pad_slots, batch, layout.index.numel())
+    rows = h.shape[0]
+    chunked = h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
+    return chunk_slices(rows, chunk_rows(h.shape[-1], h.element_size()) if chunked else rows)
 
 
 class _NormLinear(torch.autograd.Function):
-    """``F.linear(partition(layer_norm(x)), weight, bias)`` that saves only ``x`` for backward.
+    """``F.linear(partition(layer_norm(x)), weight, bias)`` that saves ``x`` and its statistics.
 
-    ``layout`` (optional) gathers the normalised tokens into windows. Backward runs in row
-    chunks that stay in cache on CPU (:func:`_parts`): it walks the real tokens in row-major
-    order, gathers their rows of the output gradient (``layout.inverse``), and recomputes
-    each chunk's normalised tokens and statistics for the weight gradient and the LayerNorm
-    backward; no full-size normalised, gathered or input-side gradient tensor is made
-    (measured 1.1-1.25x faster than whole tensors; chunking the forward was slower).
+    The normalised tokens (the linear's input) are recomputed in backward from ``x``, the
+    per-token mean and reciprocal std; ``layout`` (optional) gathers them into windows.
     """
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps: float, weight, bias, layout: Optional[WindowLayout]):
-        ctx.save_for_backward(x, norm_weight, norm_bias, weight)
-        ctx.eps, ctx.layout, ctx.bias_dtype = eps, layout, None if bias is None else bias.dtype
-        normed = F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
-        return F.linear(normed if layout is None else layout.to_windows(normed), weight, bias)
+        normed, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
+        tokens = normed if layout is None else layout.to_windows(normed)
+        out = F.linear(tokens, weight, bias)  # autocast applies here as for nn.Linear
+        ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
+        ctx.eps, ctx.layout = eps, layout
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, norm_weight, norm_bias, weight = ctx.saved_tensors
-        layout, needs = ctx.layout, ctx.needs_input_grad  # x, nw, nb, eps, weight, bias, layout
-        channels, dtype = x.shape[-1], grad.dtype  # grad's dtype: the forward's autocast dtype
-        acc = torch.promote_types(dtype, torch.float32)
-        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, grad.shape[-1])
-        src = None  # rows of grad for each row of x
-        if layout is not None:
-            src = batched_rows(layout.inverse, x.shape[0], layout.index.numel())
-        below = any(needs[:3])
-        norm_grads = _NormGrads(rows, needs[:3], acc)
-        grad_w = rows.new_zeros(weight.shape, dtype=acc) if needs[4] else None
-        grad_b = rows.new_zeros(grad_rows.shape[-1], dtype=acc) if needs[5] else None
-        weight_c = weight.to(dtype)
-        for part in _parts(rows.shape[0], grad_rows.shape[-1], grad_rows):
-            g = grad_rows[part] if src is None else grad_rows.index_select(0, src[part])
-            if grad_b is not None:
-                grad_b += g.sum(0, dtype=acc)
-            normed, mean, rstd = torch.native_layer_norm(rows[part], (channels,), norm_weight, norm_bias, ctx.eps)
-            if grad_w is not None:
-                _accumulate_mm(grad_w, g.t(), normed.to(dtype))
-            if below:
-                norm_grads.add(part, (g @ weight_c).to(x.dtype), (mean, rstd), norm_weight, norm_bias)
-        if grad_b is not None and layout is not None and layout.has_padding:
-            # Rows of padding slots hold no token, but the bias reached them too.
-            grad_b += grad_rows.index_select(0, _pad_rows(layout, x.shape[0])).sum(0, dtype=acc)
-        return (
-            *norm_grads.results(x.shape, norm_weight, norm_bias),
-            None,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(ctx.bias_dtype),
-            None,
+        x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        channels = (x.shape[-1],)
+        normed = torch.native_layer_norm(x, channels, norm_weight, norm_bias, ctx.eps)[0]
+        tokens = normed if ctx.layout is None else ctx.layout.to_windows(normed)
+        grad_tokens, grad_w, grad_b = _linear_backward(grad, tokens, weight, (any(needs[:3]), needs[4], needs[5]))
+        if grad_tokens is None:
+            return None, None, None, None, grad_w, grad_b, None
+        grad_normed = grad_tokens if ctx.layout is None else ctx.layout.to_tokens(grad_tokens)
+        grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
+            grad_normed.to(x.dtype), x, channels, mean, rstd, norm_weight, norm_bias, list(needs[:3])
         )
+        return grad_x, grad_nw, grad_nb, None, grad_w, grad_b, None
 
 
 def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:

@@ -29,7 +29,7 @@ def chunk_budget(request, monkeypatch):
 
 @pytest.mark.parametrize("size,shift", [(None, 0), ((14, 14), 3), ((9, 12), 3), ((9, 12), 0)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_norm_linear_matches_modules(chunk_budget, size, shift, bias):
+def test_norm_linear_matches_modules(size, shift, bias):
     norm, linear = _modules()
     if not bias:
         linear = nn.Linear(8, 12, bias=False).double()
@@ -50,7 +50,7 @@ def test_norm_linear_matches_modules(chunk_budget, size, shift, bias):
         torch.testing.assert_close(a, b)
 
 
-def test_norm_linear_gradcheck(chunk_budget):
+def test_norm_linear_gradcheck():
     norm, linear = _modules(4, 3)
     layout = build_window_layout(3, 4, 2, 1, True, torch.device("cpu"), torch.float64)
     x = torch.randn(2, 12, 4, dtype=torch.float64, requires_grad=True)
