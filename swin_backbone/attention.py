@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import chunked
-from .recompute import grad_needed
+from .chunked import grad_needed
 from .windows import WindowLayout, get_relative_position_index, window_reverse
 
 
@@ -175,14 +175,15 @@ class _RecomputedAttention(torch.autograd.Function):
         qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
         grad_qkv = torch.empty_like(qkv)
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
+        bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
         if qkv.device.type == "cpu":
             step = chunked.chunk_rows(batch * num_heads * n * n, qkv.element_size(), chunked.ATTENTION_CHUNK_BYTES)
         for part in chunked.chunk_slices(num_windows, step):
             attention_backward(
-                qkv[:, part], grad_out[:, part], delta[:, part], bias,
-                None if mask is None else mask[part], scale, grad_qkv[:, part], grad_bias,
+                qkv[:, part], grad_out[:, part], delta[:, part], bias_c,
+                None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
             )
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
@@ -205,7 +206,7 @@ def attention_backward(
         qkv: ``(B, w, N, 3, nH, d)`` queries, keys and values of ``w`` windows (a view).
         grad_out: ``(B, w, N, nH, d)`` gradient of the attention output.
         delta: ``(B, w, N, nH)`` ``rowsum(grad_out * out)`` per query and head.
-        bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None.
+        bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None; both in ``qkv``'s dtype.
         grad_qkv: ``(B, w, N, 3, nH, d)`` written with the gradient of ``qkv``.
         grad_bias: ``(nH, N, N)`` in fp32 or wider, accumulated into; None to skip.
     """
@@ -214,9 +215,9 @@ def attention_backward(
     # One contiguous (3, B, w, nH, N, d) copy, so that every matmul below is a plain bmm.
     q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).contiguous().unbind(0)
     q.mul_(scale)  # the logits then need no scaling pass
-    logits = torch.matmul(q, k.transpose(-2, -1)).add_(bias.to(dtype))
+    logits = torch.matmul(q, k.transpose(-2, -1)).add_(bias)
     if mask is not None:
-        logits += mask.unsqueeze(1).to(dtype)
+        logits += mask.unsqueeze(1)
     # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
     probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
     del logits

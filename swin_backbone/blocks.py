@@ -14,8 +14,8 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
-from .chunked import mlp_residual_
-from .recompute import grad_needed, norm_linear, norm_mlp
+from .chunked import grad_needed, mlp_residual_
+from .recompute import norm_linear, norm_mlp
 from .windows import (
     WindowLayout,
     ceil_div,

@@ -31,6 +31,11 @@ ATTENTION_CHUNK_BYTES = 4 * 2**20
 TRANSPOSE_CHUNK_BYTES = 2**20
 
 
+def grad_needed(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records ops on these tensors (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def chunk_rows(width: int, itemsize: int, budget: Optional[int] = None) -> int:
     """Rows per chunk so that a ``(rows, width)`` tensor takes about ``budget`` bytes
     (default :data:`CHUNK_BYTES`)."""
@@ -72,13 +77,14 @@ def norm_nchw(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     Without autograd on CPU the transposing copy runs a few rows of the map at a time: whole,
     its strided writes miss the cache (stage 1 at 800 x 1216: 54 ms; by rows: 11 ms).
     """
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or grad_needed(x, *norm.parameters()):
         return norm(x).permute(0, 3, 1, 2).contiguous()
     batch, height, width, channels = x.shape
     out = None
+    # (chunk_slices yields at least one slice, also for an empty map.)
     for rows in chunk_slices(height, chunk_rows(width * channels, x.element_size(), TRANSPOSE_CHUNK_BYTES)):
         part = norm(x[:, rows]).permute(0, 3, 1, 2)
         if out is None:  # dtype known only now (autocast)
             out = part.new_empty(batch, channels, height, width)
         out[:, :, rows] = part
-    return norm(x).permute(0, 3, 1, 2).contiguous() if out is None else out
+    return out

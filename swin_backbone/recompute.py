@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked import chunk_rows, chunk_slices
+from .chunked import chunk_rows, chunk_slices, grad_needed
 from .windows import WindowLayout, window_partition
-
-
-def grad_needed(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records ops on these tensors (grad mode on, one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _saves_memory(*tensors: torch.Tensor) -> bool:
@@ -49,40 +44,6 @@ def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Ten
     grad_w = grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1]).to(grad.dtype)).to(weight.dtype) if needs[1] else None
     grad_b = grad_2d.sum(0).to(weight.dtype) if needs[2] else None
     return grad_in, grad_w, grad_b
-
-
-class _NormGrads:
-    """Gradients of ``layer_norm(rows)`` (or of the identity, without a norm) w.r.t. the rows,
-    weight and bias, gathered chunk by chunk; ``needs`` says which are wanted."""
-
-    def __init__(self, rows: torch.Tensor, needs, acc: torch.dtype) -> None:
-        self.rows, self.needs = rows, list(needs)
-        self.x = torch.empty_like(rows) if needs[0] else None
-        self.weight, self.bias = (rows.new_zeros(rows.shape[-1], dtype=acc) if n else None for n in needs[1:3])
-
-    def add(self, part: slice, grad_normed: torch.Tensor, stats, weight, bias) -> None:
-        """Backward of rows ``part`` given the gradient of their normalised values and their
-        ``(mean, rstd)`` (None without a norm)."""
-        if stats is None:
-            self.x[part] = grad_normed
-            return
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            grad_normed, self.rows[part], (self.rows.shape[-1],), *stats, weight, bias, self.needs
-        )
-        if self.x is not None:
-            self.x[part] = dx
-        if self.weight is not None:
-            self.weight += dw
-        if self.bias is not None:
-            self.bias += db
-
-    def results(self, shape, weight, bias) -> tuple:
-        """``(grad_x, grad_weight, grad_bias)``, each None where not wanted."""
-        return (
-            None if self.x is None else self.x.view(shape),
-            None if self.weight is None else self.weight.to(weight.dtype),
-            None if self.bias is None else self.bias.to(bias.dtype),
-        )
 
 
 class _NormMlp(torch.autograd.Function):
@@ -129,7 +90,8 @@ class _NormMlp(torch.autograd.Function):
         def zeros(shape, needed):
             return rows.new_zeros(shape, dtype=acc) if needed else None
 
-        norm_grads = _NormGrads(rows, needs[:3], acc)
+        grad_x = torch.empty_like(rows) if needs[0] else None
+        grad_nw, grad_nb = zeros(channels, needs[1]), zeros(channels, needs[2])
         grad_w1, grad_b1 = zeros(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
         grad_w2 = zeros(w2.shape, needs[6])
         below_fc1 = any(needs[:3])
@@ -149,11 +111,24 @@ class _NormMlp(torch.autograd.Function):
                 _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype))
             if not below_fc1:
                 continue
-            stats = None if norm_weight is None else (mean[part], rstd[part])
-            norm_grads.add(part, (grad_h @ w1c).to(x.dtype), stats, norm_weight, norm_bias)
+            grad_normed = (grad_h @ w1c).to(x.dtype)
+            if norm_weight is None:
+                grad_x[part] = grad_normed
+                continue
+            dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
+                grad_normed, rows[part], (channels,), mean[part], rstd[part], norm_weight, norm_bias, list(needs[:3])
+            )
+            if grad_x is not None:
+                grad_x[part] = dx
+            if grad_nw is not None:
+                grad_nw += dnw
+            if grad_nb is not None:
+                grad_nb += dnb
         b1_dtype, b2_dtype = ctx.bias_dtypes
         return (
-            *norm_grads.results(x.shape, norm_weight, norm_bias),
+            None if grad_x is None else grad_x.view(x.shape),
+            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
+            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
             None,
             None if grad_w1 is None else grad_w1.to(w1.dtype),
             None if grad_b1 is None else grad_b1.to(b1_dtype),

@@ -393,17 +393,9 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
     else:
         # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
         # (B * L, C) rows it is a parallel row copy, ~4x faster.
-        rows = batched_rows(index, batch, length)
-        out = x.reshape(batch * length, channels).index_select(0, rows).view(batch, -1, channels)
+        rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
+        out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
     return out.index_fill_(1, pad_slots, 0) if pad else out
-
-
-def batched_rows(index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """``(K,)`` positions in a length-``L`` sequence -> ``(B * K,)`` rows of the flattened
-    ``(B * L, ...)`` batch, image by image."""
-    if batch == 1:
-        return index
-    return (index + torch.arange(0, batch * length, length, device=index.device)[:, None]).view(-1)
 
 
 def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:

@@ -176,7 +176,9 @@ def test_norm_nchw_by_rows_matches_plain(monkeypatch, shape):
         got = chunked.norm_nchw(x, norm)
     assert got.is_contiguous()
     torch.testing.assert_close(got, norm(x).permute(0, 3, 1, 2))
-    # With autograd: the plain path, and gradients flow.
+    # With autograd: the plain path, and gradients flow (to the norm alone, and to x).
+    chunked.norm_nchw(x, norm).square().sum().backward()
+    torch.testing.assert_close(norm.weight.grad, torch.autograd.grad(norm(x).square().sum(), norm.weight)[0])
     x.requires_grad_(True)
     chunked.norm_nchw(x, norm).sum().backward()
     assert x.grad is not None
