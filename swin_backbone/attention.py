@@ -280,6 +280,20 @@ def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: 
     return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 
+def _project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """``linear(tokens)`` for ``(B, L, C)`` tokens, returned as a tensor of its own.
+
+    ``F.linear`` on 3-d input returns a view of its 2-d result, and the block adds its residual
+    into this output in place: on a view, autograd records that as a copy into the base
+    (``CopySlices``), whose backward allocates, zero-fills and copies a map-sized gradient.
+    ``_unsafe_view`` is the reshape ``torch.matmul`` itself returns in this case: safe
+    because nothing else holds the 2-d result.
+    """
+    batch, length, channels = tokens.shape
+    out = linear(tokens.reshape(batch * length, channels))
+    return torch.ops.aten._unsafe_view(out, (batch, length, out.shape[-1]))
+
+
 class WindowAttention(nn.Module):
     """Weights of window attention: qkv / output projections and the bias table.
 
@@ -339,7 +353,7 @@ class WindowAttention(nn.Module):
             self.attn_drop_rate if self.training else 0.0,
             kernel,
         )
-        return self.proj_drop(self.proj(out))
+        return self.proj_drop(_project(out, self.proj))
 
     def extra_repr(self) -> str:
         return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"

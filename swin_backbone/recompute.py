@@ -90,15 +90,18 @@ class _NormMlp(torch.autograd.Function):
         def zeros(shape, needed):
             return rows.new_zeros(shape, dtype=acc) if needed else None
 
+        def empty(shape, needed):  # written by the first chunk's matmul: no zero-fill pass
+            return rows.new_empty(shape, dtype=acc) if needed else None
+
         grad_x = torch.empty_like(rows) if needs[0] else None
         grad_nw, grad_nb = zeros(channels, needs[1]), zeros(channels, needs[2])
-        grad_w1, grad_b1 = zeros(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
-        grad_w2 = zeros(w2.shape, needs[6])
+        grad_w1, grad_b1 = empty(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
+        grad_w2 = empty(w2.shape, needs[6])
         below_fc1 = any(needs[:3])
-        for part in _row_parts(h):
+        for i, part in enumerate(_row_parts(h)):
             act = F.gelu(h[part])
             if grad_w2 is not None:
-                _accumulate_mm(grad_w2, grad_rows[part].t(), act)
+                _accumulate_mm(grad_w2, grad_rows[part].t(), act, first=i == 0)
             if not (below_fc1 or needs[4] or needs[5]):
                 continue
             grad_h = torch.ops.aten.gelu_backward(grad_rows[part] @ w2c, h[part])
@@ -108,7 +111,7 @@ class _NormMlp(torch.autograd.Function):
                 normed = rows[part]
                 if norm_weight is not None:
                     normed = torch.native_layer_norm(normed, (channels,), norm_weight, norm_bias, ctx.eps)[0]
-                _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype))
+                _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype), first=i == 0)
             if not below_fc1:
                 continue
             grad_normed = (grad_h @ w1c).to(x.dtype)
@@ -137,10 +140,15 @@ class _NormMlp(torch.autograd.Function):
         )
 
 
-def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` (``out`` may be a wider accumulation dtype than ``a`` and ``b``)."""
-    if out.dtype == a.dtype:
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``out = a @ b`` if ``first``, else ``out += a @ b`` (``out`` may be a wider accumulation
+    dtype than ``a`` and ``b``)."""
+    if out.dtype == a.dtype and first:
+        torch.mm(a, b, out=out)
+    elif out.dtype == a.dtype:
         out.addmm_(a, b)
+    elif first:
+        out.copy_(a @ b)
     else:
         out += a @ b
 

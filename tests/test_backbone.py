@@ -306,6 +306,29 @@ def test_checkpointing_gives_same_gradients():
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
+def _graph_nodes(outputs):
+    """Names of every autograd node behind ``outputs``."""
+    seen, stack, names = set(), [o.grad_fn for o in outputs], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("rates", [{}, dict(drop_path_rate=0.3, drop_rate=0.1)], ids=["plain", "dropout"])
+def test_in_place_residuals_never_write_into_views(rates):
+    # A residual added in place into a view makes autograd record a copy into the view's base
+    # (CopySlices), whose backward allocates, zero-fills and copies a map-sized gradient.
+    model = SwinBackbone(**small_arch(**rates)).train()
+    names = _graph_nodes(model(torch.randn(2, 3, 45, 37)))
+    assert "AddBackward0" in names  # the residuals are in the graph ...
+    assert "CopySlices" not in names and "AsStridedBackward0" not in names  # ... not via views
+
+
 def test_stochastic_depth_and_dropout_training():
     # Dropped paths, dropout and attention dropout in training: the residuals (added in place
     # into the branch outputs) still backpropagate; eval ignores the rates entirely.
