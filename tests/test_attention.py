@@ -103,8 +103,11 @@ def test_masked_keys_get_no_weight():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("size,shift,batch", [((9, 12), 3, 2), ((9, 12), 0, 1), ((14, 21), 3, 1), ((8, 8), 3, 3)])
-def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch):
+def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch, monkeypatch):
     # Recomputing only the windows whose mask is non-zero gives the full-mask result.
+    from swin_backbone import attention
+
+    monkeypatch.setattr(attention, "RECOMPUTE_MASKED_SHARE", 1.0)  # always, at these small sizes
     torch.manual_seed(0)
     attn = WindowAttention(16, 2, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
@@ -127,14 +130,18 @@ def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch):
         assert set(layout.masked_windows.tolist()) == expected
 
 
+@pytest.mark.parametrize("share", [0.0, 1.0], ids=["per-window-bias", "masked-recompute"])
 @pytest.mark.parametrize("train", [False, True])
-def test_cpu_uses_flash_sdpa_not_math(train):
+def test_cpu_uses_flash_sdpa_not_math(train, share, monkeypatch):
     # torch silently falls back to its slow math SDPA kernel for some masks (one that requires
     # grad, even under no_grad): the backbone must reach the CPU flash kernel in eval and in
-    # training (inside the recompute kernel), including the masked-window fix-up.
+    # training (inside the recompute kernel), with a per-window bias and with the masked-window
+    # recompute.
     from torch.profiler import profile
 
-    from swin_backbone import SwinBackbone
+    from swin_backbone import SwinBackbone, attention
+
+    monkeypatch.setattr(attention, "RECOMPUTE_MASKED_SHARE", share)
 
     from .conftest import small_arch
 
