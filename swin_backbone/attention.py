@@ -147,6 +147,13 @@ def _in_layout(qkv, num_heads: int, bias, layout: WindowLayout, scale: float, dr
     )
 
 
+#: Attention probabilities of a whole layer up to this size are kept for backward instead
+#: of recomputed (CPU training; stages 3-4 of a 2 x 512 x 512 batch: 4-6 MB each). The
+#: forward then computes them with matmuls, as fast there as SDPA, and the backward skips
+#: the recomputation. At most this much more memory per block.
+KEEP_PROBS_BYTES = 8 * 2**20
+
+
 class _RecomputedAttention(torch.autograd.Function):
     """Window attention + un-partition that keeps only ``qkv`` (and its output) for backward.
 
@@ -156,18 +163,29 @@ class _RecomputedAttention(torch.autograd.Function):
     also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
     The output is kept by the next linear layer anyway, so saving it here costs nothing.
+    Small layers (:data:`KEEP_PROBS_BYTES`) keep ``P`` itself instead of recomputing it.
     """
 
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
-        out = layout.to_tokens(_in_layout(qkv, num_heads, bias, layout, scale, 0.0, "fused"))  # (B, H * W, C)
-        ctx.save_for_backward(qkv, bias, out)
+        batch, tokens, three_c = qkv.shape
+        probs = None
+        if batch * layout.num_windows * num_heads * layout.window**4 * qkv.element_size() <= KEEP_PROBS_BYTES:
+            windows = _windows(qkv, num_heads, layout)
+            mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
+            q, k, v = _split_heads(windows, scale)
+            probs = _probs(q, k, bias.detach().to(qkv.dtype), mask)
+            out = torch.matmul(probs, v).transpose(2, 3).reshape(batch, tokens, three_c // 3)
+        else:
+            out = _in_layout(qkv, num_heads, bias, layout, scale, 0.0, "fused")
+        out = layout.to_tokens(out)  # (B, H * W, C)
+        ctx.save_for_backward(qkv, bias, out, probs)
         ctx.num_heads, ctx.scale, ctx.layout = num_heads, scale, layout
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qkv, bias, out = ctx.saved_tensors
+        qkv, bias, out, probs = ctx.saved_tensors
         num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
         num_windows, mask = layout.num_windows, layout.mask
         batch, tokens, three_c = qkv.shape
@@ -181,22 +199,48 @@ class _RecomputedAttention(torch.autograd.Function):
         grad_out, delta = layout.to_windows(grad_out), layout.to_windows(delta.to(dtype))
         grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim)
         delta = delta.view(batch, num_windows, n, num_heads)
-        qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
+        qkv = _windows(qkv, num_heads, layout)
         grad_qkv = torch.empty_like(qkv)
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
-        if qkv.device.type == "cpu":
+        if qkv.device.type == "cpu" and probs is None:
             step = chunked.chunk_rows(batch * num_heads * n * n, qkv.element_size(), chunked.ATTENTION_CHUNK_BYTES)
         for part in chunked.chunk_slices(num_windows, step):
             attention_backward(
                 qkv[:, part], grad_out[:, part], delta[:, part], bias_c,
                 None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
+                None if probs is None else probs[:, part],
             )
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None
+
+
+def _windows(qkv: torch.Tensor, num_heads: int, layout: WindowLayout) -> torch.Tensor:
+    """``(B, nW * N, 3C)`` -> a ``(B, nW, N, 3, nH, d)`` view."""
+    batch, tokens, three_c = qkv.shape
+    n = tokens // layout.num_windows
+    return qkv.view(batch, layout.num_windows, n, 3, num_heads, three_c // (3 * num_heads))
+
+
+def _split_heads(qkv: torch.Tensor, scale: float):
+    """``(B, w, N, 3, nH, d)`` -> contiguous ``q * scale, k, v``, each ``(B, w, nH, N, d)``:
+    one copy, after which every attention matmul is a plain batched one."""
+    q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).contiguous().unbind(0)
+    return q.mul_(scale), k, v  # scaled q: the logits then need no scaling pass
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``softmax(q k^T + bias + mask)`` ``(B, w, nH, N, N)`` for :func:`_split_heads`' ``q, k``
+    (``mask`` ``(w, N, N)`` or None), in ``q``'s dtype (fp16 / bf16 take the softmax in fp32)."""
+    logits = torch.matmul(q, k.transpose(-2, -1)).add_(bias)
+    if mask is not None:
+        logits += mask.unsqueeze(1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
+    return logits.softmax(-1) if acc == q.dtype else torch.softmax(logits, -1, dtype=acc).to(q.dtype)
 
 
 def attention_backward(
@@ -208,8 +252,10 @@ def attention_backward(
     scale: float,
     grad_qkv: torch.Tensor,
     grad_bias: Optional[torch.Tensor],
+    probs: Optional[torch.Tensor] = None,
 ) -> None:
-    """Gradients of window attention for some windows, recomputing the probabilities.
+    """Gradients of window attention for some windows, recomputing the probabilities unless
+    given.
 
     Args:
         qkv: ``(B, w, N, 3, nH, d)`` queries, keys and values of ``w`` windows (a view).
@@ -218,18 +264,13 @@ def attention_backward(
         bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None; both in ``qkv``'s dtype.
         grad_qkv: ``(B, w, N, 3, nH, d)`` written with the gradient of ``qkv``.
         grad_bias: ``(nH, N, N)`` in fp32 or wider, accumulated into; None to skip.
+        probs: ``(B, w, nH, N, N)`` attention probabilities kept by the forward, or None.
     """
     dtype = qkv.dtype
     acc = torch.promote_types(dtype, torch.float32)
-    # One contiguous (3, B, w, nH, N, d) copy, so that every matmul below is a plain bmm.
-    q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).contiguous().unbind(0)
-    q.mul_(scale)  # the logits then need no scaling pass
-    logits = torch.matmul(q, k.transpose(-2, -1)).add_(bias)
-    if mask is not None:
-        logits += mask.unsqueeze(1)
-    # (softmax(dtype=...) takes a slower "safe softmax" path: upcast only when needed.)
-    probs = logits.softmax(-1) if acc == dtype else torch.softmax(logits, -1, dtype=acc).to(dtype)
-    del logits
+    q, k, v = _split_heads(qkv, scale)
+    if probs is None:
+        probs = _probs(q, k, bias, mask)
     grad_out = grad_out.transpose(2, 3).contiguous()  # (B, w, nH, N, d)
     grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta.transpose(2, 3).unsqueeze(-1)).mul_(probs)
     if grad_bias is not None:

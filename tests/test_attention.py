@@ -12,14 +12,17 @@ def _layout(h, w, shift, mask_padding=True):
     return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), torch.float32)
 
 
-@pytest.fixture(params=[None, 1, 3], ids=["whole", "1-window-chunks", "3-window-chunks"])
+@pytest.fixture(params=[None, 1, 3, "keep"], ids=["whole", "1-window-chunks", "3-window-chunks", "kept-probs"])
 def windows_per_chunk(request, monkeypatch):
     """Returns a setter that makes the recompute backward run this many windows per chunk
-    (given one window's logits bytes); None keeps the default budget."""
-    from swin_backbone import chunked
+    (given one window's logits bytes; None keeps the default budget), or ("keep") makes the
+    forward keep the probabilities instead."""
+    from swin_backbone import attention, chunked
+
+    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if request.param == "keep" else 0)
 
     def set_budget(window_bytes):
-        if request.param is not None:
+        if isinstance(request.param, int):
             monkeypatch.setattr(chunked, "ATTENTION_CHUNK_BYTES", request.param * window_bytes)
 
     return set_budget
@@ -142,6 +145,7 @@ def test_cpu_uses_flash_sdpa_not_math(train, share, monkeypatch):
     from swin_backbone import SwinBackbone, attention
 
     monkeypatch.setattr(attention, "RECOMPUTE_MASKED_SHARE", share)
+    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 0)  # the SDPA forward, at this small size
 
     from .conftest import small_arch
 
