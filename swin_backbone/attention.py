@@ -148,10 +148,11 @@ def _in_layout(qkv, num_heads: int, bias, layout: WindowLayout, scale: float, dr
 
 
 #: Attention probabilities of a whole layer up to this size are kept for backward instead
-#: of recomputed (CPU training; stages 3-4 of a 2 x 512 x 512 batch: 4-6 MB each). The
+#: of recomputed (CPU training; stages 2-4 of a 2 x 512 x 512 batch: 4-11 MiB each). The
 #: forward then computes them with matmuls, as fast there as SDPA, and the backward skips
-#: the recomputation. At most this much more memory per block.
-KEEP_PROBS_BYTES = 8 * 2**20
+#: the recomputation (in situ: stage-2 backward 60 -> 42 ms, stage 3 101 -> 77 ms). Costs at
+#: most this much more memory per block (66 MiB in all at 2 x 512 x 512).
+KEEP_PROBS_BYTES = 12 * 2**20
 
 
 class _RecomputedAttention(torch.autograd.Function):
