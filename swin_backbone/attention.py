@@ -6,7 +6,8 @@ only owns the weights. Three interchangeable kernels compute it:
 * ``fused``: ``F.scaled_dot_product_attention`` with the bias (+ mask) as an additive float mask;
 * ``plain``: ``softmax(q @ k^T * scale + bias) @ v`` with autograd's own graph;
 * ``recompute``: the fused forward, and a hand-written backward that recomputes the attention
-  probabilities from ``qkv`` (:class:`_RecomputedAttention`).
+  probabilities from ``qkv`` (:class:`_RecomputedAttention`; layers small enough compute the
+  probabilities with matmuls and keep them instead).
 
 On CPU the fused kernel is only fast when the mask does not require grad (else torch silently
 falls back to its slow math kernel, see shared/PERFORMANCE.md), and its backward gives no bias
@@ -170,8 +171,9 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
         batch, tokens, three_c = qkv.shape
+        n = layout.window**2  # tokens per window
         probs = None
-        if batch * layout.num_windows * num_heads * layout.window**4 * qkv.element_size() <= KEEP_PROBS_BYTES:
+        if batch * layout.num_windows * num_heads * n * n * qkv.element_size() <= KEEP_PROBS_BYTES:
             windows = _windows(qkv, num_heads, layout)
             mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
             q, k, v = _split_heads(windows, scale)
