@@ -170,15 +170,14 @@ class _RecomputedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
-        batch, tokens, three_c = qkv.shape
-        n = layout.window**2  # tokens per window
+        windows = _windows(qkv, num_heads, layout)  # (B, nW, N, 3, nH, d)
+        batch, num_windows, n = windows.shape[:3]
         probs = None
-        if batch * layout.num_windows * num_heads * n * n * qkv.element_size() <= KEEP_PROBS_BYTES:
-            windows = _windows(qkv, num_heads, layout)
+        if batch * num_windows * num_heads * n * n * qkv.element_size() <= KEEP_PROBS_BYTES:
             mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
             q, k, v = _split_heads(windows, scale)
-            probs = _probs(q, k, bias.detach().to(qkv.dtype), mask)
-            out = torch.matmul(probs, v).transpose(2, 3).reshape(batch, tokens, three_c // 3)
+            probs = _probs(q, k, bias.to(qkv.dtype), mask)
+            out = torch.matmul(probs, v).transpose(2, 3).reshape(batch, num_windows * n, -1)
         else:
             out = _in_layout(qkv, num_heads, bias, layout, scale, 0.0, "fused")
         out = layout.to_tokens(out)  # (B, H * W, C)

@@ -12,6 +12,16 @@ def _seed():
     yield
 
 
+@pytest.fixture(params=["kept-probs", "recomputed-probs"])
+def attention_probs(request, monkeypatch):
+    """Runs a test twice: CPU training attention keeping its probabilities in every layer, and
+    recomputing them in backward in every layer (at test sizes all layers would keep them)."""
+    from swin_backbone import attention
+
+    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if request.param == "kept-probs" else 0)
+    return request.param
+
+
 def small_arch(**kw):
     """A fast Swin config for tests: real structure, fewer channels and blocks."""
     cfg = dict(arch=None, embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16), drop_path_rate=0.0)

@@ -99,16 +99,12 @@ def test_parity_with_reference(lib):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=f"{lib} at {size}")
 
 
-@pytest.mark.parametrize("keep_probs", [True, False], ids=["kept-probs", "recomputed-probs"])
 @pytest.mark.parametrize("size", [(65, 97), (224, 224)])
-def test_training_gradients_match_reference(size, keep_probs, monkeypatch):
+def test_training_gradients_match_reference(size, attention_probs):
     # Train mode, grad enabled: every memory-saving backward (attention with kept or
     # recomputed probabilities, norm+linear, GELU+linear, window gathers) against autograd
     # through mmdet's plain modules.
-    from swin_backbone import attention
     from swin_backbone.checkpoint.formats import mmdet_to_ours
-
-    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if keep_probs else 0)
 
     arch = dict(embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 4, 8), window_size=7)
     ref = _reference("mmdet", **arch, drop_path_rate=0.0)
@@ -378,11 +374,7 @@ def test_bf16_autocast_and_pure_bf16():
         assert (p.float() - r).abs().mean() < 0.1 * r.abs().mean()
 
 
-@pytest.mark.parametrize("keep_probs", [True, False], ids=["kept-probs", "recomputed-probs"])
-def test_bf16_autocast_training_step(keep_probs, monkeypatch):
-    from swin_backbone import attention
-
-    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if keep_probs else 0)
+def test_bf16_autocast_training_step(attention_probs):
     model = SwinBackbone(**small_arch())
     model.init_weights()
     model.train()
