@@ -4,10 +4,10 @@ Importing the package registers :class:`SwinBackbone` in the ``MODELS`` registry
 installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs can use
 ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
 """
-from .backbone import ARCH_SETTINGS, SwinBackbone
+from .model.backbone import ARCH_SETTINGS, SwinBackbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
-from .registry import register
-from .windows import clear_caches
+from .mmlab.registry import register
+from .ops.windows import clear_caches
 
 __version__ = "0.1.0"
 

@@ -93,7 +93,7 @@ class FeatureExtractor:
     def from_arch(cls, arch: str = "tiny", checkpoint: Optional[str] = None, window_size: int = 7,
                   out_indices: Sequence[int] = (0, 1, 2, 3), **kwargs) -> "FeatureExtractor":
         """A SwinBackbone preset (+ a checkpoint of any supported format)."""
-        from .backbone import SwinBackbone
+        from .model.backbone import SwinBackbone
         from .checkpoint import load_checkpoint
 
         backbone = SwinBackbone(arch=arch, window_size=window_size, out_indices=out_indices, drop_path_rate=0.0)
@@ -109,7 +109,7 @@ class FeatureExtractor:
         from mmengine.config import Config
         from mmengine.registry import DefaultScope, init_default_scope
 
-        from .runner import config_scope
+        from .mmlab.runner import config_scope
 
         cfg = Config.fromfile(config)
         scope = config_scope(cfg)

@@ -4,8 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from swin_backbone.attention import KERNELS, WindowAttention, attention_to_tokens, choose_kernel, window_attention
-from swin_backbone.windows import build_window_layout
+from swin_backbone.model.attention import WindowAttention
+from swin_backbone.ops.attention import KERNELS, attention_to_tokens, choose_kernel, window_attention
+from swin_backbone.ops.windows import build_window_layout
 
 
 def _layout(h, w, shift, mask_padding=True):

@@ -3,9 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from swin_backbone.blocks import Mlp
-from swin_backbone.recompute import _NormLinear, norm_linear, norm_mlp
-from swin_backbone.windows import build_window_layout, window_partition
+from swin_backbone.model.blocks import Mlp
+from swin_backbone.ops.recompute import _NormLinear, norm_linear, norm_mlp
+from swin_backbone.ops.windows import build_window_layout, window_partition
 
 
 def _modules(c_in=8, c_out=12, dtype=torch.float64):
@@ -140,7 +140,7 @@ def test_memory_saving_mlp_under_bf16_autocast():
 
 @pytest.mark.parametrize("rows", [0, 1, 10])
 def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
-    from swin_backbone.chunked import mlp_residual_
+    from swin_backbone.ops.chunked import mlp_residual_
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
@@ -153,7 +153,7 @@ def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
 
 
 def test_chunked_mlp_residual_under_autocast():
-    from swin_backbone.chunked import mlp_residual_
+    from swin_backbone.ops.chunked import mlp_residual_
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
@@ -186,7 +186,7 @@ def test_norm_nchw_by_rows_matches_plain(monkeypatch, shape):
 
 @pytest.mark.parametrize("total,step", [(0, 4), (1, 4), (2048, 1365), (32768, 5461), (10, 3), (10, 10), (10, 1)])
 def test_chunk_slices_cover_evenly(total, step):
-    from swin_backbone.chunked import chunk_slices
+    from swin_backbone.ops.chunked import chunk_slices
 
     parts = chunk_slices(total, step)
     covered = [i for p in parts for i in range(total)[p]]

@@ -64,7 +64,7 @@ def convert_file(
     strict: bool = False,
 ) -> LoadReport:
     """Read ``src`` (any format), load it into a matching SwinBackbone, save ``dst`` as ``to``."""
-    from ..backbone import SwinBackbone
+    from ..model.backbone import SwinBackbone
 
     if to not in FROM_OURS:
         raise ValueError(f"to: expected one of {sorted(FROM_OURS)}, got {to!r}")

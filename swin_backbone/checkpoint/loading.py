@@ -13,7 +13,7 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
-from ..compat import allow_mmengine_checkpoints
+from ..mmlab.compat import allow_mmengine_checkpoints
 from .formats import CheckpointError, StateDict, describe_keys, detect_format, to_ours, unwrap_state_dict
 from .resize import (
     adapt_patch_embed_channels,

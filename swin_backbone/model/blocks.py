@@ -14,9 +14,9 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from .attention import WindowAttention
-from .chunked import grad_needed, mlp_residual_
-from .recompute import norm_linear, norm_mlp
-from .windows import (
+from ..ops.chunked import grad_needed, mlp_residual_
+from ..ops.recompute import norm_linear, norm_mlp
+from ..ops.windows import (
     WindowLayout,
     ceil_div,
     effective_window,
@@ -51,7 +51,7 @@ class Mlp(nn.Module):
     """Two-layer feed-forward network (``fc1 -> GELU -> drop -> fc2 -> drop``).
 
     In training without dropout it keeps only its input (and ``fc1``'s output) for backward
-    (:func:`~swin_backbone.recompute.norm_mlp`); the numbers are the same.
+    (:func:`~swin_backbone.ops.recompute.norm_mlp`); the numbers are the same.
     """
 
     def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
@@ -92,7 +92,7 @@ class SwinBlock(nn.Module):
     """Pre-norm (shifted-)window attention + MLP, each with a residual and stochastic depth.
 
     The block itself holds no size-dependent state: the stage hands it a
-    :class:`~swin_backbone.windows.WindowLayout` with the gather indices and mask.
+    :class:`~swin_backbone.ops.windows.WindowLayout` with the gather indices and mask.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
 from .blocks import PatchEmbed, SwinStage
-from .chunked import norm_nchw
+from ..ops.chunked import norm_nchw
 from .validation import check_config, check_input
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
@@ -200,7 +200,7 @@ class SwinBackbone(BaseModule):
                 logger="current",
             )
         # Late import: the checkpoint package imports this module's ARCH_SETTINGS.
-        from .checkpoint.hooks import register_state_dict_hooks
+        from ..checkpoint.hooks import register_state_dict_hooks
 
         register_state_dict_hooks(self)
         self._freeze_stages()

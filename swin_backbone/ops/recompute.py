@@ -154,7 +154,7 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
 
 
 def _row_parts(h: torch.Tensor):
-    """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.chunked.chunk_rows` size
+    """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.ops.chunked.chunk_rows` size
     on CPU (a cache optimisation). One slice on other devices, and for fp16/bf16, whose weight
     gradients need one fp32-accumulating matmul."""
     rows = h.shape[0]
