@@ -13,13 +13,13 @@ def _seed():
 
 
 @pytest.fixture(params=["kept-probs", "recomputed-probs"])
-def attention_probs(request, monkeypatch):
+def attention_probs(request):
     """Runs a test twice: CPU training attention keeping its probabilities in every layer, and
     recomputing them in backward in every layer (at test sizes all layers would keep them)."""
-    from swin_backbone import attention
+    from swin_backbone import ops
 
-    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if request.param == "kept-probs" else 0)
-    return request.param
+    with ops.override(keep_probs_bytes=2**40 if request.param == "kept-probs" else 0):
+        yield request.param
 
 
 def small_arch(**kw):

@@ -1,161 +1,161 @@
-"""The fused (SDPA), plain and recompute attention kernels agree, in values and gradients."""
-import dataclasses
-
+"""The window-attention implementations (SDPA, plain, CPU recompute) agree, in values and
+gradients, with every masked-window strategy and every backward mode."""
 import pytest
 import torch
 
+from swin_backbone import ops
 from swin_backbone.model.attention import WindowAttention
-from swin_backbone.ops.attention import KERNELS, attention_to_tokens, choose_kernel, window_attention
-from swin_backbone.ops.windows import build_window_layout
+from swin_backbone.ops.attention import per_window_bias, relative_position_bias, sdpa_ready, window_attention
+from swin_backbone.ops.windows import build_window_layout, relative_position_index
+
+KERNELS = ("sdpa", "plain", "recompute")
 
 
-def _layout(h, w, shift, mask_padding=True):
-    return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), torch.float32)
+def _layout(h, w, shift, mask_padding=True, dtype=torch.float64):
+    return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), dtype)
 
 
 @pytest.fixture(params=[None, 1, 3, "keep"], ids=["whole", "1-window-chunks", "3-window-chunks", "kept-probs"])
-def windows_per_chunk(request, monkeypatch):
-    """Returns a setter that makes the recompute backward run this many windows per chunk
-    (given one window's logits bytes; None keeps the default budget), or ("keep") makes the
-    forward keep the probabilities instead."""
-    from swin_backbone import attention, chunked
+def backward_mode(request):
+    """``(keep_probs_bytes, chunk_bytes)`` for the recompute kernel, given one window's logits
+    bytes: whole-tensor backward, 1- and 3-window groups, or probabilities kept by the forward."""
 
-    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 2**40 if request.param == "keep" else 0)
+    def settings(window_bytes):
+        if request.param == "keep":
+            return 2**40, 0
+        if request.param is None:
+            return 0, 0
+        return 0, 2 * request.param * window_bytes  # the backward's groups take chunk_bytes / 2
 
-    def set_budget(window_bytes):
-        if isinstance(request.param, int):
-            monkeypatch.setattr(chunked, "ATTENTION_CHUNK_BYTES", request.param * window_bytes)
+    return settings
 
-    return set_budget
+
+def _attend(attn, x, layout, kernel, fixup, keep, chunk):
+    """The attention module's computation with a plan forcing these choices (no norm)."""
+    plan = ops.plan_for(
+        x, grad=True, attention=kernel, save_memory=False, keep_probs_bytes=keep, chunk_bytes=chunk,
+        fixup_share=1.0 if fixup else 0.0, project_first_padding=float("inf"),
+    )
+    return attn(x, torch.nn.Identity(), layout, plan)
 
 
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
-def test_kernels_agree_forward_and_backward(size, shift, windows_per_chunk):
-    windows_per_chunk(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
+@pytest.mark.parametrize("fixup", [False, True], ids=["per-window-bias", "masked-fixup"])
+def test_kernels_agree_forward_and_backward(size, shift, fixup, backward_mode):
+    keep, chunk = backward_mode(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
     layout = _layout(*size, shift)
-    x = torch.randn(2, layout.index.numel(), 32, dtype=torch.float64)
-    grads = {}
-    outs = {}
+    x = torch.randn(2, size[0] * size[1], 32, dtype=torch.float64)
+    grads, outs = {}, {}
     for kernel in KERNELS:
         attn.zero_grad()
         xi = x.clone().requires_grad_(True)
-        mask = None if layout.mask is None else layout.mask.double()
-        out = attn(xi, dataclasses.replace(layout, mask=mask), kernel=kernel)
+        out = _attend(attn, xi, layout, kernel, fixup, keep, chunk)
         out.square().sum().backward()
         outs[kernel] = out.detach()
         grads[kernel] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
-    for kernel in ("fused", "recompute"):
-        torch.testing.assert_close(outs[kernel], outs["plain"])
-        for a, b in zip(grads[kernel], grads["plain"]):
+    # The reference: plain kernel, one per-window bias, autograd's graph.
+    attn.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    ref = _attend(attn, xi, layout, "plain", False, 0, 0)
+    ref.square().sum().backward()
+    ref_grads = (xi.grad, attn.relative_position_bias_table.grad, attn.qkv.weight.grad)
+    for kernel in KERNELS:
+        torch.testing.assert_close(outs[kernel], ref.detach())
+        for a, b in zip(grads[kernel], ref_grads):
             torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("size,shift,mask_padding", [((4, 6), 0, False), ((3, 5), 1, True), ((4, 4), 1, False)])
-def test_recompute_kernel_gradcheck(size, shift, mask_padding, windows_per_chunk):
+def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     # The hand-written backward against finite differences, for qkv and the bias, with no
     # mask, with shift + padding masks, and with a shift mask alone.
     torch.manual_seed(0)
     heads, d, window = 2, 3, 2
-    windows_per_chunk(2 * heads * window**4 * 8)
+    keep, chunk = backward_mode(2 * heads * window**4 * 8)
     layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64)
     assert (layout.mask is None) == (shift == 0 and not mask_padding)
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
     def fn(qkv, bias):
-        return attention_to_tokens(qkv, heads, bias, layout, d**-0.5, kernel="recompute")
+        return window_attention(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, keep, chunk)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
 
-def test_kernel_choice():
-    q = torch.zeros(1, 1, 4, 2)
-    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
-    assert choose_kernel(q, bias) == "recompute"  # CPU training: SDPA forward, own backward
-    assert choose_kernel(q, bias, dropout_p=0.1) == "plain"  # dropout needs autograd's graph
-    with torch.no_grad():
-        assert choose_kernel(q, bias) == "fused"
-    assert choose_kernel(q, bias.detach()) == "fused"
+def test_bad_kernel_arguments_raise():
     layout = _layout(7, 7, 0)
     qkv, bias = torch.zeros(1, 49, 6), torch.zeros(1, 49, 49)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        attention_to_tokens(qkv, 1, bias, layout, 1.0, kernel="flash")
-    with pytest.raises(ValueError, match="kernel must be 'fused', 'plain'"):
-        window_attention(qkv, 1, 1, bias, None, 1.0, kernel="recompute")
+    with pytest.raises(ValueError, match="kernel: expected 'sdpa', 'plain' or 'recompute', got 'flash'"):
+        window_attention(qkv, bias, layout, 1, 1.0, kernel="flash")
     with pytest.raises(ValueError, match="dropout_p=0.5"):
-        attention_to_tokens(qkv, 1, bias, layout, 1.0, 0.5, kernel="recompute")
+        window_attention(qkv, bias, layout, 1, 1.0, 0.5, kernel="recompute")
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        ops.plan_for(qkv, attention="flash")
 
 
 def test_masked_keys_get_no_weight():
-    # A key in another region contributes nothing: changing its value leaves the output alone.
+    # A key in another region contributes nothing: changing its value leaves its region's
+    # outputs alone (shifted 14x14 map: the last window column mixes regions).
     torch.manual_seed(0)
-    n, heads, d = 4, 1, 2
-    mask = torch.zeros(1, n, n)
-    mask[0, :2, 2:] = -100
-    mask[0, 2:, :2] = -100
-    qkv = torch.randn(1, n, 3 * heads * d)
-    bias = torch.zeros(heads, n, n)
-    base = window_attention(qkv, heads, 1, bias, mask, d**-0.5)
+    layout = _layout(14, 14, 3, dtype=torch.float32)
+    heads, d = 1, 2
+    qkv = torch.randn(1, layout.index.numel(), 3 * heads * d)
+    bias = torch.zeros(heads, 49, 49)
+    base = window_attention(qkv, bias, layout, heads, d**-0.5)
+    win = int(layout.masked_windows[0])
+    mask = layout.mask[win]
+    query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
+    other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
     qkv2 = qkv.clone()
-    qkv2[0, 3, 2 * d :] += 10.0  # change value of token 3 (region 1)
-    out2 = window_attention(qkv2, heads, 1, bias, mask, d**-0.5)
-    torch.testing.assert_close(out2[0, :2], base[0, :2])
+    qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
+    out2 = window_attention(qkv2, bias, layout, heads, d**-0.5)
+    token = int(layout.index[win * 49 + query])  # the query's row-major position
+    torch.testing.assert_close(out2[0, token], base[0, token])
+    assert not torch.allclose(out2, base)  # the changed value does reach its own region
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("size,shift,batch", [((9, 12), 3, 2), ((9, 12), 0, 1), ((14, 21), 3, 1), ((8, 8), 3, 3)])
-def test_masked_window_fixup_equals_full_mask(kernel, size, shift, batch, monkeypatch):
-    # Recomputing only the windows whose mask is non-zero gives the full-mask result.
-    from swin_backbone import attention
-
-    monkeypatch.setattr(attention, "RECOMPUTE_MASKED_SHARE", 1.0)  # always, at these small sizes
-    torch.manual_seed(0)
-    attn = WindowAttention(16, 2, 7).double()
-    torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
-    layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float64)
-    assert layout.masked_windows is not None and 0 < layout.masked_windows.numel() < layout.num_windows + 1
-    full = dataclasses.replace(layout, masked_windows=None, window_masks=None)
-    x = torch.randn(batch, layout.index.numel(), 16, dtype=torch.float64)
-    results = []
-    for lay in (layout, full):
-        attn.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        out = attn(xi, lay, kernel=kernel)
-        out.square().sum().backward()
-        results.append((out.detach(), xi.grad, attn.relative_position_bias_table.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b)
-    if size[0] % 7 == 0 and size[1] % 7 == 0:  # no padding: only the last row / column of windows
-        n_h, n_w = size[0] // 7, size[1] // 7
-        expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
-        assert set(layout.masked_windows.tolist()) == expected
+def test_relative_position_bias_gathers_the_table():
+    table = torch.randn(13 * 13, 3)
+    bias = relative_position_bias(table, 7, 7)
+    assert bias.shape == (3, 49, 49) and bias.is_contiguous()
+    ref = table[relative_position_index(7, 7, table.device)].view(49, 49, 3).permute(2, 0, 1)
+    torch.testing.assert_close(bias, ref)
+    sub = relative_position_bias(table, 3, 7)  # a smaller window reads a subset exactly
+    torch.testing.assert_close(sub, table[relative_position_index(3, 7, table.device)].view(9, 9, 3).permute(2, 0, 1))
 
 
-@pytest.mark.parametrize("share", [0.0, 1.0], ids=["per-window-bias", "masked-recompute"])
-@pytest.mark.parametrize("train", [False, True])
-def test_cpu_uses_flash_sdpa_not_math(train, share, monkeypatch):
-    # torch silently falls back to its slow math SDPA kernel for some masks (one that requires
-    # grad, even under no_grad): the backbone must reach the CPU flash kernel in eval and in
-    # training (inside the recompute kernel), with a per-window bias and with the masked-window
-    # recompute.
-    from torch.profiler import profile
+def test_sdpa_ready_casts_and_aligns_rows():
+    bias = torch.randn(3, 49, 49, requires_grad=True)
+    assert sdpa_ready(bias, torch.float32, align=False) is bias
+    assert sdpa_ready(bias, torch.bfloat16, align=False).dtype == torch.bfloat16
+    ready = sdpa_ready(bias, torch.float32, align=True)
+    assert ready.stride() == (49 * 56, 56, 1)
+    torch.testing.assert_close(ready, bias)
+    ready.sum().backward()  # differentiable: the bias gradient flows through the padding
+    torch.testing.assert_close(bias.grad, torch.ones_like(bias))
+    aligned = torch.zeros(2, 3, 8, 8)
+    assert sdpa_ready(aligned, torch.float32, align=True) is aligned  # nothing to do
 
-    from swin_backbone import SwinBackbone, attention
 
-    monkeypatch.setattr(attention, "RECOMPUTE_MASKED_SHARE", share)
-    monkeypatch.setattr(attention, "KEEP_PROBS_BYTES", 0)  # the SDPA forward, at this small size
+@pytest.mark.parametrize("size,shift", [((9, 12), 3), ((14, 14), 3), ((5, 5), 0)])
+def test_per_window_bias_aligned_equals_plain_sum(size, shift):
+    bias = torch.randn(2, 49, 49, requires_grad=True)
+    for align in (False, True):
+        layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float32, align)
+        out = per_window_bias(layout.mask, bias, torch.float32, align)
+        torch.testing.assert_close(out, layout.mask[:, None] + bias)
+        if align:
+            assert layout.mask.stride()[-2:] == (56, 1) and out.stride()[-2:] == (56, 1)
+            assert all(st % 8 == 0 for st in out.stride()[:-1])
 
-    from .conftest import small_arch
 
-    model = SwinBackbone(**small_arch()).train(train)
-    x = torch.randn(2, 3, 61, 75)
-    with torch.set_grad_enabled(train), profile() as prof:
-        outs = model(x)
-    names = {e.key for e in prof.key_averages()}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
-    assert "aten::_scaled_dot_product_attention_math" not in names
-    if train:
-        sum(o.sum() for o in outs).backward()
+def test_masked_windows_are_the_last_row_and_column():
+    # Without padding only the last row / column of windows mixes shift regions.
+    layout = _layout(14, 21, 3)
+    n_h, n_w = 2, 3
+    expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
+    assert set(layout.masked_windows.tolist()) == expected

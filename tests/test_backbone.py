@@ -7,7 +7,7 @@ import torch
 
 import swin_backbone
 from swin_backbone import SwinBackbone
-from swin_backbone import windows as W
+from swin_backbone.ops import windows as W
 
 from .conftest import small_arch
 
@@ -138,29 +138,27 @@ def test_training_gradients_match_reference(size, attention_probs):
 
 
 @pytest.mark.parametrize("train", [False, True])
-def test_projecting_before_partition_changes_nothing(train, monkeypatch):
+def test_projecting_before_partition_changes_nothing(train):
     # With padding masked, the qkv projection may run before the window partition (padding
     # rows then hold zeros, not the qkv bias): outputs and gradients must not change.
-    from swin_backbone import blocks
+    from swin_backbone import ops
 
     torch.manual_seed(0)
     model = SwinBackbone(**small_arch()).double().train(train)
     x = torch.randn(2, 3, 61, 75, dtype=torch.float64)
     results = []
-    for break_even in (0, 10**9):  # always / never project first
-        monkeypatch.setattr(blocks, "PROJECT_FIRST_BREAK_EVEN", break_even)
-        model.zero_grad()
-        with torch.set_grad_enabled(train):
-            outs = model(x)
+    for threshold in (0.0, float("inf")):  # always / never project first
+        with ops.override(project_first_padding=threshold):
+            model.zero_grad()
+            with torch.set_grad_enabled(train):
+                outs = model(x)
+            plan = ops.plan_for(x)
         grads = []
         if train:
             sum((o * o).sum() for o in outs).backward()
             grads = [p.grad.clone() for p in model.parameters()]
         results.append((outs, grads))
-    layout = model.stages[0].layouts(16, 19, x)[1]
-    assert layout.has_padding and blocks.project_before_partition(layout, 16) is False  # break-even 10**9
-    monkeypatch.setattr(blocks, "PROJECT_FIRST_BREAK_EVEN", 0)
-    assert blocks.project_before_partition(layout, 16) is True
+        assert plan.project_first(1, 100, 16) == (threshold == 0.0)
     for a, b in zip(results[0][0], results[1][0]):
         torch.testing.assert_close(a, b)
     for a, b in zip(results[0][1], results[1][1]):

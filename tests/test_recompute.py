@@ -17,14 +17,13 @@ def _modules(c_in=8, c_out=12, dtype=torch.float64):
     return norm, linear
 
 
-@pytest.fixture(params=["default", "tiny"])
-def chunk_budget(request, monkeypatch):
-    """Run with the default chunk size and with 3 rows of 32 float64 per chunk (ragged end)."""
-    from swin_backbone import chunked
+@pytest.fixture(params=["whole", "default", "tiny"])
+def chunk_budget(request):
+    """Chunk bytes: whole tensors, the planner's CPU size, and 3 rows of 32 float64 per chunk
+    (ragged end)."""
+    from swin_backbone.ops.planner import cpu_chunk_bytes
 
-    if request.param == "tiny":
-        monkeypatch.setattr(chunked, "CHUNK_BYTES", 3 * 32 * 8)
-    return request.param
+    return {"whole": 0, "default": cpu_chunk_bytes(), "tiny": 3 * 32 * 8}[request.param]
 
 
 @pytest.mark.parametrize("size,shift", [(None, 0), ((14, 14), 3), ((9, 12), 3), ((9, 12), 0)])
@@ -61,15 +60,15 @@ def test_norm_linear_gradcheck():
     assert torch.autograd.gradcheck(fn, (x, norm.weight, norm.bias, linear.weight, linear.bias))
 
 
-def test_plain_modules_run_without_grad():
+def test_functions_record_nothing_without_grad():
     norm, linear = _modules()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     with torch.no_grad():
         assert norm_linear(x, norm, linear).grad_fn is None
-    # Frozen parameters, input without grad: nothing to save for, the plain path.
     for p in (*norm.parameters(), *linear.parameters()):
         p.requires_grad_(False)
     assert norm_linear(x, norm, linear).grad_fn is None
+    torch.testing.assert_close(norm_linear(x, norm, linear), linear(norm(x)))
 
 
 def test_norm_linear_under_bf16_autocast():
@@ -95,7 +94,7 @@ def test_memory_saving_mlp_matches_autograd(chunk_budget, with_norm):
     norm, _ = _modules(8, 8)
     norm = norm if with_norm else None
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    out = mlp(x, norm)  # grad enabled, no dropout: the recomputing path
+    out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, chunk_budget)
     assert out.grad_fn.name() == "_NormMlpBackward"
     ref = mlp.fc2(mlp.act(mlp.fc1(x if norm is None else norm(x))))
     torch.testing.assert_close(out, ref)
@@ -103,7 +102,7 @@ def test_memory_saving_mlp_matches_autograd(chunk_budget, with_norm):
     params += [] if norm is None else [norm.weight, norm.bias]
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
         torch.testing.assert_close(a, b)
-    assert torch.autograd.gradcheck(lambda t, *ps: mlp(t, norm), (x, *params[1:]))
+    assert torch.autograd.gradcheck(lambda t, *ps: norm_mlp(t, norm, mlp.fc1, mlp.fc2, chunk_budget), (x, *params[1:]))
     with torch.no_grad():
         assert norm_mlp(x, norm, mlp.fc1, mlp.fc2).grad_fn is None
 
@@ -115,7 +114,7 @@ def test_memory_saving_mlp_partial_gradients():
     for p in (*norm.parameters(), mlp.fc1.weight):
         p.requires_grad_(False)
     x = torch.randn(2, 5, 8, dtype=torch.float64)
-    out = mlp(x, norm)
+    out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 8)
     assert out.grad_fn.name() == "_NormMlpBackward"
     ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
     params = [mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
@@ -129,7 +128,7 @@ def test_memory_saving_mlp_under_bf16_autocast():
     x = torch.randn(2, 5, 8, requires_grad=True)
     params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias, norm.weight]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = mlp(x, norm)
+        out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 4)
         ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
     assert out.grad_fn.name() == "_NormMlpBackward" and out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)  # bias added after rounding
@@ -147,7 +146,7 @@ def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
         ref = x + mlp(norm(x))
-        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2)
+        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2, max(chunk_budget, 1))
     assert got is x  # in place
     torch.testing.assert_close(got, ref)
 
@@ -160,28 +159,21 @@ def test_chunked_mlp_residual_under_autocast():
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
-        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2)
+        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 1, 3, 8), (1, 0, 3, 8)])
-def test_norm_nchw_by_rows_matches_plain(monkeypatch, shape):
-    from swin_backbone import chunked
+def test_norm_nchw_by_rows_matches_plain(shape):
+    from swin_backbone.ops.chunked import norm_nchw_by_rows
 
-    monkeypatch.setattr(chunked, "TRANSPOSE_CHUNK_BYTES", 2 * 7 * 8 * 8)  # two rows per chunk
     norm, _ = _modules(8, 8)
     x = torch.randn(shape, dtype=torch.float64)
     with torch.no_grad():
-        got = chunked.norm_nchw(x, norm)
+        got = norm_nchw_by_rows(x, norm, 8 * 2 * 7 * 8 * 8)  # two rows per chunk
     assert got.is_contiguous()
     torch.testing.assert_close(got, norm(x).permute(0, 3, 1, 2))
-    # With autograd: the plain path, and gradients flow (to the norm alone, and to x).
-    chunked.norm_nchw(x, norm).square().sum().backward()
-    torch.testing.assert_close(norm.weight.grad, torch.autograd.grad(norm(x).square().sum(), norm.weight)[0])
-    x.requires_grad_(True)
-    chunked.norm_nchw(x, norm).sum().backward()
-    assert x.grad is not None
 
 
 @pytest.mark.parametrize("total,step", [(0, 4), (1, 4), (2048, 1365), (32768, 5461), (10, 3), (10, 10), (10, 1)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone
-from swin_backbone import windows as W
+from swin_backbone.ops import windows as W
 
 from .conftest import small_arch
 

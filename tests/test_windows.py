@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swin_backbone import windows as W
+from swin_backbone.ops import windows as W
 
 
 def reference_partition(x, h, w, ws, shift):

@@ -6,12 +6,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.attention import _project, attention_to_tokens
-from ..ops.windows import WindowLayout, get_relative_position_index
+from .. import ops
+from ..ops.windows import WindowLayout
 
 
 class WindowAttention(nn.Module):
-    """Weights of window attention: qkv / output projections and the bias table.
+    """(Shifted) window multi-head self-attention with a relative position bias (W-MSA / SW-MSA).
 
     Args:
         embed_dims: channels ``C``.
@@ -39,37 +39,28 @@ class WindowAttention(nn.Module):
         self.window_size = window_size
         self.scale = qk_scale or (embed_dims // num_heads) ** -0.5
         self.attn_drop_rate = attn_drop_rate
-        self.relative_position_bias_table = nn.Parameter(
-            torch.zeros((2 * window_size - 1) ** 2, num_heads)
-        )
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window_size - 1) ** 2, num_heads))
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop_rate)
 
-    def relative_position_bias(self, window: int) -> torch.Tensor:
-        """``(nH, N, N)`` bias for a ``window x window`` window (``window <= window_size``)."""
-        table = self.relative_position_bias_table
-        index = get_relative_position_index(window, self.window_size, table.device)
-        n = window * window
-        return table[index].view(n, n, self.num_heads).permute(2, 0, 1)
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module, layout: WindowLayout, plan: Optional[ops.Plan] = None
+    ) -> torch.Tensor:
+        """``proj(attention(windows(norm(x))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
-        """``(B, nW * N, C)`` window-layout tokens -> ``(B, H * W, C)`` row-major tokens."""
-        return self.attend(self.qkv(x), layout, kernel)
-
-    def attend(self, qkv: torch.Tensor, layout: WindowLayout, kernel: Optional[str] = None) -> torch.Tensor:
-        """``(B, nW * N, 3C)`` projected window tokens -> ``(B, H * W, C)`` after the output
-        projection (which runs on the real tokens only)."""
-        out = attention_to_tokens(
-            qkv,
-            self.num_heads,
-            self.relative_position_bias(layout.window),
-            layout,
-            self.scale,
-            self.attn_drop_rate if self.training else 0.0,
-            kernel,
+        The tokens are normalised, padded, shifted and cut into ``layout``'s windows, attend
+        within their window (a bias per relative offset, a mask between shift regions and
+        padding), and return to row-major order before the output projection, which thus
+        runs on real tokens only.
+        """
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
+        qkv = ops.norm_qkv(x, norm, self.qkv, layout, self.num_heads, plan)
+        out = ops.window_attention(
+            qkv, self.relative_position_bias_table, self.window_size, layout, self.num_heads, self.scale,
+            self.attn_drop_rate, plan,
         )
-        return self.proj_drop(_project(out, self.proj))
+        return self.proj_drop(ops.project(out, self.proj))
 
     def extra_repr(self) -> str:
         return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"

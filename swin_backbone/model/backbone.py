@@ -11,7 +11,7 @@ from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
 from .blocks import PatchEmbed, SwinStage
-from ..ops.chunked import norm_nchw
+from .. import ops
 from .validation import check_config, check_input
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
@@ -154,6 +154,7 @@ class SwinBackbone(BaseModule):
         self.out_indices = tuple(sorted(out_indices))
         self.frozen_stages = frozen_stages
         self.use_abs_pos_embed = use_abs_pos_embed
+        self.drop_rate, self.attn_drop_rate, self.drop_path_rate = drop_rate, attn_drop_rate, drop_path_rate
         self.pad_small_map = pad_small_map
         self.mask_padding = mask_padding
         self.channels_last_outputs = channels_last_outputs
@@ -241,7 +242,7 @@ class SwinBackbone(BaseModule):
         if others:
             initialize(self, others)
         for cfg in pretrained:
-            from .checkpoint import load_checkpoint
+            from ..checkpoint import load_checkpoint
 
             load_checkpoint(self, cfg["checkpoint"], map_location=cfg.get("map_location", "cpu"))
         self._freeze_stages()
@@ -271,6 +272,10 @@ class SwinBackbone(BaseModule):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``(B, C_in, H, W)`` -> tuple of ``(B, C_i, H_i, W_i)`` per ``out_indices``."""
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
+        plan = ops.plan_forward(
+            x, self, attn_dropout=self.training and self.attn_drop_rate > 0,
+            dropout=self.training and self.drop_rate > 0, drop_path=self.training and self.drop_path_rate > 0,
+        )
         x = self.patch_embed(x)  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
             x = x + self.position_embedding(x.shape[1], x.shape[2])
@@ -279,10 +284,10 @@ class SwinBackbone(BaseModule):
         last = self.out_indices[-1]
         for i in range(last + 1):
             stage = self.stages[i]
-            out = stage.forward_blocks(x)
+            stage_plan = plan.for_stage(x, stage)
+            out = stage(x, stage_plan)
             if i in self.out_indices:
-                norm = getattr(self, f"norm{i}")
-                outs.append(norm(out).permute(0, 3, 1, 2) if self.channels_last_outputs else norm_nchw(out, norm))
+                outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
             if i < last:
-                x = stage.downsample(out)
+                x = stage.downsample(out, stage_plan)
         return tuple(outs)

@@ -11,19 +11,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import nn
-from torchvision.ops import StochasticDepth
-
+from .. import ops
+from ..ops.windows import WindowLayout, ceil_div, effective_window, pad_amount
 from .attention import WindowAttention
-from ..ops.chunked import grad_needed, mlp_residual_
-from ..ops.recompute import norm_linear, norm_mlp
-from ..ops.windows import (
-    WindowLayout,
-    ceil_div,
-    effective_window,
-    get_window_layout,
-    pad_amount,
-    window_partition,
-)
 
 
 class PatchEmbed(nn.Module):
@@ -47,12 +37,27 @@ class PatchEmbed(nn.Module):
         return self.norm(x.permute(0, 2, 3, 1))
 
 
-class Mlp(nn.Module):
-    """Two-layer feed-forward network (``fc1 -> GELU -> drop -> fc2 -> drop``).
+class DropPath(nn.Module):
+    """Stochastic depth: in training, zero a sample's branch with probability ``p`` and scale
+    the rest by ``1 / (1 - p)`` (Huang et al. 2016; timm's / torchvision's ``mode='row'``)."""
 
-    In training without dropout it keeps only its input (and ``fc1``'s output) for backward
-    (:func:`~swin_backbone.ops.recompute.norm_mlp`); the numbers are the same.
-    """
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        noise = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
+        return x * noise
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class Mlp(nn.Module):
+    """Two-layer feed-forward network: ``fc1 -> GELU -> drop -> fc2 -> drop``."""
 
     def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
         super().__init__()
@@ -61,31 +66,9 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dims, embed_dims)
         self.drop = nn.Dropout(drop_rate)
 
-    def forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
-        """``(..., C)`` -> ``(..., C)``, applying ``norm`` to the input first if given."""
-        if self.drop.p == 0:
-            return norm_mlp(x, norm, self.fc1, self.fc2)
-        x = x if norm is None else norm(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., C)`` -> ``(..., C)``."""
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
-
-
-#: ``padding share x C`` above which :func:`project_before_partition` projects first.
-PROJECT_FIRST_BREAK_EVEN = 48
-
-
-def project_before_partition(layout: WindowLayout, channels: int) -> bool:
-    """Whether to run the qkv projection on the real tokens and partition its output.
-
-    Exact only when padding is masked (the padding rows then hold zeros instead of the qkv
-    bias, and no real token can see them). It saves the projection of the padding tokens
-    (3C x C multiply-adds each) for a 3x wider gather (3C instead of C values per token):
-    worth it where padding is a large share of the map and C is large (stages 3 and 4 of
-    detection-sized inputs). Measured break-even on CPU: ``padding share x C ~ 48``.
-    """
-    if torch.compiler.is_compiling() or not layout.has_padding or not layout.padding_masked:
-        return False
-    real = layout.height * layout.width
-    return (layout.index.numel() - real) * channels >= PROJECT_FIRST_BREAK_EVEN * real
 
 
 class SwinBlock(nn.Module):
@@ -114,34 +97,18 @@ class SwinBlock(nn.Module):
         self.attn = WindowAttention(
             embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate
         )
-        self.drop_path = StochasticDepth(drop_path_rate, mode="row")
+        self.drop_path = DropPath(drop_path_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        # norm -> partition -> qkv and norm -> MLP keep only x (and h) for backward (recompute.py).
-        if project_before_partition(layout, x.shape[-1]):
-            qkv = window_partition(norm_linear(x, self.norm1, self.attn.qkv), layout)
-        else:
-            qkv = norm_linear(x, self.norm1, self.attn.qkv, layout)  # (B, nW * N, 3C)
-        # Residuals are added into the branch's fresh output (x + y == y + x exactly): no new
-        # map-sized tensor, whose pages the OS would have to supply.
-        x = self.drop_path(self.attn.attend(qkv, layout)).add_(x)
-        if self._mlp_in_chunks(x):
-            return mlp_residual_(x, self.norm2, self.mlp.fc1, self.mlp.fc2)  # x is ours: in place
-        return self.drop_path(self.mlp(x, self.norm2)).add_(x)
-
-    def _mlp_in_chunks(self, x: torch.Tensor) -> bool:
-        """CPU inference without dropout / stochastic depth: the row-chunked MLP (chunked.py).
-
-        Chunking is a CPU cache optimisation; on GPUs it would only multiply kernel launches.
-        """
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or self.mlp.drop.p > 0:
-            return False
-        if self.training and self.drop_path.p > 0:
-            return False
-        return not grad_needed(x, self.norm2.weight, self.mlp.fc1.weight, self.mlp.fc2.weight)
+    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
+        ``(B, H * W, C)`` -> ``(B, H * W, C)``. ``plan``: how to compute it (default: decided
+        for this call)."""
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
+        # The residual goes into the branch's fresh output (x + y == y + x exactly).
+        x = self.drop_path(self.attn(x, self.norm1, layout, plan)).add_(x)
+        return ops.mlp_residual(x, self.norm2, self.mlp, self.drop_path, plan)
 
 
 class PatchMerging(nn.Module):
@@ -159,13 +126,14 @@ class PatchMerging(nn.Module):
         self.norm = nn.LayerNorm(4 * embed_dims) if norm else nn.Identity()
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
         b, h, w, c = x.shape
         h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
         x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
         # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
         x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-        return norm_linear(x, self.norm, self.reduction)
+        return ops.norm_linear(x, self.norm, self.reduction, plan)
 
 
 class SwinStage(nn.Module):
@@ -223,28 +191,17 @@ class SwinStage(nn.Module):
         )
         self.downsample = PatchMerging(embed_dims, norm=patch_norm) if downsample else None
 
-    def layouts(self, height: int, width: int, x: torch.Tensor) -> Tuple[WindowLayout, WindowLayout]:
-        """The (regular, shifted) window layouts for an ``height x width`` map (cached)."""
-        window, shift = effective_window(height, width, self.window_size, self.shift_size, self.pad_small_map)
-        regular = get_window_layout(height, width, window, 0, self.mask_padding, x.device, x.dtype)
-        if shift == 0:
-            return regular, regular
-        return regular, get_window_layout(height, width, window, shift, self.mask_padding, x.device, x.dtype)
-
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging)."""
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
         b, h, w, c = x.shape
-        layouts = self.layouts(h, w, x)
+        window, shift = effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
+        regular, shifted = ops.stage_layouts(h, w, window, shift, self.mask_padding, x.device, plan)
         tokens = x.reshape(b, h * w, c)
         for block in self.blocks:
-            layout = layouts[int(block.shift)]
-            if self.with_cp and self.training and tokens.requires_grad:
-                tokens = checkpoint.checkpoint(block, tokens, layout, use_reentrant=False)
+            layout = shifted if block.shift and shifted is not None else regular
+            if self.with_cp and self.training and plan.grad:
+                tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
             else:
-                tokens = block(tokens, layout)
+                tokens = block(tokens, layout, plan)
         return tokens.view(b, h, w, c)
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(stage output (B, H, W, C), merged (B, H/2, W/2, 2C) or the output)``."""
-        out = self.forward_blocks(x)
-        return out, (self.downsample(out) if self.downsample is not None else out)

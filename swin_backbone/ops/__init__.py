@@ -1,1 +1,154 @@
-"""."""
+"""How Swin is computed: the functional interface the model modules call.
+
+Each function takes the :class:`~swin_backbone.ops.planner.Plan` decided once per forward by
+:func:`plan_forward` and runs the implementation it names; nothing here or in the model asks
+about devices or grad modes again. The implementations live in the submodules:
+
+* :mod:`.windows`: pure window / shift / padding arithmetic, cached layouts, token gathers;
+* :mod:`.attention`: window attention kernels (SDPA, plain, CPU recompute);
+* :mod:`.triton_attention`: the fused CUDA kernel (where triton is available);
+* :mod:`.recompute`: LayerNorm -> linear / MLP autograd functions that keep only their inputs;
+* :mod:`.chunked`: CPU work in cache-sized row chunks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import attention as _attention
+from .chunked import mlp_residual_, norm_nchw_by_rows
+from .planner import Plan, override, plan_for, plan_for_module, plan_forward
+from .recompute import norm_linear as _norm_linear
+from .recompute import norm_mlp as _norm_mlp
+from .windows import WindowLayout, window_partition
+
+__all__ = [
+    "Plan",
+    "attention_kernel",
+    "mlp_residual",
+    "norm_linear",
+    "norm_qkv",
+    "output_nchw",
+    "override",
+    "plan_for",
+    "plan_for_module",
+    "plan_forward",
+    "project",
+    "window_attention",
+]
+
+
+def attention_kernel(plan: Plan, layout: WindowLayout, head_dim: int) -> str:
+    """The attention kernel for this layout: the plan's, or SDPA where the fused Triton
+    kernel does not apply (:func:`norm_qkv` and :func:`window_attention` both ask)."""
+    if plan.attention != "triton":
+        return plan.attention
+    from .triton_attention import supports
+
+    return "triton" if supports(layout, head_dim, plan.mask_dtype) else "sdpa"
+
+
+def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, plan: Plan) -> torch.Tensor:
+    """``linear(norm(x))``, ``(..., C)`` -> ``(..., C_out)``."""
+    if plan.save_memory:
+        return _norm_linear(x, norm, linear)
+    return linear(norm(x))
+
+
+def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLayout, num_heads: int, plan: Plan) -> torch.Tensor:
+    """LayerNorm, (shifted) window partition and qkv projection of ``(B, H * W, C)`` tokens.
+
+    Returns ``(B, nW * N, 3C)`` in ``layout``'s window order, or ``(B, H * W, 3C)`` row-major
+    tokens for the fused Triton kernel (which gathers its windows itself).
+    """
+    channels = x.shape[-1]
+    if attention_kernel(plan, layout, channels // num_heads) == "triton":
+        return norm_linear(x, norm, qkv, plan)
+    padding = layout.index.numel() - layout.height * layout.width
+    # Exact only when padding is masked: the padding rows then hold zeros instead of the qkv
+    # bias, and no real token can see them.
+    if layout.padding_masked and layout.has_padding and plan.project_first(padding, layout.height * layout.width, channels):
+        return window_partition(norm_linear(x, norm, qkv, plan), layout)
+    if plan.save_memory:
+        return _norm_linear(x, norm, qkv, layout)
+    return qkv(window_partition(norm(x), layout))
+
+
+def window_attention(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    table_window: int,
+    layout: WindowLayout,
+    num_heads: int,
+    scale: float,
+    dropout_p: float,
+    plan: Plan,
+) -> torch.Tensor:
+    """Multi-head attention inside each window with a relative position bias.
+
+    Args:
+        qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
+        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
+        table_window: ``tw``, the window the table is sized for (>= ``layout.window``).
+        dropout_p: attention dropout probability (applied only where the plan says dropout
+            is active, i.e. in training).
+    Returns:
+        ``(B, H * W, C)`` row-major tokens, before the output projection.
+    """
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    kernel = attention_kernel(plan, layout, head_dim)
+    if kernel == "triton":
+        from .triton_attention import triton_window_attention
+
+        return triton_window_attention(
+            qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads, scale
+        )
+    bias = _attention.relative_position_bias(table, layout.window, table_window)
+    fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
+    return _attention.window_attention(
+        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, kernel, fixup,
+        plan.keep_probs_bytes, plan.chunk_bytes, plan.align_masks,
+    )
+
+
+def project(tokens: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(tokens)`` for ``(B, L, C)`` tokens, as a tensor of its own (not a view), so a
+    residual can be added into it in place (:func:`~swin_backbone.ops.attention._project`)."""
+    return _attention._project(tokens, linear)
+
+
+def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn.Module, plan: Plan) -> torch.Tensor:
+    """``x + drop_path(mlp(norm(x)))`` for ``(B, L, C)`` tokens that the caller owns.
+
+    ``mlp`` has ``fc1``, ``act`` (GELU), ``fc2`` and ``drop``. CPU inference adds into ``x``
+    in place, a row chunk at a time; training keeps only the inputs for backward.
+    """
+    if plan.chunk_bytes and not plan.grad and not plan.stochastic:
+        return mlp_residual_(x, norm, mlp.fc1, mlp.fc2, plan.chunk_bytes)
+    if plan.save_memory and not plan.dropout:
+        return drop_path(_norm_mlp(x, norm, mlp.fc1, mlp.fc2, plan.chunk_bytes)).add_(x)
+    return drop_path(mlp(norm(x))).add_(x)
+
+
+def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:
+    """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)``: a view of channels-last
+    memory if ``channels_last``, else contiguous NCHW (by map rows in CPU inference)."""
+    if channels_last:
+        return norm(x).permute(0, 3, 1, 2)
+    if plan.chunk_bytes and not plan.grad:
+        return norm_nchw_by_rows(x, norm, plan.chunk_bytes)
+    return norm(x).permute(0, 3, 1, 2).contiguous()
+
+
+def stage_layouts(
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, plan: Plan
+) -> "tuple[WindowLayout, Optional[WindowLayout]]":
+    """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift."""
+    from .windows import get_window_layout
+
+    regular = get_window_layout(height, width, window, 0, mask_padding, device, plan.mask_dtype, plan.align_masks)
+    if shift == 0:
+        return regular, None
+    return regular, get_window_layout(height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)

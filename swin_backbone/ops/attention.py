@@ -1,159 +1,192 @@
-"""Window multi-head self-attention with a relative position bias.
+"""Window multi-head self-attention with a relative position bias: the implementations.
 
-The whole algorithm is the pure function :func:`window_attention`; :class:`WindowAttention`
-only owns the weights. Three interchangeable kernels compute it:
+Each computes ``softmax(q k^T * scale + bias + mask) v`` inside every window and returns the
+result in row-major token order; :func:`window_attention` runs the one the plan names
+(:mod:`swin_backbone.ops.planner` decides):
 
-* ``fused``: ``F.scaled_dot_product_attention`` with the bias (+ mask) as an additive float mask;
-* ``plain``: ``softmax(q @ k^T * scale + bias) @ v`` with autograd's own graph;
-* ``recompute``: the fused forward, and a hand-written backward that recomputes the attention
-  probabilities from ``qkv`` (:class:`_RecomputedAttention`; layers small enough compute the
-  probabilities with matmuls and keep them instead).
+* ``sdpa``: ``F.scaled_dot_product_attention`` with the bias (+ region mask) as an additive
+  float mask. On CUDA its memory-efficient kernel also gives the bias gradient; masks and
+  biases handed to it satisfy that kernel's conditions (last-dim stride 1, rows aligned to 8
+  elements, the query's dtype: :func:`sdpa_ready`), so it never falls to the math kernel.
+* ``plain``: matmul + softmax with autograd's own graph (attention dropout; tracing).
+* ``recompute``: CPU training: the SDPA forward, and a hand-written backward that recomputes
+  the probabilities from ``qkv`` (:class:`_RecomputedAttention`); small layers keep them.
+* ``triton`` (CUDA): :mod:`swin_backbone.ops.triton_attention`, reading row-major tokens.
 
-On CPU the fused kernel is only fast when the mask does not require grad (else torch silently
-falls back to its slow math kernel, see shared/PERFORMANCE.md), and its backward gives no bias
-gradient, so CPU training uses ``recompute``: SDPA speed forward, and only ``qkv`` kept for
-backward. ``plain`` remains for attention dropout and for ``torch.compile`` (inductor fuses
-it). On CUDA the memory-efficient kernel takes a float mask with grad, so ``fused`` is always
-used. All give the same numbers (tested).
+Masked windows (shift regions, padding) have two strategies: one ``(nW, nH, N, N)`` bias for
+every window, or, where masked windows are few (CPU), every window with the shared bias and
+the masked ones recomputed with theirs. All give the same numbers (tested).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import chunked
-from .chunked import grad_needed
+from .chunked import chunk_rows, chunk_slices
 from .windows import WindowLayout, get_relative_position_index, window_reverse
 
 
-KERNELS = ("fused", "plain", "recompute")
-
-#: Largest share of windows with a non-zero mask for which :func:`window_attention` computes
-#: all windows with the shared bias and recomputes the masked ones; above it, one per-window
-#: bias for all windows is faster. Measured on CPU inside whole forwards (SDPA): stages 3-4
-#: (32-89% masked) run 7-30% faster per-window; stage 1 of a 2 x 512 x 512 batch (20%) and
-#: stage 2 at 800 x 1216 (11-17%) run slower (their per-window biases are 10-18 MB).
-RECOMPUTE_MASKED_SHARE = 0.25
+def relative_position_bias(table: torch.Tensor, window: int, table_window: int) -> torch.Tensor:
+    """``(nH, N, N)`` contiguous bias of a ``window x window`` window from a
+    ``((2 * tw - 1) ** 2, nH)`` table (``window <= tw``: a subset of its offsets)."""
+    index = get_relative_position_index(window, table_window, table.device)
+    n = window * window
+    return table.t().index_select(1, index).view(-1, n, n)
 
 
-def choose_kernel(q: torch.Tensor, attn_bias: torch.Tensor, dropout_p: float = 0.0) -> str:
-    """The fastest exact kernel for these inputs (see the module docstring)."""
-    if q.device.type == "cuda":
-        return "fused"  # memory-efficient SDPA computes the bias gradient itself
-    if not grad_needed(q, attn_bias):
-        return "fused"
-    if dropout_p > 0 or torch.compiler.is_compiling():
-        return "plain"  # autograd's own graph (dropout masks; traceable for inductor)
-    return "recompute"
+def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
+    """``bias`` as fused SDPA kernels take it: in ``dtype`` and, with ``align`` (CUDA), with
+    its last dimension stride 1 and its rows aligned to 8 elements (CUDA's memory-efficient
+    kernel copies a misaligned mask on every call; a view of a padded buffer needs no copy).
+    CPU kernels take any strides."""
+    bias = bias.to(dtype)
+    n = bias.shape[-1]
+    if not align or (bias.stride(-1) == 1 and all(st % 8 == 0 for st in bias.stride()[:-1])):
+        return bias
+    return F.pad(bias, (0, -n % 8)).narrow(-1, 0, n)
+
+
+def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
+    """``mask[:, None] + bias``: ``(nW, N, N)`` and ``(nH, N, N)`` -> ``(nW, nH, N, N)`` in ``dtype``.
+
+    With ``align`` the result is a view with 8-aligned rows, made by one addition: a mask
+    cached aligned (:func:`~swin_backbone.ops.windows.window_attention_mask`) is read with its
+    padding columns, the bias is padded (a small copy per block), and the sum is narrowed.
+    """
+    mask, bias = mask.to(dtype), bias.to(dtype)
+    n = mask.shape[-1]
+    pad = -n % 8
+    if not align or pad == 0:
+        return mask.unsqueeze(1) + bias
+    if mask.stride(-1) == 1 and mask.stride(-2) == n + pad:
+        mask = mask.as_strided(mask.shape[:-1] + (n + pad,), mask.stride())
+    else:
+        mask = F.pad(mask, (0, pad))
+    return (mask.unsqueeze(1) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
 
 
 def window_attention(
     qkv: torch.Tensor,
-    num_heads: int,
-    num_windows: int,
     bias: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    layout: WindowLayout,
+    num_heads: int,
     scale: float,
     dropout_p: float = 0.0,
-    kernel: Optional[str] = None,
-    masked_windows: Optional[torch.Tensor] = None,
-    window_masks: Optional[torch.Tensor] = None,
+    kernel: str = "sdpa",
+    fixup: bool = False,
+    keep_probs_bytes: int = 0,
+    chunk_bytes: int = 0,
+    align: bool = False,
 ) -> torch.Tensor:
-    """Multi-head attention inside each window.
+    """Window attention over ``layout``, returned in row-major token order.
 
     Args:
-        qkv: ``(B, nW * N, 3 * C)`` projected queries, keys and values in window layout.
-        num_heads: ``nH``; ``C`` must be divisible by it.
-        num_windows: ``nW``.
+        qkv: ``(B, nW * N, 3C)`` projected tokens in ``layout``'s window order.
         bias: ``(nH, N, N)`` relative position bias.
-        mask: ``(nW, N, N)`` additive region mask, or ``None``.
-        scale: query scale (``head_dim ** -0.5`` by default).
-        dropout_p: attention dropout probability (pass 0 in eval).
-        kernel: ``"fused"`` or ``"plain"`` (see the module docstring); ``None`` picks by
-            :func:`choose_kernel` (``"recompute"`` is :func:`attention_to_tokens`'s).
-        masked_windows, window_masks: ``(nM,)`` windows whose mask is not all zero and their
-            ``(nM, N, N)`` masks. When given and few (:data:`RECOMPUTE_MASKED_SHARE`), every
-            window is computed with the shared bias only and these windows are recomputed
-            with their masks, instead of materialising an ``(nW, nH, N, N)`` bias (and its
-            gradient) for all windows.
+        layout: windows, region mask and gathers of the map.
+        num_heads: ``nH``; scale: query scale; dropout_p: attention dropout (``plain`` only).
+        kernel: ``'sdpa'``, ``'plain'`` or ``'recompute'``.
+        fixup: run every window with the shared bias, then redo the masked windows with
+            their masks (instead of one per-window bias for all).
+        keep_probs_bytes, chunk_bytes: ``recompute`` only (see :class:`_RecomputedAttention`).
+        align: hand SDPA 8-aligned biases (CUDA; see :func:`sdpa_ready`).
     Returns:
-        ``(B, nW * N, C)`` attention output, before the output projection.
+        ``(B, H * W, C)``; the output projection then runs on real tokens only.
     """
-    if kernel is None:
-        kernel = choose_kernel(qkv, bias, dropout_p)
-    if kernel not in ("fused", "plain"):
-        raise ValueError(f"kernel must be 'fused', 'plain' or None here, got {kernel!r} (see attention_to_tokens)")
+    if kernel == "recompute":
+        if dropout_p > 0:
+            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
+        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, fixup, keep_probs_bytes, chunk_bytes, align)
+    if kernel not in ("sdpa", "plain"):
+        raise ValueError(f"kernel: expected 'sdpa', 'plain' or 'recompute', got {kernel!r}")
+    run = _sdpa if kernel == "sdpa" else _plain
+    out = attention_in_windows(qkv, bias, layout, num_heads, scale, dropout_p, run, fixup, align)
+    return window_reverse(out, layout)
+
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, bool, float, float], torch.Tensor]
+
+
+def attention_in_windows(
+    qkv: torch.Tensor,
+    bias: torch.Tensor,
+    layout: WindowLayout,
+    num_heads: int,
+    scale: float,
+    dropout_p: float,
+    run: Kernel,
+    fixup: bool,
+    align: bool = False,
+) -> torch.Tensor:
+    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`).
+
+    Returns ``(B, nW * N, C)`` in window layout.
+    """
     batch, tokens, three_c = qkv.shape
+    num_windows = layout.num_windows
     n = tokens // num_windows
     head_dim = three_c // (3 * num_heads)
     # (B, nW, N, 3, nH, d) -> (3, B, nW, nH, N, d): a view, no copy.
     qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
-    shared = bias.unsqueeze(0).to(qkv.dtype)  # (1, nH, N, N)
-    run = _fused if kernel == "fused" else _plain
-    few_masked = masked_windows is not None and masked_windows.numel() <= RECOMPUTE_MASKED_SHARE * num_windows
-    if mask is None or few_masked:
-        out = run(qkv, shared, False, scale, dropout_p)  # (B, nW, N, nH, d)
-        if mask is not None and masked_windows.numel():
-            fix = (window_masks.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)
-            fixed = run(qkv.index_select(2, masked_windows), fix, True, scale, dropout_p)
+    mask, masked = layout.mask, layout.masked_windows
+    if mask is None or (fixup and masked is not None):
+        out = run(qkv, sdpa_ready(bias, qkv.dtype, align).unsqueeze(0), False, scale, dropout_p)  # (B, nW, N, nH, d)
+        if mask is not None and masked.numel():
+            fix = sdpa_ready(layout.window_masks.to(qkv.dtype).unsqueeze(1) + bias.to(qkv.dtype), qkv.dtype, align)
+            fixed = run(qkv.index_select(2, masked), fix, True, scale, dropout_p)
             # In place when nothing needs the old values (SDPA keeps its output for backward).
-            out = out.index_copy_(1, masked_windows, fixed) if not out.requires_grad else out.index_copy(
-                1, masked_windows, fixed
-            )
+            out = out.index_copy(1, masked, fixed) if out.requires_grad else out.index_copy_(1, masked, fixed)
     else:
-        attn_bias = (mask.unsqueeze(1) + bias.unsqueeze(0)).to(qkv.dtype)  # (nW, nH, N, N)
-        out = run(qkv, attn_bias, True, scale, dropout_p)
+        out = run(qkv, per_window_bias(mask, bias, qkv.dtype, align), True, scale, dropout_p)
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
-def attention_to_tokens(
-    qkv: torch.Tensor,
-    num_heads: int,
-    bias: torch.Tensor,
-    layout: WindowLayout,
-    scale: float,
-    dropout_p: float = 0.0,
-    kernel: Optional[str] = None,
-) -> torch.Tensor:
-    """:func:`window_attention` over ``layout``, returned in row-major token order.
+def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
+    """SDPA of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view). Returns ``(B, nW, N, nH, d)``.
 
-    The tokens leave the window layout before the output projection, so the projection runs
-    on real tokens only, not on the padding that fills the last windows.
-
-    Args:
-        qkv: ``(B, nW * N, 3 * C)`` in ``layout``'s window order.
-        kernel: one of :data:`KERNELS`, or ``None`` for :func:`choose_kernel`'s choice.
-    Returns:
-        ``(B, H * W, C)``.
+    One bias for all windows: windows go into SDPA's batch dimension and the kernels read
+    q/k/v through their strides (no copies). Per-window biases ``(nW, nH, N, N)``: windows go
+    into the heads dimension, ``(B, nW * nH, N, d)``, so one bias broadcasts over the batch
+    (one copy of q/k/v; no loop over images, no batch-sized bias).
     """
-    if kernel is None:
-        kernel = choose_kernel(qkv, bias, dropout_p)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-    if kernel == "recompute":
-        if dropout_p > 0:
-            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
-        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout)
-    return window_reverse(_in_layout(qkv, num_heads, bias, layout, scale, dropout_p, kernel), layout)
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if not torch.is_grad_enabled():
+        # CPU SDPA picks its slow math kernel for a mask that requires grad, even under
+        # no_grad (as inside _RecomputedAttention.forward), where no gradient can flow anyway.
+        attn_bias = attn_bias.detach()
+    if not per_window:
+        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        # The kernels allocate the output as (B*nW, N, nH, d): this reshape is then a view.
+        return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
+    q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+    attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 
-def _in_layout(qkv, num_heads: int, bias, layout: WindowLayout, scale: float, dropout_p: float, kernel: str):
-    """:func:`window_attention` with the windows, mask and masked windows of ``layout``."""
-    return window_attention(
-        qkv, num_heads, layout.num_windows, bias, layout.mask, scale, dropout_p, kernel,
-        layout.masked_windows, layout.window_masks,
-    )
+def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + bias) v`` with matmuls. Returns ``(B, nW, N, nH, d)``.
 
-
-#: Attention probabilities of a whole layer up to this size are kept for backward instead
-#: of recomputed (CPU training; stages 2-4 of a 2 x 512 x 512 batch: 4-11 MiB each). The
-#: forward then computes them with matmuls, as fast there as SDPA, and the backward skips
-#: the recomputation (in situ: stage-2 backward 60 -> 42 ms, stage 3 101 -> 77 ms). Costs at
-#: most this much more memory per block (66 MiB in all at 2 x 512 x 512).
-KEEP_PROBS_BYTES = 12 * 2**20
+    Windows go into the batch dimension (one bias) or the heads dimension (per-window
+    biases, which then broadcast over the batch), as in :func:`_sdpa`.
+    """
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if not per_window:
+        q, k, v = qkv.reshape(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
+    else:
+        q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+        attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
+    # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
+    # scaled copy of q would be), and no second logits-sized temporary is made.
+    attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
+    if dropout_p > 0:
+        attn = F.dropout(attn, p=dropout_p)
+    out = attn @ v
+    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -165,24 +198,27 @@ class _RecomputedAttention(torch.autograd.Function):
     also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
     The output is kept by the next linear layer anyway, so saving it here costs nothing.
-    Small layers (:data:`KEEP_PROBS_BYTES`) keep ``P`` itself instead of recomputing it.
+    Layers whose probabilities fit in ``keep_probs_bytes`` keep ``P`` itself instead: the
+    forward computes it with matmuls and the backward skips the recomputation. With
+    ``chunk_bytes`` the backward runs a cache-sized group of windows at a time.
     """
 
     @staticmethod
-    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout):
+    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, fixup: bool,
+                keep_probs_bytes: int, chunk_bytes: int, align: bool):
         windows = _windows(qkv, num_heads, layout)  # (B, nW, N, 3, nH, d)
         batch, num_windows, n = windows.shape[:3]
         probs = None
-        if batch * num_windows * num_heads * n * n * qkv.element_size() <= KEEP_PROBS_BYTES:
+        if batch * num_windows * num_heads * n * n * qkv.element_size() <= keep_probs_bytes:
             mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
             q, k, v = _split_heads(windows, scale)
             probs = _probs(q, k, bias.to(qkv.dtype), mask)
             out = torch.matmul(probs, v).transpose(2, 3).reshape(batch, num_windows * n, -1)
         else:
-            out = _in_layout(qkv, num_heads, bias, layout, scale, 0.0, "fused")
+            out = attention_in_windows(qkv, bias, layout, num_heads, scale, 0.0, _sdpa, fixup, align)
         out = layout.to_tokens(out)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out, probs)
-        ctx.num_heads, ctx.scale, ctx.layout = num_heads, scale, layout
+        ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, chunk_bytes
         return out
 
     @staticmethod
@@ -207,9 +243,9 @@ class _RecomputedAttention(torch.autograd.Function):
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
-        if qkv.device.type == "cpu" and probs is None:
-            step = chunked.chunk_rows(batch * num_heads * n * n, qkv.element_size(), chunked.ATTENTION_CHUNK_BYTES)
-        for part in chunked.chunk_slices(num_windows, step):
+        if ctx.chunk_bytes and probs is None:
+            step = chunk_rows(batch * num_heads * n * n, qkv.element_size(), ctx.chunk_bytes // 2)
+        for part in chunk_slices(num_windows, step):
             attention_backward(
                 qkv[:, part], grad_out[:, part], delta[:, part], bias_c,
                 None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
@@ -217,7 +253,7 @@ class _RecomputedAttention(torch.autograd.Function):
             )
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None, None
 
 
 def _windows(qkv: torch.Tensor, num_heads: int, layout: WindowLayout) -> torch.Tensor:
@@ -282,54 +318,6 @@ def attention_backward(
     torch.matmul(grad_logits.transpose(-2, -1), q, out=grads[1])  # q is already scaled
     torch.matmul(probs.transpose(-2, -1), grad_out, out=grads[2])
     grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
-
-
-def _fused(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
-    """SDPA on strided views of ``qkv`` ``(3, B, nW, nH, N, d)``.
-
-    The kernels read q/k/v through their strides and write the output as ``(B*nW, N, nH, d)``
-    memory, so neither the inputs nor the output are copied. Returns ``(B, nW, N, nH, d)``.
-    """
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not torch.is_grad_enabled():
-        # CPU SDPA picks its slow math kernel for a mask that requires grad, even under
-        # no_grad (as inside _RecomputedAttention.forward), where no gradient can flow anyway.
-        attn_bias = attn_bias.detach()
-    if not per_window or batch == 1:
-        # One bias for all windows, or one image: windows go into SDPA's batch dimension.
-        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-        # CPU and CUDA kernels allocate the output as (B*nW, N, nH, d): reshape is then a view.
-        return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
-    # Per-window masks and several images: one call per image reuses the (nW, nH, N, N)
-    # mask instead of materialising a B-times larger one.
-    outs = [
-        F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale).transpose(1, 2)
-        for q, k, v in zip(*qkv.unbind(0))
-    ]
-    return torch.stack(outs)
-
-
-def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v`` with matmuls. Returns ``(B, nW, N, nH, d)``.
-
-    With per-window masks, windows are folded into the heads dimension,
-    ``(B, nW * nH, N, d)``, so one ``(1, nW * nH, N, N)`` bias broadcasts over the batch;
-    with one bias for all windows, windows go into the batch dimension.
-    """
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not per_window:
-        q, k, v = qkv.reshape(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
-    else:
-        q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-        attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
-    # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
-    # scaled copy of q would be), and no second logits-sized temporary is made.
-    attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
-    if dropout_p > 0:
-        attn = F.dropout(attn, p=dropout_p)
-    out = attn @ v
-    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 
 def _project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:

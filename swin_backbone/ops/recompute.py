@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked import chunk_rows, chunk_slices, grad_needed
+from .chunked import chunk_rows, chunk_slices
 from .windows import WindowLayout, window_partition
-
-
-def _saves_memory(*tensors: torch.Tensor) -> bool:
-    """Whether a backward pass will need these activations (and we may replace autograd's)."""
-    return grad_needed(*tensors) and not torch.compiler.is_compiling()
 
 
 def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
@@ -57,7 +52,7 @@ class _NormMlp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps: float, w1, b1, w2, b2):
+    def forward(ctx, x, norm_weight, norm_bias, eps: float, w1, b1, w2, b2, chunk_bytes: int):
         rows = x.reshape(-1, x.shape[-1])
         mean = rstd = None
         normed = rows
@@ -69,12 +64,12 @@ class _NormMlp(torch.autograd.Function):
         # add a residual into it in place, which autograd forbids on views made in here).
         result = h.new_empty(*x.shape[:-1], w2.shape[0])
         out = result.view(-1, w2.shape[0])
-        for part in _row_parts(h):
+        for part in _row_parts(h, chunk_bytes):
             torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
         if b2 is not None:
             out.add_(b2.to(h.dtype))
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
-        ctx.eps = eps
+        ctx.eps, ctx.chunk_bytes = eps, chunk_bytes
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return result
 
@@ -98,7 +93,7 @@ class _NormMlp(torch.autograd.Function):
         grad_w1, grad_b1 = empty(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
         grad_w2 = empty(w2.shape, needs[6])
         below_fc1 = any(needs[:3])
-        for i, part in enumerate(_row_parts(h)):
+        for i, part in enumerate(_row_parts(h, ctx.chunk_bytes)):
             act = F.gelu(h[part])
             if grad_w2 is not None:
                 _accumulate_mm(grad_w2, grad_rows[part].t(), act, first=i == 0)
@@ -137,6 +132,7 @@ class _NormMlp(torch.autograd.Function):
             None if grad_b1 is None else grad_b1.to(b1_dtype),
             None if grad_w2 is None else grad_w2.to(w2.dtype),
             grad_rows.sum(0, dtype=acc).to(b2_dtype) if needs[7] else None,
+            None,
         )
 
 
@@ -153,13 +149,12 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
         out += a @ b
 
 
-def _row_parts(h: torch.Tensor):
-    """Row slices of ``h`` ``(rows, width)`` of :func:`~swin_backbone.ops.chunked.chunk_rows` size
-    on CPU (a cache optimisation). One slice on other devices, and for fp16/bf16, whose weight
-    gradients need one fp32-accumulating matmul."""
+def _row_parts(h: torch.Tensor, chunk_bytes: int):
+    """Row slices of ``h`` ``(rows, width)`` of ``chunk_bytes`` each (0: one slice). fp16 / bf16
+    always run as one slice: their weight gradients need one fp32-accumulating matmul."""
     rows = h.shape[0]
-    chunked = h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
-    return chunk_slices(rows, chunk_rows(h.shape[-1], h.element_size()) if chunked else rows)
+    chunked = chunk_bytes > 0 and h.dtype in (torch.float32, torch.float64)
+    return chunk_slices(rows, chunk_rows(h.shape[-1], h.element_size(), chunk_bytes) if chunked else rows)
 
 
 class _NormLinear(torch.autograd.Function):
@@ -195,22 +190,23 @@ class _NormLinear(torch.autograd.Function):
         return grad_x, grad_nw, grad_nb, None, grad_w, grad_b, None
 
 
-def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn.Linear) -> torch.Tensor:
-    """``fc2(gelu(fc1(norm(x))))`` (``norm`` may be None); in training keeps only ``x``, the
-    LayerNorm statistics and ``fc1``'s output for backward (:class:`_NormMlp`).
+def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn.Linear, chunk_bytes: int = 0) -> torch.Tensor:
+    """``fc2(gelu(fc1(norm(x))))`` (``norm`` may be None) keeping only ``x``, the LayerNorm
+    statistics and ``fc1``'s output for backward (:class:`_NormMlp`).
 
     Args:
         x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
+        chunk_bytes: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
     """
-    params = (fc1.weight, fc2.weight) + (() if norm is None else (norm.weight,))
-    if (norm is None or _fusable(norm, x)) and _saves_memory(x, *params):
+    if norm is None or _fusable(norm, x):
         nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
-        return _NormMlp.apply(x, nw, nb, eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-    return fc2(F.gelu(fc1(x if norm is None else norm(x))))
+        return _NormMlp.apply(x, nw, nb, eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias, chunk_bytes)
+    return fc2(F.gelu(fc1(norm(x))))
 
 
 def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Optional[WindowLayout] = None) -> torch.Tensor:
-    """``linear(window_partition(norm(x), layout))`` (no partition when ``layout`` is None).
+    """``linear(window_partition(norm(x), layout))`` (no partition when ``layout`` is None),
+    keeping only ``x`` and the LayerNorm statistics for backward (:class:`_NormLinear`).
 
     Args:
         x: ``(B, L, C)`` tokens (``L = H * W`` of ``layout``) or any ``(..., C)`` without one.
@@ -218,7 +214,7 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Opt
     Returns:
         ``(B, nW * N, C_out)`` with a layout, else ``(..., C_out)``.
     """
-    if _fusable(norm, x) and _saves_memory(x, norm.weight, linear.weight):
+    if _fusable(norm, x):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias, layout)
     normed = norm(x)
     return linear(normed if layout is None else window_partition(normed, layout))

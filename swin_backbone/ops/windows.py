@@ -181,21 +181,35 @@ def window_attention_mask(
     mask_padding: bool,
     device: torch.device,
     dtype: torch.dtype,
+    align: bool = False,
 ) -> Optional[torch.Tensor]:
     """Additive attention mask ``(nW, N, N)``: 0 within a region, :data:`MASK_VALUE` across.
 
-    ``None`` when no window needs masking (no shift and no masked padding).
+    ``None`` when no window needs masking (no shift and no masked padding). With ``align``
+    the rows are stored 8-element aligned (a view of an ``(nW, N, ceil8(N))`` buffer), as
+    fused CUDA attention kernels read masks without copying them.
     """
     if not needs_mask(height, width, window, shift, mask_padding):
         return None
-    return _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
+    return _mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
 
 
 def _mask_from_labels(
-    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    mask_padding: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    align: bool = False,
 ) -> torch.Tensor:
     labels = partition_grid(region_labels(height, width, window, shift, mask_padding, device), window)
     differs = labels[:, :, None] != labels[:, None, :]
+    n = differs.shape[-1]
+    if align and n % 8:
+        buffer = torch.zeros(differs.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
+        return buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
     return torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
 
 
@@ -273,8 +287,11 @@ def build_window_layout(
     mask_padding: bool,
     device: torch.device,
     dtype: torch.dtype,
+    align: bool = False,
 ) -> WindowLayout:
     """Compute a :class:`WindowLayout` (uncached; see :func:`get_window_layout`).
+
+    ``dtype`` is the mask's (the compute dtype); ``align`` stores mask rows 8-aligned.
 
     While tracing with symbolic sizes, whether a size needs padding is not known, so the
     layout then always allows for it (a zero token that may go unused, a mask that may be
@@ -288,10 +305,10 @@ def build_window_layout(
         has_padding = True
         mask = None
         if shift > 0 or mask_padding:
-            mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype)
+            mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
     else:
         has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
-        mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype)
+        mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype, align)
         if mask is not None:
             masked = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
             window_masks = mask.index_select(0, masked)
@@ -406,6 +423,8 @@ def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, nW * N, C)`` tokens in window layout; padding tokens are zeros.
     """
+    if torch.compiler.is_compiling():  # plain ops for the tracer
+        return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
@@ -417,6 +436,8 @@ def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, H * W, C)`` row-major tokens.
     """
+    if torch.compiler.is_compiling():
+        return gather_tokens(windows, layout.inverse, False, None)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 

@@ -1,0 +1,247 @@
+"""The one place that decides how a forward is computed.
+
+:func:`plan_forward` looks at the situation once per forward (device, autocast dtype, grad
+mode, tracing, dropout) and returns a :class:`Plan`: which window-attention kernel runs,
+whether the memory-saving autograd functions replace autograd's own graph, whether CPU work
+runs in cache-sized row chunks, and the per-layout choices derived from those (masked-window
+strategy, qkv projection before or after the window partition). The model modules pass the
+plan to the functions of :mod:`swin_backbone.ops` and never ask about devices or grad modes
+themselves; ``ops`` routes each call to the implementation the plan names.
+
+Every optimisation can be switched off for an ablation (``tools/benchmark.py --ablate``) with
+:func:`override`; the measured effect of each is in ``docs/performance.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+#: Window-attention implementations (see :mod:`swin_backbone.ops.attention`).
+ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
+
+
+#: ``padding share x C`` at which projecting first pays (CPU; stages 3-4 of detection sizes).
+PROJECT_FIRST_PADDING = 48.0
+#: Largest share of masked windows for which the shared-bias-then-fixup strategy is used.
+FIXUP_SHARE = 0.25
+#: Attention probabilities of a layer up to this size are kept for backward (CPU training).
+KEEP_PROBS_BYTES = 12 * 2**20
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What :func:`plan_forward` may use; an ablation turns each optimisation off in turn
+    (booleans False, sizes 0, the project-first threshold ``inf``)."""
+
+    sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
+    recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
+    save_memory: bool = True  #: LayerNorm -> linear / MLP functions that keep only their inputs
+    triton: bool = True  #: CUDA: the fused Triton window-attention kernel where it applies
+    chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
+    keep_probs_bytes: int = KEEP_PROBS_BYTES  #: CPU training keeps probabilities of layers up to this size
+    fixup_share: float = FIXUP_SHARE  #: up to this share of masked windows: shared bias, then redo them
+    project_first_padding: float = PROJECT_FIRST_PADDING  #: padding share x C to project before partition
+    align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
+
+
+_SWITCHES = Switches()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Switches]:
+    """Temporarily change :class:`Switches` (for ablations and tests)."""
+    global _SWITCHES
+    old = _SWITCHES
+    _SWITCHES = dataclasses.replace(old, **changes)
+    try:
+        yield _SWITCHES
+    finally:
+        _SWITCHES = old
+
+
+def cpu_chunk_bytes() -> int:
+    """Bytes of a CPU row chunk: twice the L2 cache of the cores torch uses, within 4-16 MiB.
+
+    The L2 size is read from the OS at run time; the L3 size is not used (virtual machines
+    report the whole host's L3, far more than one guest's share).
+    """
+    try:
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError):
+        l2 = 0
+    l2 = l2 if l2 > 0 else 2**20
+    return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one forward (or one stage of it) is computed.
+
+    Attributes:
+        device: ``'cpu'``, ``'cuda'``, ...
+        mask_dtype: dtype of cached masks: the compute dtype (the autocast dtype under autocast).
+        align_masks: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy
+            misaligned ones on every call).
+        grad: autograd records this forward (some input or parameter requires grad).
+        tracing: ``torch.compile`` / ``torch.export`` is tracing: plain ops only.
+        dropout: dropout after the position embedding, projection and MLP is active.
+        stochastic: any dropout or stochastic depth is active (training mode, rate > 0).
+        attn_dropout: attention dropout is active.
+        attention: one of :data:`ATTENTION_KERNELS`.
+        save_memory: norm -> qkv and norm -> MLP use the input-keeping autograd functions.
+        chunk_bytes: CPU row-chunk size in bytes, 0 for whole tensors.
+        keep_probs_bytes: the recompute kernel keeps a layer's probabilities up to this size.
+        fixup_share: up to this share of masked windows, attention runs every window with
+            the shared bias and redoes the masked ones (above it, one per-window bias).
+        project_first_padding: qkv projects before the partition when the layout's padding
+            share times C reaches this (``inf``: never).
+    """
+
+    device: str
+    mask_dtype: torch.dtype
+    align_masks: bool
+    grad: bool
+    tracing: bool
+    dropout: bool
+    stochastic: bool
+    attn_dropout: bool
+    attention: str
+    save_memory: bool
+    chunk_bytes: int
+    keep_probs_bytes: int
+    fixup_share: float
+    project_first_padding: float
+
+    def for_stage(self, x: torch.Tensor, stage: nn.Module) -> "Plan":
+        """The plan for one stage: the no-grad variant when nothing in it needs a gradient
+        (frozen stages run like inference)."""
+        if not self.grad or self.tracing or x.requires_grad:
+            return self
+        if any(p.requires_grad for p in stage.parameters()):
+            return self
+        return decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout)
+
+    def fixup_masked(self, num_masked: int, num_windows: int) -> bool:
+        """Whether attention computes all windows with the shared bias and redoes the masked ones."""
+        return num_masked <= self.fixup_share * num_windows
+
+    def project_first(self, padding_tokens: int, real_tokens: int, channels: int) -> bool:
+        """Whether the qkv projection runs on the real tokens before the window partition.
+
+        It saves projecting the padding tokens (3C x C multiply-adds each) for a 3x wider
+        gather; worth it where padding is a large share of the map and C is large.
+        """
+        if self.project_first_padding == float("inf"):  # off (and never a symbolic comparison)
+            return False
+        return padding_tokens * channels >= self.project_first_padding * real_tokens
+
+
+def plan_forward(x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool) -> Plan:
+    """Decide how ``model`` computes its forward on ``x`` (once per forward).
+
+    Args:
+        x: the model's input (its device, dtype and ``requires_grad`` matter).
+        model: the module about to run (its parameters' ``requires_grad`` matter).
+        attn_dropout, dropout, drop_path: whether attention dropout, other dropout and
+            stochastic depth are in effect (training mode and a rate > 0).
+    """
+    stochastic = attn_dropout or dropout or drop_path
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    tracing = torch.compiler.is_compiling()
+    grad = torch.is_grad_enabled()
+    if tracing:
+        return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, _SWITCHES)
+    grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
+    return decide(device, dtype, grad, False, dropout, stochastic, attn_dropout)
+
+
+def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
+    """The plan for calling one of the model's modules on its own (no plan handed down):
+    dropout and stochastic depth are read off the module's submodules."""
+    rates = [getattr(m, "p", 0.0) for m in module.modules() if type(m).__name__ in ("Dropout", "DropPath")]
+    attn = any(getattr(m, "attn_drop_rate", 0.0) > 0 for m in module.modules())
+    active = module.training
+    return plan_forward(x, module, active and attn, active and any(r > 0 for r in rates), False)
+
+
+def decide(
+    device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool, attn_dropout: bool
+) -> Plan:
+    """:func:`plan_forward`'s decision from the situation alone (cached)."""
+    return _decide_cached(device, mask_dtype, grad, tracing, dropout, stochastic, attn_dropout, _SWITCHES)
+
+
+def _decide(
+    device: str,
+    mask_dtype: torch.dtype,
+    grad: bool,
+    tracing: bool,
+    dropout: bool,
+    stochastic: bool,
+    attn_dropout: bool,
+    s: Switches,
+) -> Plan:
+    cpu = device == "cpu"
+    if tracing:
+        # The tracer sees plain torch ops (inductor fuses them itself); SDPA is one op too.
+        attention = "plain" if grad or attn_dropout or not s.sdpa else "sdpa"
+    elif attn_dropout or not s.sdpa:
+        attention = "plain"
+    elif device == "cuda":
+        # Memory-efficient SDPA takes a float bias and computes its gradient.
+        attention = "triton" if s.triton and _triton_ready() else "sdpa"
+    elif grad:
+        # CPU SDPA gives no bias gradient (and falls to its slow math kernel for a mask that
+        # requires grad): SDPA forward with a hand-written backward instead.
+        attention = "recompute" if s.recompute_attention else "plain"
+    else:
+        attention = "sdpa"
+    eager = not tracing
+    return Plan(
+        device=device,
+        mask_dtype=mask_dtype,
+        align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
+        grad=grad,
+        tracing=tracing,
+        dropout=dropout,
+        stochastic=stochastic,
+        attn_dropout=attn_dropout,
+        attention=attention,
+        save_memory=eager and grad and s.save_memory,
+        chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
+        keep_probs_bytes=s.keep_probs_bytes,
+        # Both measured on CPU only; on GPUs they would add kernel launches.
+        fixup_share=s.fixup_share if eager and cpu else 0.0,
+        project_first_padding=s.project_first_padding if eager and cpu else float("inf"),
+    )
+
+
+_decide_cached = lru_cache(maxsize=64)(_decide)
+
+
+def _triton_ready() -> bool:
+    """Whether the fused Triton kernel can run on CUDA here (triton importable)."""
+    try:
+        from . import triton_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
+    """A plan for ``x`` with some fields forced (tests and direct use of the ops)."""
+    grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
+    plan = decide(x.device.type, x.dtype, grad, False, False, False, False)
+    if attention is not None:
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS}, got {attention!r}")
+        fields["attention"] = attention
+    return dataclasses.replace(plan, **fields)

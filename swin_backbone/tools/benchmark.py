@@ -1,0 +1,497 @@
+#!/usr/bin/env python
+"""Speed and memory of SwinBackbone against mmdet 3.3's SwinTransformer (same weights) and
+timm's / torchvision's Swin-T (same FLOPs, random weights), measured in the same run.
+
+Every comparison runs its models in interleaved rounds (A B A B ...) after warm-up and reports
+medians; a speedup is the median of the per-round ratios (both models run back to back in a
+round, so the ratio is immune to the machine's drift between rounds).
+
+CPU (default on a machine without CUDA):
+  1. forward, eval, 1x3x800x1216 under inference_mode: ours, mmdet, timm, torchvision;
+  2. forward + backward, train mode, 2x3x512x512: ours, mmdet;
+  3. peak memory of (2) (peak RSS growth in a fresh subprocess per model);
+  4. the backbone's FLOPs and achieved GFLOP/s of (1) against this machine's dense fp32 matmul
+     rate (2048x2048 matmuls measured in the same rounds as (1)).
+CUDA (``--device cuda``): eval bf16 1x and 8x 3x800x1344 and fp32 (TF32 off) 1x, training
+fwd+bwd 2x3x800x1344 in bf16 and fp32, peak training memory, ``torch.compile`` (dynamic) of
+eval and training, which SDPA kernels ran, and a UPerNet (mmseg) training step.
+``--ablate`` turns each of SwinBackbone's optimisations off in turn (same weights, interleaved
+rounds, one process; memory in subprocesses) and prints its effect on eval time, training time
+and training peak memory.
+
+    python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--ablate]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from swin_backbone import SwinBackbone, load_checkpoint, ops
+
+ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7)
+
+#: ``--ablate`` variants: name -> planner switches (see swin_backbone.ops.planner.Switches).
+ABLATIONS: Dict[str, Dict[str, object]] = {
+    "no SDPA (matmul attention)": dict(sdpa=False),
+    "no recompute attention (autograd)": dict(recompute_attention=False),
+    "no kept probabilities": dict(keep_probs_bytes=0),
+    "no memory-saving norm->linear/MLP": dict(save_memory=False),
+    "no CPU row chunks": dict(chunk_bytes=0),
+    "row chunks x0.5": dict(chunk_bytes="half"),
+    "row chunks x2": dict(chunk_bytes="double"),
+    "no masked-window fixup": dict(fixup_share=0.0),
+    "no project-before-partition": dict(project_first_padding=float("inf")),
+}
+
+
+def switches(name: Optional[str]) -> Dict[str, object]:
+    """Planner overrides of an ablation variant (``None``: the defaults)."""
+    if name is None:
+        return {}
+    if name not in ABLATIONS:
+        raise ValueError(f"--ablate-variant: expected one of {sorted(ABLATIONS)}, got {name!r}")
+    changes = dict(ABLATIONS[name])
+    if changes.get("chunk_bytes") in ("half", "double"):
+        base = ops.planner.cpu_chunk_bytes()
+        changes["chunk_bytes"] = base // 2 if changes["chunk_bytes"] == "half" else base * 2
+    return changes
+
+
+def build_pair(device: str, seed: int = 0) -> Dict[str, torch.nn.Module]:
+    """mmdet's SwinTransformer and ours (Swin-T) with identical weights."""
+    from mmdet.models.backbones import SwinTransformer
+
+    torch.manual_seed(seed)
+    ref = SwinTransformer(**ARCH, drop_path_rate=0.0)
+    ref.init_weights()
+    ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.0)
+    load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    return {"mmdet": ref.to(device), "ours": ours.to(device)}
+
+
+def build_peers(device: str, size: Sequence[int]) -> Dict[str, torch.nn.Module]:
+    """timm's and torchvision's Swin-T feature extractors (random weights), where installed."""
+    peers: Dict[str, torch.nn.Module] = {}
+    try:
+        import timm
+
+        peers["timm"] = timm.create_model(
+            "swin_tiny_patch4_window7_224", pretrained=False, features_only=True, img_size=tuple(size),
+            strict_img_size=False,
+        )
+    except ImportError:
+        pass
+    try:
+        from torchvision.models import swin_t
+
+        peers["torchvision"] = swin_t(weights=None).features
+    except ImportError:
+        pass
+    return {k: m.to(device).eval() for k, m in peers.items()}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], None], device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def interleave(fns: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int) -> Dict[str, List[float]]:
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return times
+
+
+def with_switches(fn: Callable[[], None], changes: Dict[str, object]) -> Callable[[], None]:
+    def run():
+        with ops.override(**changes):
+            fn()
+
+    return run
+
+
+def eval_step(model, x, autocast_dtype=None):
+    def run():
+        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        with torch.inference_mode(), ctx:
+            model(x)
+
+    return run
+
+
+def train_step(model, x, autocast_dtype=None):
+    def run():
+        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        with ctx:
+            outs = model(x)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        loss = sum(o.float().mean() for o in outs)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def count_flops(model, x) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(x)
+    return counter.get_total_flops()
+
+
+def matmul_step(device: str, n: int = 2048) -> Callable[[], None]:
+    """Four dense fp32 ``n x n`` matmuls (``run.flops`` = ``8 n^3``): the attainable peak."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def run():
+        for _ in range(4):
+            a @ b
+
+    run.flops = 4 * 2 * n**3  # type: ignore[attr-defined]
+    return run
+
+
+# ---------------------------------------------------------------------------- memory
+def memory_child(name: str, device: str, batch: int, size: Sequence[int], variant: Optional[str],
+                 dtype: Optional[str]) -> None:
+    """Run in a fresh process: peak memory of one fwd+bwd beyond the model and input."""
+    models = build_pair(device)
+    model = models[name]
+    model.train()  # (mmdet's train() returns None: no chaining)
+    del models
+    x = torch.randn(batch, 3, *size, device=device)
+    step = with_switches(train_step(model, x, getattr(torch, dtype) if dtype else None), switches(variant))
+    if device == "cuda":
+        step()  # warm-up: cuBLAS / autotuning workspaces are not activations
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        import gc
+
+        gc.collect()
+        base = _reset_peak_rss()
+        step()
+        peak = _peak_rss() - base
+    print(json.dumps({"peak_bytes": int(peak)}))
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0) and return the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_kb("VmHWM")
+
+
+def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant: Optional[str] = None,
+                dtype: Optional[str] = None) -> int:
+    """Peak memory of one training step of ``name`` on ``batch x 3 x H x W``, in a fresh process."""
+    cmd = [sys.executable, "-m", "swin_backbone.tools.benchmark", "--memory-child", name, "--device", device,
+           "--batch", str(batch), "--memory-size", str(size[0]), str(size[1])]
+    if variant:
+        cmd += ["--ablate-variant", variant]
+    if dtype:
+        cmd += ["--memory-dtype", dtype]
+    # Large blocks straight from / back to the OS (mmap), so RSS follows live tensors instead
+    # of glibc's retained free memory.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+
+
+# ---------------------------------------------------------------------------- reporting
+def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet") -> dict:
+    """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios)."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    speedups = {
+        k: statistics.median(r / o for r, o in zip(times[reference], v)) for k, v in times.items() if k != reference
+    }
+    parts = [f"{k} {med[k] * 1e3:.1f} ms" + (f" ({speedups[k]:.2f}x)" if k in speedups else "") for k in times]
+    print(f"{label}: " + ", ".join(parts) + f"  [speedup over {reference}]")
+    result = {"samples": times, "median_s": med, "speedup_over_" + reference: speedups}
+    if "ours" in times and reference in times:  # the keys earlier runs and the tests read
+        result.update(ours_s=med["ours"], mmdet_s=med[reference], speedup=speedups["ours"])
+    return result
+
+
+# ---------------------------------------------------------------------------- runs
+def run_cpu(args, results: dict) -> None:
+    device = "cpu"
+    models = build_pair(device)
+    eh, ew = args.eval_size
+    ts = args.train_size
+    x_eval = torch.randn(1, 3, eh, ew, device=device)
+    for m in models.values():
+        m.eval()
+    peers = {} if args.no_peers else build_peers(device, (eh, ew))
+    # The matmul ceiling is measured in the same rounds, so it sees the same machine state.
+    matmul = matmul_step(device)
+    fns = {**{k: eval_step(m, x_eval) for k, m in {**models, **peers}.items()}, "matmul": matmul}
+    times = interleave(fns, device, args.iters, args.warmup)
+    matmul_times = times.pop("matmul")
+    eval_times = times
+    results["forward_eval"] = summarize(f"forward eval 1x3x{eh}x{ew}", eval_times)
+
+    x_train = torch.randn(2, 3, ts, ts, device=device)
+    for m in models.values():
+        m.train()
+    times = interleave({k: train_step(m, x_train) for k, m in models.items()}, device, args.iters, args.warmup)
+    results["forward_backward"] = summarize(f"forward+backward train 2x3x{ts}x{ts}", times)
+
+    if not args.skip_memory:
+        mem = {k: peak_memory(k, device, 2, (ts, ts)) for k in models}
+        ratio = mem["ours"] / mem["mmdet"]
+        print(f"peak memory fwd+bwd 2x3x{ts}x{ts}: ours {mem['ours'] / 2**20:.0f} MiB, "
+              f"mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {ratio:.2f}x")
+        results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"], "ratio": ratio}
+
+    models["ours"].eval()
+    flops = count_flops(models["ours"], x_eval)
+    achieved = [flops / t / 1e9 for t in eval_times["ours"]]
+    ceiling = [matmul.flops / t / 1e9 for t in matmul_times]  # type: ignore[attr-defined]
+    fraction = statistics.median(a / c for a, c in zip(achieved, ceiling))
+    print(f"FLOPs 1x3x{eh}x{ew}: {flops / 1e9:.1f} GFLOP; achieved {statistics.median(achieved):.0f} GFLOP/s "
+          f"= {100 * fraction:.0f}% of the dense fp32 matmul ceiling ({statistics.median(ceiling):.0f} GFLOP/s, "
+          f"2048x2048 matmuls measured in the same rounds)")
+    results["flops"] = {"gflop": flops / 1e9, "achieved_gflops": statistics.median(achieved),
+                        "matmul_gflops": statistics.median(ceiling), "fraction_of_ceiling": fraction}
+
+
+def run_ablation(args, results: dict) -> None:
+    """Each optimisation off in turn against the defaults: eval, training and memory effects."""
+    device = args.device
+    ours = build_pair(device)["ours"]
+    eh, ew = args.eval_size
+    ts = args.train_size
+    x_eval = torch.randn(1, 3, eh, ew, device=device)
+    x_train = torch.randn(2, 3, ts, ts, device=device)
+    variants: List[Optional[str]] = [None] + list(ABLATIONS)
+    label = {v: v or "defaults" for v in variants}
+    ours.eval()
+    eval_times = interleave({label[v]: with_switches(eval_step(ours, x_eval), switches(v)) for v in variants},
+                            device, args.iters, args.warmup)
+    ours.train()
+    train_times = interleave({label[v]: with_switches(train_step(ours, x_train), switches(v)) for v in variants},
+                             device, args.iters, args.warmup)
+    memory = {} if args.skip_memory else {label[v]: peak_memory("ours", device, 2, (ts, ts), v) for v in variants}
+    base = "defaults"
+    rows = {}
+    print(f"\nablation (each optimisation off; effect = time or memory without it / with it - 1; "
+          f"eval 1x3x{eh}x{ew}, train 2x3x{ts}x{ts}, {args.iters} interleaved rounds)")
+    print(f"{'variant':40s} {'eval':>9s} {'train':>9s} {'memory':>9s}")
+    for v in variants:
+        name = label[v]
+        row = {
+            "eval_s": statistics.median(eval_times[name]),
+            "train_s": statistics.median(train_times[name]),
+            "eval_effect": statistics.median(t / b for t, b in zip(eval_times[name], eval_times[base])) - 1,
+            "train_effect": statistics.median(t / b for t, b in zip(train_times[name], train_times[base])) - 1,
+        }
+        if memory:
+            row["peak_bytes"] = memory[name]
+            row["memory_effect"] = memory[name] / memory[base] - 1
+        rows[name] = row
+        mem = f"{100 * row['memory_effect']:+8.1f}%" if memory else "       -"
+        if v is None:
+            mem = f"{memory[name] / 2**20:7.0f}MB" if memory else mem
+            print(f"{name:40s} {row['eval_s'] * 1e3:7.0f}ms {row['train_s'] * 1e3:7.0f}ms {mem}")
+        else:
+            print(f"{name:40s} {100 * row['eval_effect']:+8.1f}% {100 * row['train_effect']:+8.1f}% {mem}")
+    results["ablation"] = {"eval_size": [eh, ew], "train_size": ts, "rows": rows,
+                           "samples": {"eval": eval_times, "train": train_times}}
+
+
+def sdpa_kernels(model, x, autocast_dtype, train: bool) -> List[str]:
+    """Names of the SDPA kernels one forward (and backward) runs."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        (train_step if train else eval_step)(model, x, autocast_dtype)()
+    sync(x.device.type)
+    return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention" in e.key.lower()})
+
+
+def run_cuda(args, results: dict) -> None:
+    device = "cuda"
+    results["gpu"] = torch.cuda.get_device_name()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    h, w = 800, 1344
+    models = build_pair(device)
+    peers = {} if args.no_peers else build_peers(device, (h, w))
+    everyone = {**models, **peers}
+    bf16 = torch.bfloat16
+    for batch, dtype in ((1, bf16), (8, bf16), (1, None)):
+        x = torch.randn(batch, 3, h, w, device=device)
+        for m in everyone.values():
+            m.eval()
+        tag = "bf16" if dtype else "fp32"
+        times = interleave({k: eval_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters, args.warmup)
+        results[f"eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"eval {tag} {batch}x3x{h}x{w}", times)
+    x = torch.randn(2, 3, h, w, device=device)
+    for dtype in (bf16, None):
+        for m in everyone.values():
+            m.train()
+        tag = "bf16" if dtype else "fp32"
+        times = interleave({k: train_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters, args.warmup)
+        results[f"train_{tag}_2x3x{h}x{w}"] = summarize(f"train fwd+bwd {tag} 2x3x{h}x{w}", times)
+    if not args.skip_memory:
+        mem = {k: peak_memory(k, device, 2, (h, w), dtype="bfloat16") for k in models}
+        print(f"peak training memory bf16 2x3x{h}x{w}: ours {mem['ours'] / 2**20:.0f} MiB, "
+              f"mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {mem['ours'] / mem['mmdet']:.2f}x")
+        results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"],
+                                  "ratio": mem["ours"] / mem["mmdet"]}
+    ours = models["ours"]
+    results["sdpa_kernels"] = {
+        "eval_bf16": sdpa_kernels(ours.eval(), torch.randn(1, 3, h, w, device=device), bf16, False),
+        "train_bf16": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), bf16, True),
+        "train_fp32": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), None, True),
+    }
+    print("attention kernels that ran:", json.dumps(results["sdpa_kernels"]))
+    if args.compile:
+        compiled = {k: torch.compile(m, dynamic=True) for k, m in models.items()}
+        x8 = torch.randn(8, 3, h, w, device=device)
+        for m in compiled.values():
+            m.eval()
+        times = interleave({k: eval_step(m, x8, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
+        results[f"compiled_eval_bf16_8x3x{h}x{w}"] = summarize(f"torch.compile eval bf16 8x3x{h}x{w}", times)
+        for m in compiled.values():
+            m.train()
+        times = interleave({k: train_step(m, x, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
+        results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
+    if args.upernet:
+        results["upernet_train_bf16"] = upernet_step(args, device)
+
+
+def upernet_step(args, device: str) -> dict:
+    """A UPerNet (mmseg) training step through the project's config, against mmseg's own Swin."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+    from mmseg.structures import SegDataSample
+    from mmengine.structures import PixelData
+
+    import swin_backbone  # noqa: F401
+
+    init_default_scope("mmseg")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = Config.fromfile(args.upernet)
+    built = {}
+    for name, backbone_type in (("mmseg", "SwinTransformer"), ("ours", "SwinBackbone")):
+        model_cfg = cfg.model.copy()
+        model_cfg.backbone = dict(cfg.model.backbone, type=backbone_type, init_cfg=None, drop_path_rate=0.0)
+        if backbone_type == "SwinTransformer":
+            for key in ("arch", "mask_padding", "channels_last_outputs", "pad_small_map"):
+                model_cfg.backbone.pop(key, None)
+        model_cfg.pop("data_preprocessor", None)
+        model_cfg.decode_head.norm_cfg = dict(type="BN", requires_grad=True)
+        if "auxiliary_head" in model_cfg:
+            model_cfg.auxiliary_head.norm_cfg = dict(type="BN", requires_grad=True)
+        built[name] = MODELS.build(model_cfg).to(device).train()
+    del root
+    batch, size = 2, 512
+    x = torch.randn(batch, 3, size, size, device=device)
+    samples = []
+    for _ in range(batch):
+        s = SegDataSample()
+        s.gt_sem_seg = PixelData(data=torch.randint(0, 150, (1, size, size), device=device))
+        s.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size), ori_shape=(size, size)))
+        samples.append(s)
+
+    def step(model):
+        def run():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                losses = model.loss(x, samples)
+            sum(v for k, v in losses.items() if "loss" in k).backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    times = interleave({k: step(m) for k, m in built.items()}, device, args.iters, args.warmup)
+    return summarize(f"UPerNet training step bf16 {batch}x3x{size}x{size}", times, reference="mmseg")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--no-peers", action="store_true", help="skip the timm / torchvision rows")
+    parser.add_argument("--ablate", action="store_true", help="only the ablation of SwinBackbone's optimisations")
+    parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
+    parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
+    parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")
+    parser.add_argument("--upernet", metavar="CONFIG", help="CUDA: a UPerNet training step of this mmseg config")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--ablate-variant", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-size", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.memory_child, args.device, args.batch, args.memory_size, args.ablate_variant,
+                     args.memory_dtype)
+        return {}
+
+    results: dict = {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "date": time.strftime("%Y-%m-%d")}
+    print(f"device {args.device}, torch {torch.__version__}" + (
+        f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
+    if args.ablate:
+        run_ablation(args, results)
+    elif args.device == "cuda":
+        run_cuda(args, results)
+    else:
+        run_cpu(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
