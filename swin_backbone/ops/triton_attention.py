@@ -39,11 +39,11 @@ Each program handles one head and a group of consecutive windows (``grid = (nH, 
 fastest so that the programs reading the same token rows run together). Grouping
 amortises the bias gather and the per-program setup, and is what bounds ``G``.
 
-The kernels are jit-decorated lazily, on first launch, for the mode in effect then:
-``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so deciding at import time would
-tie this module to whatever the flag was when it was first imported. Importing this module
-never launches anything and works without a GPU, without the interpreter and without
-triton installed (:func:`supports` then returns False).
+The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
+reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
+launches anything and works without a GPU, without the interpreter and without triton
+installed (:func:`supports` then returns False). The interpreter (CPU tensors, for tests)
+needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
 """
 from __future__ import annotations
 
@@ -93,11 +93,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _library_interpreted() -> bool:
+    """Whether ``triton.language`` itself was imported with the interpreter on.
+
+    Its own jit functions (``tl.sum``, ``tl.max``, ``tl.zeros``) are decorated when it is
+    imported, in the mode then in effect: an interpreted kernel cannot call compiled-mode ones
+    (they raise), so switching the interpreter on later in a process does not work.
+    """
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
 # --------------------------------------------------------------------------------------------
 # The kernel. One body for forward and backward (``BACKWARD`` is a compile-time constant):
-# they share the window index math, the loads and the recomputation of P, and a separate
-# @triton.jit helper for that could not be called from both interpreted and compiled kernels
-# (see the module docstring: decoration is lazy and per mode).
+# they share the window index math, the loads and the computation of P.
 # --------------------------------------------------------------------------------------------
 def _window_attention_kernel(
     qkv_ptr,  # (B, H * W, 3C) row-major, contiguous
@@ -155,7 +167,7 @@ def _window_attention_kernel(
 
     if BACKWARD:
         if BIAS_GRAD:
-            dbias = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+            dbias = tl.full((BLOCK_N, BLOCK_N), 0.0, dtype=tl.float32)
 
     for step in range(windows_per_program):
         index = group * windows_per_program + step  # window over the whole batch
@@ -269,6 +281,8 @@ def unsupported_reason(
             return "CUDA is not available"
     elif not (interpret and qkv.device.type == "cpu"):
         return f"device {qkv.device.type!r} needs CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
+    if interpret and not _library_interpreted():
+        return "TRITON_INTERPRET=1 was set after triton.language was imported (set it before)"
     if qkv.dtype not in _DTYPES:
         return f"dtype {qkv.dtype} is not one of float32, float16, bfloat16"
     if qkv.dtype == torch.bfloat16:
