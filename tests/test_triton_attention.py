@@ -12,6 +12,7 @@ decorates, and ``triton.language`` decorates its own ``tl.sum`` / ``tl.max`` at 
   and :func:`test_kernels_in_interpreter_subprocess` runs this file again in a subprocess
   with the flag set, and fails if anything fails there.
 """
+import importlib.util
 import os
 import re
 import subprocess
@@ -245,3 +246,17 @@ def test_bad_arguments():
         call(table=torch.zeros(169, 3))
     with pytest.raises(ValueError, match="height and width"):
         call(height=0, qkv=torch.zeros(2, 0, 3 * 64))
+
+
+def test_imports_and_declines_without_triton(monkeypatch):
+    """The module loads where triton is missing, launches nothing, and says why it declines."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_triton_attention_without_triton", triton_attention.__file__)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    assert module.triton is None
+    qkv = torch.zeros(1, 49, 3 * 64)
+    assert not module.supports(qkv, 7, 2)
+    assert module.unsupported_reason(qkv, 7, 2) == "triton is not installed"

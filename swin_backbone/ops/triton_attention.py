@@ -25,15 +25,19 @@ kept, only ``qkv`` and the table. ``dq``, ``dk`` and ``dv`` are stored straight 
 row-major ``(B, H * W, 3C)`` gradient: every real token lies in exactly one window, so plain
 stores cover it exactly once (no atomics, no zero fill).
 
-Bias-table gradient (the one reduction across programs): each program accumulates
-``dS`` of its windows in an ``(N, N)`` fp32 register tile and stores it once into its own
-slot of a ``(G, nH, N, N)`` fp32 buffer (``G`` window groups); torch then sums over ``G``
-and scatters the ``(nH, N, N)`` result onto the table rows with ``index_put_(accumulate=
-True)`` (what autograd does for ``table[index]``). There are no atomics at all, so the
-gradient is bit-for-bit reproducible; the buffer is small because ``G`` is bounded by
-:data:`TARGET_PROGRAMS` (about ``TARGET_PROGRAMS * N * N * 4`` bytes), and the torch sum
-reads it once. Atomic adds into one ``(nH, N, N)`` buffer would save that buffer but make
-the last bits depend on scheduling.
+Bias-table gradient (the one reduction across programs): the bias is added to the logits,
+so its gradient is ``dS`` summed over batch and windows per ``(head, i, j)``, then per table
+row over the pairs ``(i, j)`` with the same offset. Each program accumulates the ``dS`` of
+its windows in an ``(N, N)`` fp32 register tile and stores it once, with plain stores, into
+its own slot of a ``(G, nH, N, N)`` fp32 buffer (``G`` window groups); torch then sums over
+``G`` in a fixed order and scatters the ``(nH, N, N)`` result onto the table rows with
+``index_put_(accumulate=True)``, as autograd does for ``table[index]`` (deterministic on
+CUDA). No atomics anywhere, so the gradient is reproducible bit for bit. The price is the
+buffer: ``G * nH`` stays near :data:`TARGET_PROGRAMS`, so it holds about
+``TARGET_PROGRAMS * N * N`` floats (about 10 MB for ``N = 49``), written once and read once.
+Atomic adds into one ``(nH, N, N)`` buffer would avoid it (with about ``G``-way contention
+per address after the in-register accumulation), but make the last bits of the gradient
+depend on scheduling.
 
 Each program handles one head and a group of consecutive windows (``grid = (nH, G)``, head
 fastest so that the programs reading the same token rows run together). Grouping
@@ -288,7 +292,7 @@ def unsupported_reason(
     if qkv.dtype == torch.bfloat16:
         if interpret:
             return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
-        if qkv.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(qkv.device)[0] < 8:
+        if torch.version.hip is None and torch.cuda.get_device_capability(qkv.device) < (8, 0):  # cuda here
             return "bfloat16 needs a GPU of compute capability >= 8.0"
     if qkv.dim() != 3 or num_heads <= 0 or qkv.shape[-1] % (3 * num_heads):
         return f"qkv of shape {tuple(qkv.shape)} is not (B, L, 3 * num_heads * head_dim) for num_heads={num_heads}"
@@ -303,7 +307,7 @@ def unsupported_reason(
         if height is None or width is None:
             return "mask_padding=False needs height and width to rule out padding"
         if height % window or width % window:
-            return "mask_padding=False on a padded map (real tokens attend to padding)"
+            return "mask_padding=False on a padded map (real tokens attend to padding tokens, never loaded here)"
     return None
 
 
@@ -411,7 +415,7 @@ def _plan(
     if windows_per_program is None:
         groups = max(1, min(total, _ceil_div(TARGET_PROGRAMS, num_heads)))
         windows_per_program = _ceil_div(total, groups)
-    windows_per_program = min(windows_per_program, max(total, 1))
+    windows_per_program = max(1, min(windows_per_program, total))
     return _Plan(
         batch=qkv.shape[0],
         height=height,
@@ -427,7 +431,7 @@ def _plan(
         windows_per_image=windows_per_image,
         windows_per_row=windows_per_row,
         windows_per_program=windows_per_program,
-        groups=_ceil_div(total, windows_per_program),
+        groups=max(1, _ceil_div(total, windows_per_program)),
         block_n=max(16, _next_pow2(window * window)),
         block_d=max(16, _next_pow2(head_dim)),
     )
