@@ -43,6 +43,13 @@ Each program handles one head and a group of consecutive windows (``grid = (nH, 
 fastest so that the programs reading the same token rows run together). Grouping
 amortises the bias gather and the per-program setup, and is what bounds ``G``.
 
+Unmeasured: no GPU was available while this was written, so there are no timings, and the
+launch parameters (``num_warps``, ``num_stages``, :data:`TARGET_PROGRAMS`) are reasoned, not
+tuned. The kernel compiles for sm_80 and sm_90 (checked without a GPU, fp32 / fp16 / bf16,
+forward and backward); windows up to 8 x 8 (blocks up to 64 rows, Swin's 7 x 7 included) spill
+little or nothing, while 12 x 12 windows (256-row blocks) spill heavily and may well be slower
+than SDPA until the kernel tiles the keys.
+
 The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
 launches anything and works without a GPU, without the interpreter and without triton
@@ -454,10 +461,12 @@ def _launch(
     dbias: Optional[torch.Tensor],
     backward: bool,
 ) -> None:
-    # Block tiles are BLOCK_N x BLOCK_N fp32: the backward keeps about twice as many live
-    # (bias, P, dP / dS, the dS accumulator) as the forward (bias, logits / P), so it gets
-    # twice the warps (registers) from N = 49 (a 64-row block) on.
-    num_warps = 8 if plan.block_n >= 128 or (backward and plan.block_n >= 64) else 4
+    # Several BLOCK_N x BLOCK_N fp32 tiles are live (bias, logits / P, and in the backward dP /
+    # dS and the dS accumulator). Compiled for sm_80 / sm_90 without a GPU (ptxas resource
+    # usage, fp16, head_dim 32): 16- and 32-row blocks fit 4 warps; a 64-row block (N = 49)
+    # uses 255 registers with no spills in the forward and a little stack in the backward at
+    # 8 warps, but spills at 4. Larger blocks spill either way (see the module docstring).
+    num_warps = 8 if plan.block_n >= 64 else 4
     _kernel()[(plan.num_heads, plan.groups)](
         qkv,
         table,
