@@ -1,0 +1,587 @@
+"""Fused shifted-window attention in Triton: forward and backward, one kernel launch each.
+
+:func:`triton_window_attention` takes the ``(B, H * W, 3C)`` output of the qkv projection in
+row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order.
+Everything between the two is fused into one pass over the windows:
+
+* **pad, cyclic shift and partition**: a program computes, for each position of its window,
+  the source token ``((r + shift) mod Hp, (c + shift) mod Wp)`` and loads ``q``, ``k`` and
+  ``v`` straight from the projection's rows. Padding positions are never loaded (masked
+  loads), so no padded, rolled or partitioned copy of ``qkv`` is ever written;
+* **region mask**: shift regions are computed from the coordinates in registers (the
+  arithmetic of :func:`~swin_backbone.ops.windows.region_labels`, ``mask_padding=True``:
+  keys of another region and padding keys get no weight), so no ``(nW, N, N)`` mask tensor
+  exists and no per-window bias is built;
+* **relative position bias**: gathered from the ``((2tw-1)**2, nH)`` table by offset inside
+  the kernel, once per program and reused for every window the program handles;
+* **softmax** in fp32 (base 2, one block holds a whole window: no online rescaling),
+  ``P @ V``, and **reverse / unshift / crop**: only real query tokens are stored, to their
+  row-major rows.
+
+The backward recomputes ``P`` from ``q`` and ``k`` (FlashAttention style) and, because a
+whole window row sits in one block, takes the softmax-gradient term
+``delta = rowsum(P * dP)`` in registers: neither the forward output nor a log-sum-exp is
+kept, only ``qkv`` and the table. ``dq``, ``dk`` and ``dv`` are stored straight into a
+row-major ``(B, H * W, 3C)`` gradient: every real token lies in exactly one window, so plain
+stores cover it exactly once (no atomics, no zero fill).
+
+Bias-table gradient (the one reduction across programs): the bias is added to the logits,
+so its gradient is ``dS`` summed over batch and windows per ``(head, i, j)``, then per table
+row over the pairs ``(i, j)`` with the same offset. Each program accumulates the ``dS`` of
+its windows in an ``(N, N)`` fp32 register tile and stores it once, with plain stores, into
+its own slot of a ``(G, nH, N, N)`` fp32 buffer (``G`` window groups); torch then sums over
+``G`` in a fixed order and scatters the ``(nH, N, N)`` result onto the table rows with
+``index_put_(accumulate=True)``, as autograd does for ``table[index]`` (deterministic on
+CUDA). No atomics anywhere, so the gradient is reproducible bit for bit. The price is the
+buffer: ``G * nH`` stays near :data:`TARGET_PROGRAMS`, so it holds about
+``TARGET_PROGRAMS * N * N`` floats (about 10 MB for ``N = 49``), written once and read once.
+Atomic adds into one ``(nH, N, N)`` buffer would avoid it (with about ``G``-way contention
+per address after the in-register accumulation), but make the last bits of the gradient
+depend on scheduling.
+
+Each program handles one head and a group of consecutive windows (``grid = (nH, G)``, head
+fastest so that the programs reading the same token rows run together). Grouping
+amortises the bias gather and the per-program setup, and is what bounds ``G``.
+
+Unmeasured: no GPU was available while this was written, so there are no timings, and the
+launch parameters (``num_warps``, ``num_stages``, :data:`TARGET_PROGRAMS`) are reasoned, not
+tuned. The kernel compiles for sm_80 and sm_90 (checked without a GPU, fp32 / fp16 / bf16,
+forward and backward); windows up to 8 x 8 (blocks up to 64 rows, Swin's 7 x 7 included) spill
+little or nothing, while 12 x 12 windows (256-row blocks) spill heavily and may well be slower
+than SDPA until the kernel tiles the keys.
+
+The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
+reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
+launches anything and works without a GPU, without the interpreter and without triton
+installed (:func:`supports` then returns False). The interpreter (CPU tensors, for tests)
+needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+try:  # triton is optional: the module must import (and answer ``supports``) without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+__all__ = ["triton_window_attention", "supports", "unsupported_reason", "TARGET_PROGRAMS"]
+
+#: Program instances a launch aims for (several waves on a large GPU); windows are grouped so
+#: that ``nH * G`` stays near it. Also bounds the table-gradient buffer ``(G, nH, N, N)``.
+TARGET_PROGRAMS = 1024
+
+#: Largest window size ``N = ws * ws`` a program holds in one block (``ws <= 16``).
+MAX_TOKENS = 256
+
+#: Largest head dimension (padded up to a power of two >= 16 inside the kernel).
+MAX_HEAD_DIM = 128
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    """Whether Triton kernels would run in the interpreter (read now, not at import)."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _library_interpreted() -> bool:
+    """Whether ``triton.language`` itself was imported with the interpreter on.
+
+    Its own jit functions (``tl.sum``, ``tl.max``, ``tl.zeros``) are decorated when it is
+    imported, in the mode then in effect: an interpreted kernel cannot call compiled-mode ones
+    (they raise), so switching the interpreter on later in a process does not work.
+    """
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel. One body for forward and backward (``BACKWARD`` is a compile-time constant):
+# they share the window index math, the loads and the computation of P.
+# --------------------------------------------------------------------------------------------
+def _window_attention_kernel(
+    qkv_ptr,  # (B, H * W, 3C) row-major, contiguous
+    table_ptr,  # ((2tw-1)**2, nH) contiguous
+    io_ptr,  # forward: output (B, H * W, C); backward: its gradient
+    grad_qkv_ptr,  # backward: (B, H * W, 3C) gradient of qkv (written)
+    dbias_ptr,  # backward: (G, nH, N, N) fp32 per-group bias gradient (written)
+    height,
+    width,
+    padded_h,
+    padded_w,
+    window,
+    shift,
+    table_window,
+    windows_per_image,  # nW
+    windows_per_row,  # Wp // ws
+    total_windows,  # B * nW
+    windows_per_program,
+    num_heads,
+    head_dim,
+    seq_len,  # N = ws * ws
+    qk_scale,  # scale * log2(e)
+    scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+):
+    head = tl.program_id(0)
+    group = tl.program_id(1)
+    channels = num_heads * head_dim
+    tokens = height * width
+
+    # In-window coordinates of the block's rows; rows >= N are block padding.
+    pos = tl.arange(0, BLOCK_N)
+    in_window = pos < seq_len
+    pos_r = pos // window
+    pos_c = pos % window
+    pair_ok = in_window[:, None] & in_window[None, :]
+
+    # Relative position bias of this head, gathered from the table once per program, in log2
+    # units like the scaled logits.
+    rel_r = pos_r[:, None] - pos_r[None, :] + table_window - 1
+    rel_c = pos_c[:, None] - pos_c[None, :] + table_window - 1
+    rel = rel_r * (2 * table_window - 1) + rel_c
+    bias = tl.load(table_ptr + rel * num_heads + head, mask=pair_ok, other=0.0).to(tl.float32)
+    bias = bias * 1.4426950408889634
+
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < head_dim
+    q_cols = head * head_dim + cols  # channel order of qkv: [q | k | v], each head-major
+    k_cols = q_cols + channels
+    v_cols = q_cols + 2 * channels
+
+    if BACKWARD:
+        if BIAS_GRAD:
+            dbias = tl.full((BLOCK_N, BLOCK_N), 0.0, dtype=tl.float32)
+
+    for step in range(windows_per_program):
+        index = group * windows_per_program + step  # window over the whole batch
+        image = index // windows_per_image
+        win = index % windows_per_image
+        # Coordinates in the padded, shifted map, and the token each one shows.
+        r = (win // windows_per_row) * window + pos_r
+        c = (win % windows_per_row) * window + pos_c
+        src_r = (r + shift) % padded_h
+        src_c = (c + shift) % padded_w
+        real = in_window & (src_r < height) & (src_c < width) & (index < total_windows)
+        # Shift regions as in windows._shift_regions: rows [0, Hp-ws) -> 0, [Hp-ws, Hp-shift)
+        # -> 1, [Hp-shift, Hp) -> 2 (same for columns). With shift == 0 the first test only
+        # splits whole windows apart, so tokens of one window always share a region.
+        region = ((r >= padded_h - window).to(tl.int32) + (r >= padded_h - shift).to(tl.int32)) * 3 + (
+            (c >= padded_w - window).to(tl.int32) + (c >= padded_w - shift).to(tl.int32)
+        )
+        # Real keys of the query's own region only (padding keys are never attended to).
+        allowed = (region[:, None] == region[None, :]) & real[None, :]
+
+        row = (image * tokens + src_r * width + src_c).to(tl.int64)
+        tile_ok = real[:, None] & col_ok[None, :]
+        qkv_rows = qkv_ptr + row[:, None] * (3 * channels)
+        q = tl.load(qkv_rows + q_cols[None, :], mask=tile_ok, other=0.0)
+        k = tl.load(qkv_rows + k_cols[None, :], mask=tile_ok, other=0.0)
+        v = tl.load(qkv_rows + v_cols[None, :], mask=tile_ok, other=0.0)
+
+        logits = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale + bias
+        logits = tl.where(allowed, logits, float("-inf"))
+        row_max = tl.max(logits, axis=1)
+        # Rows with no key at all (padding queries of a window without real tokens of their
+        # region, block rows >= N) are never stored: keep them finite, not NaN.
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        p = tl.exp2(logits - row_max[:, None])
+        row_sum = tl.sum(p, axis=1)
+        row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
+
+        io_rows = io_ptr + row[:, None] * channels + q_cols[None, :]
+        if BACKWARD:
+            p = p / row_sum[:, None]
+            grad_out = tl.load(io_rows, mask=tile_ok, other=0.0)
+            grad_v = tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out, input_precision=INPUT_PRECISION)
+            grad_p = tl.dot(grad_out, tl.trans(v), input_precision=INPUT_PRECISION)
+            # Softmax backward: dS = P * (dP - rowsum(P * dP)), the gradient of the logits
+            # scale * q k^T + bias (base e). Padding queries have dO = 0, so their rows are 0.
+            delta = tl.sum(p * grad_p, axis=1)
+            grad_s = p * (grad_p - delta[:, None])
+            if BIAS_GRAD:
+                dbias += grad_s
+            grad_s_in = grad_s.to(q.dtype)
+            grad_q = tl.dot(grad_s_in, k, input_precision=INPUT_PRECISION) * scale
+            grad_k = tl.dot(tl.trans(grad_s_in), q, input_precision=INPUT_PRECISION) * scale
+            grad_rows = grad_qkv_ptr + row[:, None] * (3 * channels)
+            out_ty = grad_qkv_ptr.dtype.element_ty
+            tl.store(grad_rows + q_cols[None, :], grad_q.to(out_ty), mask=tile_ok)
+            tl.store(grad_rows + k_cols[None, :], grad_k.to(out_ty), mask=tile_ok)
+            tl.store(grad_rows + v_cols[None, :], grad_v.to(out_ty), mask=tile_ok)
+        else:
+            out = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION) / row_sum[:, None]
+            tl.store(io_rows, out.to(io_ptr.dtype.element_ty), mask=tile_ok)
+
+    if BACKWARD:
+        if BIAS_GRAD:
+            slot = dbias_ptr + (group * num_heads + head).to(tl.int64) * seq_len * seq_len
+            tl.store(slot + pos[:, None] * seq_len + pos[None, :], dbias, mask=pair_ok)
+
+
+_JITTED: Dict[bool, object] = {}
+
+
+def _kernel():
+    """The kernel, jit-decorated for the current mode (compiled or interpreted) on first use."""
+    interpret = _interpreting()
+    if interpret not in _JITTED:
+        _JITTED[interpret] = triton.jit(_window_attention_kernel)
+    return _JITTED[interpret]
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+def unsupported_reason(
+    qkv: torch.Tensor,
+    window: int,
+    num_heads: int,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    mask_padding: bool = True,
+    dropout_p: float = 0.0,
+) -> Optional[str]:
+    """Why :func:`triton_window_attention` cannot run on these inputs, or ``None`` if it can.
+
+    Args:
+        qkv: ``(B, H * W, 3C)`` projection output (only its device, dtype and shape are read).
+        window: effective window ``ws``; num_heads: ``nH``.
+        height, width: the map size; needed only to tell whether ``mask_padding=False``
+            matters (it does when the map needs padding).
+        mask_padding: the kernel implements ``mask_padding=True`` (padding tokens are their
+            own region). With ``False`` real tokens attend to the padding tokens' projected
+            zeros, which the kernel never loads: unsupported whenever the map is padded.
+        dropout_p: attention dropout; the kernel has none.
+    """
+    if triton is None:
+        return "triton is not installed"
+    if torch.compiler.is_compiling():
+        return "not traceable by torch.compile (use the plain kernel there)"
+    interpret = _interpreting()
+    if qkv.device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+    elif not (interpret and qkv.device.type == "cpu"):
+        return f"device {qkv.device.type!r} needs CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
+    if interpret and not _library_interpreted():
+        return "TRITON_INTERPRET=1 was set after triton.language was imported (set it before)"
+    if qkv.dtype not in _DTYPES:
+        return f"dtype {qkv.dtype} is not one of float32, float16, bfloat16"
+    if qkv.dtype == torch.bfloat16:
+        if interpret:
+            return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
+        if torch.version.hip is None and torch.cuda.get_device_capability(qkv.device) < (8, 0):  # cuda here
+            return "bfloat16 needs a GPU of compute capability >= 8.0"
+    if qkv.dim() != 3 or num_heads <= 0 or qkv.shape[-1] % (3 * num_heads):
+        return f"qkv of shape {tuple(qkv.shape)} is not (B, L, 3 * num_heads * head_dim) for num_heads={num_heads}"
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    if window <= 0 or window * window > MAX_TOKENS:
+        return f"window {window}: a window must hold 1..{MAX_TOKENS} tokens"
+    if dropout_p > 0:
+        return "no attention dropout in the kernel"
+    if not mask_padding:
+        if height is None or width is None:
+            return "mask_padding=False needs height and width to rule out padding"
+        if height % window or width % window:
+            return "mask_padding=False on a padded map (real tokens attend to padding tokens, never loaded here)"
+    return None
+
+
+def supports(
+    qkv: torch.Tensor,
+    window: int,
+    num_heads: int,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    mask_padding: bool = True,
+    dropout_p: float = 0.0,
+) -> bool:
+    """Whether :func:`triton_window_attention` applies (see :func:`unsupported_reason`).
+
+    True for fp32 / fp16 / bf16 ``qkv`` on CUDA (bf16 on compute capability >= 8), or on CPU
+    while ``TRITON_INTERPRET=1`` (fp32 and fp16 there), with ``window ** 2 <= 256``,
+    ``head_dim <= 128``, no dropout, outside ``torch.compile``, and ``mask_padding=True``
+    unless the map needs no padding.
+    """
+    return unsupported_reason(
+        qkv, window, num_heads, height=height, width=width, mask_padding=mask_padding, dropout_p=dropout_p
+    ) is None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Sizes of one launch, derived from the arguments alone."""
+
+    batch: int
+    height: int
+    width: int
+    padded_h: int
+    padded_w: int
+    window: int
+    shift: int
+    table_window: int
+    num_heads: int
+    head_dim: int
+    scale: float
+    windows_per_image: int
+    windows_per_row: int
+    windows_per_program: int
+    groups: int
+    block_n: int
+    block_d: int
+
+    @property
+    def total_windows(self) -> int:
+        return self.batch * self.windows_per_image
+
+    @property
+    def seq_len(self) -> int:
+        return self.window * self.window
+
+
+def _plan(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    table_window: int,
+    num_heads: int,
+    scale: float,
+    windows_per_program: Optional[int],
+) -> _Plan:
+    """Validate the arguments (``ValueError`` naming the culprit) and size the launch."""
+    if qkv.dim() != 3:
+        raise ValueError(f"qkv must be (B, H * W, 3C), got shape {tuple(qkv.shape)}")
+    if height <= 0 or width <= 0:
+        raise ValueError(f"height and width must be > 0, got height={height}, width={width}")
+    if qkv.shape[1] != height * width:
+        raise ValueError(
+            f"qkv has {qkv.shape[1]} tokens, but height * width = {height} * {width} = {height * width}"
+        )
+    if num_heads <= 0 or qkv.shape[2] % (3 * num_heads):
+        raise ValueError(
+            f"qkv's {qkv.shape[2]} channels are not 3 * num_heads * head_dim for num_heads={num_heads}"
+        )
+    if not 0 < window <= table_window:
+        raise ValueError(f"window must be in 1..table_window={table_window}, got window={window}")
+    if not 0 <= shift < window:
+        raise ValueError(f"shift must be in 0..window-1={window - 1}, got shift={shift}")
+    rows = (2 * table_window - 1) ** 2
+    if table.shape != (rows, num_heads):
+        raise ValueError(
+            f"table must be ((2 * table_window - 1) ** 2, num_heads) = ({rows}, {num_heads}), "
+            f"got {tuple(table.shape)}"
+        )
+    if table.device != qkv.device:
+        raise ValueError(f"table is on {table.device}, qkv on {qkv.device}")
+    if windows_per_program is not None and windows_per_program <= 0:
+        raise ValueError(f"windows_per_program must be > 0, got {windows_per_program}")
+    reason = unsupported_reason(qkv, window, num_heads, height=height, width=width)
+    if reason is not None:
+        raise ValueError(f"triton_window_attention cannot run here: {reason}")
+
+    head_dim = qkv.shape[2] // (3 * num_heads)
+    padded_h, padded_w = _ceil_div(height, window) * window, _ceil_div(width, window) * window
+    windows_per_row = padded_w // window
+    windows_per_image = (padded_h // window) * windows_per_row
+    total = qkv.shape[0] * windows_per_image
+    if windows_per_program is None:
+        groups = max(1, min(total, _ceil_div(TARGET_PROGRAMS, num_heads)))
+        windows_per_program = _ceil_div(total, groups)
+    windows_per_program = max(1, min(windows_per_program, total))
+    return _Plan(
+        batch=qkv.shape[0],
+        height=height,
+        width=width,
+        padded_h=padded_h,
+        padded_w=padded_w,
+        window=window,
+        shift=shift,
+        table_window=table_window,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        scale=float(scale),
+        windows_per_image=windows_per_image,
+        windows_per_row=windows_per_row,
+        windows_per_program=windows_per_program,
+        groups=max(1, _ceil_div(total, windows_per_program)),
+        block_n=max(16, _next_pow2(window * window)),
+        block_d=max(16, _next_pow2(head_dim)),
+    )
+
+
+def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """``tl.dot`` precision for fp32 inputs: TF32 only where torch itself allows it for
+    matmuls (fp16 / bf16 inputs ignore the setting)."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _launch(
+    plan: _Plan,
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    io: torch.Tensor,
+    grad_qkv: Optional[torch.Tensor],
+    dbias: Optional[torch.Tensor],
+    backward: bool,
+) -> None:
+    # Several BLOCK_N x BLOCK_N fp32 tiles are live (bias, logits / P, and in the backward dP /
+    # dS and the dS accumulator). Compiled for sm_80 / sm_90 without a GPU (ptxas resource
+    # usage, fp16, head_dim 32): 16- and 32-row blocks fit 4 warps; a 64-row block (N = 49)
+    # uses 255 registers with no spills in the forward and a little stack in the backward at
+    # 8 warps, but spills at 4. Larger blocks spill either way (see the module docstring).
+    num_warps = 8 if plan.block_n >= 64 else 4
+    _kernel()[(plan.num_heads, plan.groups)](
+        qkv,
+        table,
+        io,
+        grad_qkv if grad_qkv is not None else qkv,  # unused in the forward
+        dbias if dbias is not None else table,  # unused unless BIAS_GRAD
+        plan.height,
+        plan.width,
+        plan.padded_h,
+        plan.padded_w,
+        plan.window,
+        plan.shift,
+        plan.table_window,
+        plan.windows_per_image,
+        plan.windows_per_row,
+        plan.total_windows,
+        plan.windows_per_program,
+        plan.num_heads,
+        plan.head_dim,
+        plan.seq_len,
+        plan.scale * 1.4426950408889634,
+        plan.scale,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
+        BACKWARD=backward,
+        BIAS_GRAD=dbias is not None,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+
+
+_INDEX_CACHE: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
+    """``(N * N,)`` table row of each ``(i, j)`` pair (as ``windows.relative_position_index``)."""
+    key = (window, table_window, device)
+    if key not in _INDEX_CACHE:
+        from .windows import relative_position_index
+
+        _INDEX_CACHE[key] = relative_position_index(window, table_window, device)
+    return _INDEX_CACHE[key]
+
+
+class _TritonWindowAttention(torch.autograd.Function):
+    """Fused window attention; saves only ``qkv`` and ``table`` for backward."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        qkv, table = qkv.contiguous(), table.contiguous()
+        out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.num_heads * plan.head_dim)
+        _launch(plan, qkv, table, out, None, None, backward=False)
+        ctx.save_for_backward(qkv, table)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        qkv, table = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        need_table = ctx.needs_input_grad[1]
+        grad_qkv = torch.empty_like(qkv)  # every element is written: each real token once
+        n = plan.seq_len
+        dbias = None
+        if need_table:
+            dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
+        _launch(plan, qkv, table, grad_out.contiguous(), grad_qkv, dbias, backward=True)
+        grad_table = None
+        if need_table:
+            per_pair = dbias.sum(0).permute(1, 2, 0).reshape(n * n, plan.num_heads)  # fixed order
+            index = _relative_position_index(plan.window, plan.table_window, qkv.device)
+            grad_table = torch.zeros(table.shape, device=table.device, dtype=torch.float32)
+            grad_table.index_put_((index,), per_pair, accumulate=True)
+            grad_table = grad_table.to(table.dtype)
+        return grad_qkv, grad_table, None
+
+
+def triton_window_attention(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    table_window: int,
+    num_heads: int,
+    scale: float,
+    *,
+    windows_per_program: Optional[int] = None,
+) -> torch.Tensor:
+    """Shifted-window multi-head attention with relative position bias, fused.
+
+    Same result as partitioning ``qkv`` with ``build_window_layout(height, width, window,
+    shift, mask_padding=True, ...)``, attending with the bias ``table[relative_position_index
+    (window, table_window)]`` and the region mask, and reversing the windows; differentiable
+    in ``qkv`` and ``table``.
+
+    Args:
+        qkv: ``(B, H * W, 3C)`` row-major tokens from the qkv projection (channels
+            ``[q | k | v]``, each head-major), fp32, fp16 or bf16.
+        table: ``((2 * table_window - 1) ** 2, nH)`` relative position bias table (any float
+            dtype; read in fp32, its gradient returned in its own dtype).
+        height, width: the map's real size ``H, W``.
+        window, shift: effective window ``ws <= table_window`` and shift ``0 <= shift < ws``.
+        table_window: the window ``tw`` the table was built for.
+        num_heads: ``nH``; must divide ``C``.
+        scale: query scale (``head_dim ** -0.5`` by default in Swin).
+        windows_per_program: windows each program handles (default: grouped so that a
+            launch has about :data:`TARGET_PROGRAMS` programs).
+    Returns:
+        ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype, before the
+        output projection.
+    Raises:
+        ValueError: on inconsistent arguments, or inputs :func:`supports` rejects.
+    """
+    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
+    return _TritonWindowAttention.apply(qkv, table, plan)

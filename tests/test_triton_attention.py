@@ -1,0 +1,311 @@
+"""The fused Triton window attention against the plain PyTorch reference, run on CPU tensors
+in the Triton interpreter.
+
+The interpreter only works in a process where ``TRITON_INTERPRET=1`` was set before
+``triton.language`` was imported: ``triton.jit`` picks compiled or interpreted mode when it
+decorates, and ``triton.language`` decorates its own ``tl.sum`` / ``tl.max`` at import
+(an interpreted kernel cannot call compiled-mode ones). So:
+
+* run alone with the flag (``TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py``),
+  every check runs in this process;
+* inside the whole suite (no flag, or triton imported earlier), the kernel checks skip here
+  and :func:`test_kernels_in_interpreter_subprocess` runs this file again in a subprocess
+  with the flag set, and fails if anything fails there.
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from swin_backbone.ops import triton_attention  # noqa: E402
+from swin_backbone.ops.attention import attention_to_tokens  # noqa: E402
+from swin_backbone.ops.triton_attention import (  # noqa: E402
+    supports,
+    triton_window_attention,
+    unsupported_reason,
+)
+from swin_backbone.ops.windows import (  # noqa: E402
+    build_window_layout,
+    relative_position_index,
+    window_partition,
+)
+
+#: Whether this process can run kernels in the interpreter (see the module docstring).
+IN_PROCESS = triton_attention._library_interpreted()
+
+
+@pytest.fixture
+def interpreter():
+    """Triton kernels run in the interpreter (on CPU tensors) for the test's duration."""
+    if not IN_PROCESS:
+        pytest.skip("triton.language was imported without TRITON_INTERPRET=1: "
+                    "test_kernels_in_interpreter_subprocess runs this check")
+    with triton.knobs.runtime.scope():  # restores the knob and the environment afterwards
+        triton.knobs.runtime.interpret = True
+        yield
+
+
+@pytest.fixture
+def no_interpreter():
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        yield
+
+
+def test_kernels_in_interpreter_subprocess():
+    if IN_PROCESS:
+        pytest.skip("the interpreter works in this process: the checks ran here")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        cwd=root,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, tail
+    summary = tail.strip().splitlines()[-1]
+    # Everything ran there; the one skip is this test itself (the interpreter works there).
+    assert re.search(r"\d+ passed", summary) and re.search(r"\b1 skipped", summary), tail
+
+
+def reference(qkv, table, height, width, window, shift, table_window, num_heads, scale):
+    """Partition, attend with bias + region mask (``kernel="plain"``), reverse: float64."""
+    qkv, table = qkv.double(), table.double()
+    layout = build_window_layout(height, width, window, shift, True, qkv.device, qkv.dtype)
+    n = window * window
+    bias = table[relative_position_index(window, table_window, qkv.device)].view(n, n, num_heads).permute(2, 0, 1)
+    return attention_to_tokens(window_partition(qkv, layout), num_heads, bias, layout, scale, 0.0, kernel="plain")
+
+
+def make_inputs(batch, height, width, table_window, num_heads, head_dim, dtype):
+    channels = num_heads * head_dim
+    qkv = torch.randn(batch, height * width, 3 * channels).to(dtype).requires_grad_()
+    # fp32 like a Parameter under autocast, whatever the activations' dtype.
+    table = torch.randn((2 * table_window - 1) ** 2, num_heads).requires_grad_()
+    return qkv, table
+
+
+# (batch, height, width, window, shift, table_window, heads, head_dim, windows_per_program)
+CASES = {
+    # 2 windows per image, no shift, no padding: no masking at all.
+    "aligned": (2, 7, 14, 7, 0, 7, 2, 32, None),
+    # Padding in H and W (14 x 14 padded map) and a shift: regions 0..8 and padding meet.
+    "padded-shifted": (2, 9, 11, 7, 3, 7, 3, 16, None),
+    # The same 8 windows in groups of 3, 3 and 2 per program (the last group is partial).
+    "grouped": (2, 9, 11, 7, 3, 7, 2, 16, 3),
+    # A map smaller than one window: padded up to it, still shifted.
+    "smaller-than-window": (1, 3, 5, 7, 3, 7, 2, 32, None),
+    # A 3 x 3 window reading the offsets of a table built for 7 x 7 (N = 9 in a 16-row block).
+    "window-below-table": (2, 6, 5, 3, 1, 7, 2, 16, None),
+    # head_dim 24 is padded to a 32-wide block.
+    "head-dim-24": (1, 7, 7, 7, 3, 7, 2, 24, None),
+}
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(interpreter, case, dtype):
+    batch, height, width, window, shift, tw, heads, head_dim, per_program = CASES[case]
+    qkv, table = make_inputs(batch, height, width, tw, heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    assert supports(qkv, window, heads, height=height, width=width)
+
+    out = triton_window_attention(
+        qkv, table, height, width, window, shift, tw, heads, scale, windows_per_program=per_program
+    )
+    assert out.shape == (batch, height * width, heads * head_dim) and out.dtype == dtype
+    grad_out = torch.randn(out.shape).to(dtype)
+    grad_qkv, grad_table = torch.autograd.grad(out, (qkv, table), grad_out)
+    assert grad_qkv.dtype == dtype and grad_table.dtype == table.dtype
+
+    expected = reference(qkv, table, height, width, window, shift, tw, heads, scale)
+    exp_qkv, exp_table = torch.autograd.grad(expected, (qkv, table), grad_out.double())
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_qkv.double(), exp_qkv.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_table.double(), exp_table.double(), atol=tol, rtol=tol)
+    # The comparison means something: the bias gradient is not trivially zero.
+    assert exp_table.abs().max() > 0.1
+
+
+def test_masking_is_exercised(interpreter):
+    """Shift regions and padding change the result: without the region mask (attention over
+    the whole padded window) the output would differ, so the reference comparison above
+    does check the mask."""
+    batch, height, width, window, shift, tw, heads, head_dim, _ = CASES["padded-shifted"]
+    qkv, table = make_inputs(batch, height, width, tw, heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    out = triton_window_attention(qkv, table, height, width, window, shift, tw, heads, scale)
+    unshifted = reference(qkv, table, height, width, window, 0, tw, heads, scale)
+    assert (out.double() - unshifted).abs().max() > 0.1
+
+
+def test_table_gradient_finite_differences(interpreter):
+    """Central differences of a fixed linear loss in two table entries (fp32 kernel)."""
+    batch, height, width, window, shift, tw, heads, head_dim, _ = CASES["padded-shifted"]
+    qkv, table = make_inputs(batch, height, width, tw, heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    weights = torch.randn(batch, height * width, heads * head_dim, dtype=torch.float64)
+
+    def loss(tab):
+        out = triton_window_attention(qkv.detach(), tab, height, width, window, shift, tw, heads, scale)
+        return (out.double() * weights).sum()
+
+    (grad,) = torch.autograd.grad(loss(table), table)
+    side = 2 * tw - 1
+    center = (tw - 1) * side + (tw - 1)  # offset (0, 0): every token with itself
+    off_center = (tw - 1 + 1) * side + (tw - 1 - 2)  # offset (dy, dx) = (1, -2)
+    eps = 1e-2
+    for row, head in [(center, 0), (off_center, heads - 1)]:
+        plus, minus = table.detach().clone(), table.detach().clone()
+        plus[row, head] += eps
+        minus[row, head] -= eps
+        numeric = (loss(plus) - loss(minus)).item() / (2 * eps)
+        assert abs(grad[row, head].item()) > 0.05
+        assert numeric == pytest.approx(grad[row, head].item(), rel=1e-2, abs=2e-3)
+
+
+def test_no_grad_and_table_without_grad(interpreter):
+    """Only ``qkv`` requires grad: the table gradient is skipped, ``qkv``'s is unchanged."""
+    batch, height, width, window, shift, tw, heads, head_dim, _ = CASES["smaller-than-window"]
+    qkv, table = make_inputs(batch, height, width, tw, heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    with torch.no_grad():
+        plain = triton_window_attention(qkv, table, height, width, window, shift, tw, heads, scale)
+    out = triton_window_attention(qkv, table.detach(), height, width, window, shift, tw, heads, scale)
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    grad_out = torch.randn(out.shape)
+    (grad_qkv,) = torch.autograd.grad(out, (qkv,), grad_out)
+    expected = reference(qkv, table, height, width, window, shift, tw, heads, scale)
+    (exp_qkv,) = torch.autograd.grad(expected, (qkv,), grad_out.double())
+    torch.testing.assert_close(grad_qkv.double(), exp_qkv.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_supports_interpreter_on(interpreter):
+    qkv = torch.zeros(1, 99, 3 * 64)
+    assert supports(qkv, 7, 2, height=9, width=11)
+    assert supports(qkv.half(), 7, 2)
+    assert unsupported_reason(qkv, 7, 2) is None
+    assert not supports(qkv.bfloat16(), 7, 2)  # tl.dot in bf16 is wrong in the interpreter
+    with pytest.raises(ValueError, match="bfloat16"):
+        triton_window_attention(qkv.bfloat16(), torch.zeros(169, 2), 9, 11, 7, 3, 7, 2, 0.25)
+    assert not supports(qkv.double(), 7, 2)
+    assert not supports(qkv, 7, 2, dropout_p=0.1)
+    assert not supports(qkv, 17, 2)  # 289 tokens per window
+    assert not supports(torch.zeros(1, 99, 3 * 256), 7, 1)  # head_dim 256
+    assert not supports(qkv, 7, 5)  # 64 channels, 5 heads
+    # mask_padding=False: fine without padding, not with it (or when it cannot be ruled out).
+    assert supports(torch.zeros(1, 98, 192), 7, 2, height=7, width=14, mask_padding=False)
+    assert not supports(qkv, 7, 2, height=9, width=11, mask_padding=False)
+    assert not supports(qkv, 7, 2, mask_padding=False)
+
+
+def test_supports_interpreter_off(no_interpreter):
+    qkv = torch.zeros(1, 49, 3 * 64)
+    assert not supports(qkv, 7, 2)
+    assert "TRITON_INTERPRET" in unsupported_reason(qkv, 7, 2)
+    with pytest.raises(ValueError, match="cannot run here"):
+        triton_window_attention(qkv, torch.zeros(169, 2), 7, 7, 7, 0, 7, 2, 0.25)
+
+
+def test_bad_arguments():
+    qkv = torch.zeros(2, 99, 3 * 64)
+    table = torch.zeros(169, 2)
+    args = dict(height=9, width=11, window=7, shift=3, table_window=7, num_heads=2, scale=0.25)
+
+    def call(qkv=qkv, table=table, **kw):
+        return triton_window_attention(qkv, table, **{**args, **kw})
+
+    with pytest.raises(ValueError, match="height \\* width"):
+        call(height=10)
+    with pytest.raises(ValueError, match="qkv must be"):
+        call(qkv=torch.zeros(99, 3 * 64))
+    with pytest.raises(ValueError, match="num_heads=5"):
+        call(num_heads=5, table=torch.zeros(169, 5))
+    with pytest.raises(ValueError, match="window must be"):
+        call(window=8)  # larger than the table's window
+    with pytest.raises(ValueError, match="window must be"):
+        call(window=0, shift=0)
+    with pytest.raises(ValueError, match="shift must be"):
+        call(shift=7)
+    with pytest.raises(ValueError, match="shift must be"):
+        call(shift=-1)
+    with pytest.raises(ValueError, match="table must be"):
+        call(table=torch.zeros(169, 3))
+    with pytest.raises(ValueError, match="height and width"):
+        call(height=0, qkv=torch.zeros(2, 0, 3 * 64))
+
+
+def test_imports_and_declines_without_triton(monkeypatch):
+    """The module loads where triton is missing, launches nothing, and says why it declines."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_triton_attention_without_triton", triton_attention.__file__)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    assert module.triton is None
+    qkv = torch.zeros(1, 49, 3 * 64)
+    assert not module.supports(qkv, 7, 2)
+    assert module.unsupported_reason(qkv, 7, 2) == "triton is not installed"
+
+
+#: Compiles the kernel for NVIDIA GPUs without one (Triton's code generator, the TTGIR passes
+#: and ptxas all run on the host): catches what the interpreter does not check, like types
+#: carried through the window loop or invalid dot shapes. Runs in its own process because a
+#: process whose triton.language was imported in interpreter mode cannot compile.
+COMPILE_CHECK = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from swin_backbone.ops import triton_attention as ta
+
+fn = JITFunction(ta._window_attention_kernel)
+for arch, dtype, backward in [(90, "fp16", False), (90, "fp16", True), (80, "fp32", True)]:
+    signature = {}
+    for name in fn.arg_names:
+        if name.isupper():
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in ("table_ptr", "dbias_ptr") else "*" + dtype
+        else:
+            signature[name] = "fp32" if "scale" in name else "i32"
+    constexprs = dict(BLOCK_N=64, BLOCK_D=32, INPUT_PRECISION="ieee", BACKWARD=backward, BIAS_GRAD=backward)
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=8, num_stages=2),
+    )
+    assert kernel.asm["cubin"], (arch, dtype, backward)
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_nvidia_gpus():
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHECK],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "compiled" in run.stdout, (run.stdout + run.stderr)[-6000:]
