@@ -25,7 +25,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from swin_backbone.ops import triton_attention  # noqa: E402
-from swin_backbone.ops.attention import attention_to_tokens  # noqa: E402
+from swin_backbone.ops.attention import window_attention  # noqa: E402
 from swin_backbone.ops.triton_attention import (  # noqa: E402
     supports,
     triton_window_attention,
@@ -84,7 +84,7 @@ def reference(qkv, table, height, width, window, shift, table_window, num_heads,
     layout = build_window_layout(height, width, window, shift, True, qkv.device, qkv.dtype)
     n = window * window
     bias = table[relative_position_index(window, table_window, qkv.device)].view(n, n, num_heads).permute(2, 0, 1)
-    return attention_to_tokens(window_partition(qkv, layout), num_heads, bias, layout, scale, 0.0, kernel="plain")
+    return window_attention(window_partition(qkv, layout), bias, layout, num_heads, scale, 0.0, "plain")
 
 
 def make_inputs(batch, height, width, table_window, num_heads, head_dim, dtype):
@@ -309,3 +309,32 @@ def test_kernel_compiles_for_nvidia_gpus():
         timeout=600,
     )
     assert run.returncode == 0 and "compiled" in run.stdout, (run.stdout + run.stderr)[-6000:]
+
+
+@pytest.mark.parametrize("size", [(24, 28), (16, 16)])
+def test_planner_routes_a_stage_through_the_kernel(interpreter, size):
+    # A plan naming "triton" sends a whole stage (norm -> qkv on row-major tokens -> fused
+    # kernel -> projection, shifted and padded maps) through the kernel; its values and
+    # gradients equal the plain path's.
+    from swin_backbone import SwinBackbone, ops
+
+    torch.manual_seed(0)
+    model = SwinBackbone(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, drop_path_rate=0.0,
+                         out_indices=(0,))
+    with torch.no_grad():
+        for table in (b.attn.relative_position_bias_table for b in model.stages[0].blocks):
+            table.normal_(0, 0.5)
+    stage = model.stages[0]
+    x = torch.randn(1, size[0] // 4, size[1] // 4, 16)
+    results = []
+    for kernel in ("triton", "plain"):
+        plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0)
+        layout = ops.stage_layouts(x.shape[1], x.shape[2], 4, 2, True, x.device, plan)[0]
+        assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
+        model.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        out = stage(xi, plan)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -40,14 +40,24 @@ __all__ = [
 ]
 
 
-def attention_kernel(plan: Plan, layout: WindowLayout, head_dim: int) -> str:
-    """The attention kernel for this layout: the plan's, or SDPA where the fused Triton
-    kernel does not apply (:func:`norm_qkv` and :func:`window_attention` both ask)."""
+def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads: int, device: torch.device) -> str:
+    """The attention kernel for this layout: the plan's, or SDPA where the fused Triton kernel
+    does not apply (:func:`norm_qkv` and :func:`window_attention` both ask)."""
     if plan.attention != "triton":
         return plan.attention
     from .triton_attention import supports
 
-    return "triton" if supports(layout, head_dim, plan.mask_dtype) else "sdpa"
+    if layout.window > TRITON_MAX_WINDOW:
+        return "sdpa"
+    probe = torch.empty((0, 0, 3 * channels), dtype=plan.mask_dtype, device=device)  # dtype, device, width only
+    ok = supports(probe, layout.window, num_heads, height=layout.height, width=layout.width,
+                  mask_padding=layout.padding_masked, dropout_p=0.0)
+    return "triton" if ok else "sdpa"
+
+
+#: Largest window the fused Triton kernel is used for: larger windows spill registers in its
+#: backward (compiler report for sm_80 / sm_90), so SDPA runs them until a GPU measurement says otherwise.
+TRITON_MAX_WINDOW = 8
 
 
 def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, plan: Plan) -> torch.Tensor:
@@ -64,7 +74,7 @@ def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLay
     tokens for the fused Triton kernel (which gathers its windows itself).
     """
     channels = x.shape[-1]
-    if attention_kernel(plan, layout, channels // num_heads) == "triton":
+    if attention_kernel(plan, layout, channels, num_heads, x.device) == "triton":
         return norm_linear(x, norm, qkv, plan)
     padding = layout.index.numel() - layout.height * layout.width
     # Exact only when padding is masked: the padding rows then hold zeros instead of the qkv
@@ -97,8 +107,7 @@ def window_attention(
     Returns:
         ``(B, H * W, C)`` row-major tokens, before the output projection.
     """
-    head_dim = qkv.shape[-1] // (3 * num_heads)
-    kernel = attention_kernel(plan, layout, head_dim)
+    kernel = attention_kernel(plan, layout, qkv.shape[-1] // 3, num_heads, qkv.device)
     if kernel == "triton":
         from .triton_attention import triton_window_attention
 

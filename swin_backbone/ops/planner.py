@@ -196,7 +196,8 @@ def _decide(
     elif attn_dropout or not s.sdpa:
         attention = "plain"
     elif device == "cuda":
-        # Memory-efficient SDPA takes a float bias and computes its gradient.
+        # The fused Triton kernel where it applies (ops.attention_kernel asks per layout);
+        # else memory-efficient SDPA, which takes a float bias and computes its gradient.
         attention = "triton" if s.triton and _triton_ready() else "sdpa"
     elif grad:
         # CPU SDPA gives no bias gradient (and falls to its slow math kernel for a mask that
@@ -228,12 +229,10 @@ _decide_cached = lru_cache(maxsize=64)(_decide)
 
 
 def _triton_ready() -> bool:
-    """Whether the fused Triton kernel can run on CUDA here (triton importable)."""
-    try:
-        from . import triton_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the fused Triton kernel can run here (triton importable)."""
+    from .triton_attention import triton
+
+    return triton is not None
 
 
 def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
