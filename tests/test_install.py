@@ -105,7 +105,8 @@ def venv(wheel, tmp_path_factory):
     run([sys.executable, "-m", "venv", str(tmp / "venv")], str(tmp))
     env = Venv(str(tmp / "venv"), str(work))
     env.pip("install", "-q", f"torch=={TORCH_VERSION}", wheel)
-    return env
+    yield env
+    shutil.rmtree(env.path, ignore_errors=True)  # ~5 GB with torch's CUDA libraries
 
 
 def test_wheel_ships_the_one_copy_of_the_configs(wheel):
