@@ -1,5 +1,5 @@
-"""Every shipped config loads, builds its model (SwinBackbone inside), and runs a loss and a
-predict forward on a small fake batch."""
+"""Every shipped config loads (from its file and through the ``swin_backbone::`` scope), builds
+its model (SwinBackbone inside), and runs a loss and a predict forward on a small fake batch."""
 import glob
 import os
 
@@ -8,11 +8,16 @@ import torch
 from mmengine.config import Config
 from mmengine.registry import DefaultScope
 
-import swin_backbone  # noqa: F401
+import swin_backbone
 from swin_backbone import SwinBackbone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True) if "_base_" not in p)
+CONFIG_ROOT = os.path.join(ROOT, "swin_backbone", ".mim", "configs")  # ./configs links here
+CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_ROOT, "**", "*.py"), recursive=True) if "_base_" not in p)
+# What mmengine's Runner builds from a config.
+RUNNER_KEYS = ("model", "train_dataloader", "val_dataloader", "test_dataloader", "val_evaluator", "test_evaluator",
+               "train_cfg", "val_cfg", "test_cfg", "optim_wrapper", "param_scheduler", "default_hooks",
+               "custom_hooks", "env_cfg", "visualizer", "log_processor")
 
 
 def _build(path):
@@ -25,7 +30,7 @@ def _build(path):
 
 
 def test_config_list_is_complete():
-    names = {os.path.relpath(p, os.path.join(ROOT, "configs")) for p in CONFIGS}
+    names = {os.path.relpath(p, CONFIG_ROOT) for p in CONFIGS}
     for expected in [
         "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py",
         "mmdet/mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py",
@@ -52,6 +57,58 @@ def test_config_builds(path):
     # the Swin recipe: no weight decay on norms and position tables
     assert "relative_position_bias_table" in cfg.optim_wrapper.paramwise_cfg.custom_keys
     assert cfg.optim_wrapper.optimizer.type == "AdamW"
+
+
+def _scopes(value, path="", found=None):
+    """``{path: _scope_}`` of every dict in ``value`` that carries a ``_scope_``."""
+    found = {} if found is None else found
+    if isinstance(value, dict):
+        if "_scope_" in value:
+            found[path] = value["_scope_"]
+        for k, v in value.items():
+            _scopes(v, f"{path}.{k}", found)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _scopes(v, f"{path}[{i}]", found)
+    return found
+
+
+def _without_scopes(value):
+    if isinstance(value, dict):
+        return {k: _without_scopes(v) for k, v in value.items() if k != "_scope_"}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_scopes(v) for v in value)
+    return value
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_config_inherited_through_package_scope(path, tmp_path, monkeypatch):
+    """A user config ``_base_ = 'swin_backbone::<path>'`` (resolved in this checkout's package
+    directory, editable install or not) reads the same config, and mmengine's marking of an
+    external base leaves no type dict the Runner builds with the ``swin_backbone`` scope (whose
+    registries hold no detectors or datasets): each keeps its library's."""
+    monkeypatch.setenv("TOY_DATA_ROOT", "data")
+    rel = os.path.relpath(path, CONFIG_ROOT)
+    user = tmp_path / "user.py"
+    user.write_text(f"_base_ = 'swin_backbone::{rel}'\n")
+    inherited, direct = Config.fromfile(str(user)), Config.fromfile(path)
+    assert os.path.join("swin_backbone", ".mim", "configs", rel) in inherited.text
+    scope = direct.default_scope
+    assert inherited.default_scope == scope
+    found = {}
+    for key in RUNNER_KEYS:
+        _scopes(inherited.get(key), key, found)
+    assert found and {p: s for p, s in found.items() if s != scope} == {}
+    assert _without_scopes(inherited.to_dict()) == _without_scopes(direct.to_dict())
+
+
+def test_package_scope_resolves_to_this_package():
+    from mmengine.config.utils import MODULE2PACKAGE
+    from mmengine.utils import get_installed_path
+
+    assert os.path.realpath(get_installed_path(MODULE2PACKAGE["swin_backbone"])) == os.path.realpath(
+        os.path.dirname(swin_backbone.__file__))
+    assert os.path.realpath(os.path.join(ROOT, "configs")) == os.path.realpath(CONFIG_ROOT)
 
 
 def _det_batch(num_classes):
@@ -86,7 +143,7 @@ FORWARD = {
 @pytest.mark.parametrize("name", sorted(FORWARD))
 def test_loss_and_predict_forward(name):
     kind, num_classes = FORWARD[name]
-    cfg, model = _build(os.path.join(ROOT, "configs", name))
+    cfg, model = _build(os.path.join(CONFIG_ROOT, name))
     if kind == "seg":
         model.data_preprocessor.size = None  # keep the fake images' own sizes, padded to 32
         model.data_preprocessor.size_divisor = 32

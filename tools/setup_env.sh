@@ -95,12 +95,14 @@ if ! have "mmcv==$MMCV_VERSION"; then
     pip_q install addict numpy packaging Pillow pyyaml yapf opencv-python
 fi
 
-log "installing mmdet, mmseg, test and demo dependencies"
-pip_q install "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION" \
-    "timm==$TIMM_VERSION" pycocotools pytest ftfy regex tqdm scikit-image \
-    onnx onnxscript onnxruntime
-# setuptools' editable build is chatty (license / editable-mode notices): show it only on failure.
-if ! "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" >"$VENV/.editable-install.log" 2>&1; then
+log "installing mmdet, mmseg and swin_backbone (editable) with its [mmdet,mmseg,onnx,test] extras"
+# Through the package's extras, so the suite runs on exactly what setup.cfg promises; the pins keep
+# pip from moving torch / torchvision / mmcv. setuptools' editable build is chatty (license /
+# editable-mode notices): pip's output is shown only on failure.
+if ! "${PIP[@]}" install -q --no-build-isolation "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
+        "mmengine==$MMENGINE_VERSION" "mmcv==$MMCV_VERSION" "mmdet==$MMDET_VERSION" \
+        "mmsegmentation==$MMSEG_VERSION" "timm==$TIMM_VERSION" \
+        -e "$ROOT[mmdet,mmseg,onnx,test]" >"$VENV/.editable-install.log" 2>&1; then
     cat "$VENV/.editable-install.log"; exit 1
 fi
 

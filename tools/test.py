@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swin_backbone import runner as R  # noqa: E402
+from swin_backbone.mmlab import runner as R  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -68,10 +68,13 @@ val_evaluator = dict(ann_file=data_root + 'annotations/instances_val2017.json', 
 test_evaluator = val_evaluator
 
 max_iters = 300
-train_cfg = dict(_delete_=True, type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
+# `_scope_='mmdet'`: a type dict this file defines whole (not merged into one of the base's)
+# names its library, so that it still builds from mmdet's registries when this config is
+# inherited as `swin_backbone::...` (mmengine gives such dicts the scope `swin_backbone`).
+train_cfg = dict(_delete_=True, _scope_='mmdet', type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 param_scheduler = [
-    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=50),
-    dict(type='CosineAnnealingLR', by_epoch=False, begin=50, end=max_iters, eta_min=1e-5)
+    dict(_scope_='mmdet', type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=50),
+    dict(_scope_='mmdet', type='CosineAnnealingLR', by_epoch=False, begin=50, end=max_iters, eta_min=1e-5)
 ]
 optim_wrapper = dict(optimizer=dict(lr=4e-4), clip_grad=dict(max_norm=10.0))
 default_hooks = dict(

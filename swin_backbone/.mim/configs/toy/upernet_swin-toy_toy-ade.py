@@ -34,7 +34,11 @@ test_pipeline = [
     dict(type='LoadAnnotations', reduce_zero_label=True),
     dict(type='PackSegInputs')
 ]
+# `_scope_='mmseg'`: a type dict this file defines whole (not merged into one of the base's)
+# names its library, so that it still builds from mmseg's registries when this config is
+# inherited as `swin_backbone::...` (mmengine gives such dicts the scope `swin_backbone`).
 dataset = dict(
+    _scope_='mmseg',
     type='BaseSegDataset',
     data_root=data_root,
     metainfo=metainfo,
@@ -64,8 +68,8 @@ max_iters = 400
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 optim_wrapper = dict(optimizer=dict(lr=6e-4))
 param_scheduler = [
-    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=30),
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=30, end=max_iters, by_epoch=False)
+    dict(_scope_='mmseg', type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=30),
+    dict(_scope_='mmseg', type='PolyLR', eta_min=0.0, power=1.0, begin=30, end=max_iters, by_epoch=False)
 ]
 default_hooks = dict(
     logger=dict(interval=20),

@@ -1,0 +1,280 @@
+"""The package as a user gets it: build the wheel, ``pip install`` it into a fresh venv that has
+only torch, and use it there (no checkout on ``sys.path``).
+
+1. the bare install (torch + install_requires): imports without torchvision / mmdet / mmseg,
+   builds and runs SwinBackbone, ships the configs, runs the console scripts and
+   ``python -m swin_backbone.tools.extract_features`` on one image;
+2. ``[mmdet,mmseg]`` added to the same venv: SwinBackbone builds from both libraries'
+   registries, a user config inheriting ours through the ``swin_backbone::`` scope loads and
+   builds its detector / segmentor, and a copy of tools/train.py (outside the checkout) trains
+   a user config inheriting ``swin_backbone::toy/...`` for two iterations.
+
+torch comes from the machine's local wheels (pip config), the rest from the package index,
+mmcv 2.1.0 from the wheel tools/setup_env.sh built and cached (PyPI has none for recent torch:
+the [mmdet,mmseg] part is skipped, saying so, without it). Run alone: ``pytest -m install``;
+leave out: ``-m 'not install'``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.install
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "swin_backbone", ".mim", "configs")
+TORCH_VERSION = torch.__version__.split("+")[0]
+PYTAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
+MMCV_VERSION = "2.1.0"  # as tools/setup_env.sh
+CACHE_ROOT = os.environ.get("SWIN_BACKBONE_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swin-backbone")
+MMCV_WHEELS = os.path.join(CACHE_ROOT, "wheels", f"mmcv-{MMCV_VERSION}-torch{TORCH_VERSION}-{PYTAG}")
+SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark")
+# Left out of the copy the wheel is built from (what .gitignore keeps out of a clone).
+NOT_SOURCE = {".git", ".venv", "build", "dist", "data", "work_dirs", "outputs", "checkpoints", ".pytest_cache"}
+
+
+def run(cmd, cwd, timeout=900, env=None):
+    """Run ``cmd``; on failure raise with its output. A clean environment: nothing from the
+    checkout or the test's own venv leaks in."""
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    base.update(OMP_NUM_THREADS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONWARNINGS="ignore")
+    base.update(env or {})
+    proc = subprocess.run(cmd, cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout + proc.stderr
+
+
+def last(out: str, tag: str) -> str:
+    """The text after ``tag`` on the last line of ``out`` that starts with it."""
+    return [line[len(tag):] for line in out.splitlines() if line.startswith(tag)][-1]
+
+
+class Venv:
+    def __init__(self, path: str, work: str):
+        self.path, self.work = path, work
+        self.python = os.path.join(path, "bin", "python")
+
+    def pip(self, *args, timeout=900):
+        return run([self.python, "-m", "pip", "--disable-pip-version-check", *args], self.work, timeout)
+
+    def py(self, code: str, *args, env=None):
+        """Run ``code`` in the venv (cwd: a scratch dir, so only installed packages import)."""
+        return run([self.python, "-c", textwrap.dedent(code), *args], self.work, env=env)
+
+    def installed(self):
+        out = run([self.python, "-m", "pip", "list", "--format", "json"], self.work, env=dict(PYTHONWARNINGS="ignore"))
+        return {row["name"].lower(): row["version"] for row in json.loads(out.strip().splitlines()[0])}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel, built like ``pip wheel .`` from a copy of the source tree (the checkout's own
+    build/ and egg-info can hold stale files)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+
+    def ignore(folder, names):
+        top = os.path.abspath(folder) == ROOT
+        return [n for n in names if (top and n in NOT_SOURCE) or n == "__pycache__" or n.endswith(".egg-info")]
+
+    shutil.copytree(ROOT, src, ignore=ignore, symlinks=True)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
+         str(src)], str(tmp))
+    wheels = list((tmp / "dist").glob("swin_backbone-*.whl"))
+    assert len(wheels) == 1, wheels
+    return str(wheels[0])
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory):
+    """A fresh venv with torch and the wheel (no extras)."""
+    tmp = tmp_path_factory.mktemp("venv")
+    work = tmp / "work"
+    work.mkdir()
+    run([sys.executable, "-m", "venv", str(tmp / "venv")], str(tmp))
+    env = Venv(str(tmp / "venv"), str(work))
+    env.pip("install", "-q", f"torch=={TORCH_VERSION}", wheel)
+    yield env
+    shutil.rmtree(env.path, ignore_errors=True)  # ~5 GB with torch's CUDA libraries
+
+
+def test_wheel_ships_the_one_copy_of_the_configs(wheel):
+    # ./configs in the checkout is a link to the package's configs, not a second copy.
+    assert os.path.islink(os.path.join(ROOT, "configs"))
+    assert os.path.realpath(os.path.join(ROOT, "configs")) == os.path.realpath(CONFIGS)
+    shipped = {os.path.relpath(os.path.join(d, f), CONFIGS) for d, _, fs in os.walk(CONFIGS) for f in fs
+               if f.endswith(".py")}
+    assert "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py" in shipped and "_base_/swin_backbone.py" in shipped
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    prefix = "swin_backbone/.mim/configs/"
+    assert {n[len(prefix):] for n in names if n.startswith(prefix)} == shipped
+    assert "swin_backbone/.mim/model-index.yml" in names  # mmengine reads it before .mim/configs
+    assert not [n for n in names if n.split("/")[0] in ("tests", "tools", "configs")]
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    base = [r for r in requires if "extra ==" not in r]
+    # torchvision pins one torch: only the test suite (which imports it) may ask for it.
+    assert [r for r in requires if r.lower().startswith("torchvision")] == ['torchvision; extra == "test"']
+    assert sorted(r.split("<")[0].split(">")[0].split("=")[0].lower() for r in base) == [
+        "mmengine", "numpy", "pillow", "torch"]
+    for extra in ("mmdet", "mmseg", "onnx", "test", "triton"):
+        assert f"Provides-Extra: {extra}" in metadata
+    for script in SCRIPTS:
+        assert f"{script} = swin_backbone.tools." in entry_points
+
+
+def test_bare_install_imports_and_runs(venv):
+    installed = venv.installed()
+    assert installed["torch"] == TORCH_VERSION and "swin-backbone" in installed
+    for absent in ("torchvision", "mmdet", "mmsegmentation", "mmcv"):
+        assert absent not in installed, f"{absent} came with the bare install"
+    venv.pip("check")
+    out = venv.py("""
+        import importlib.util, json, os, sys
+        import torch, swin_backbone
+        assert swin_backbone.__file__.startswith(sys.prefix), swin_backbone.__file__
+        assert importlib.util.find_spec('torchvision') is None
+        m = swin_backbone.SwinBackbone('tiny').eval()
+        with torch.no_grad():
+            outs = m(torch.randn(1, 3, 64, 64))
+        torch.save(m.state_dict(), 'swin_t_ours.pth')
+        root = os.path.join(os.path.dirname(swin_backbone.__file__), '.mim', 'configs')
+        print('JSON ' + json.dumps(dict(registered=swin_backbone.REGISTERED_IN, shapes=[list(o.shape) for o in outs],
+                              configs=sorted(os.listdir(root)))))
+    """)
+    result = json.loads(last(out, 'JSON '))
+    assert result["registered"] == []
+    assert result["shapes"] == [[1, 96, 16, 16], [1, 192, 8, 8], [1, 384, 4, 4], [1, 768, 2, 2]]
+    assert {"mmdet", "mmseg", "_base_"} <= set(result["configs"])
+
+
+def test_console_scripts_convert_a_checkpoint(venv):
+    bindir = os.path.dirname(venv.python)
+    for script in SCRIPTS:
+        assert os.path.isfile(os.path.join(bindir, script)), script
+    if not os.path.isfile(os.path.join(venv.work, "swin_t_ours.pth")):
+        pytest.skip("needs test_bare_install_imports_and_runs's checkpoint")
+    out = run([os.path.join(bindir, "swin-convert-checkpoint"), "swin_t_ours.pth", "swin_t_mmdet.pth", "--to", "mmdet"],
+              venv.work)
+    assert "wrote swin_t_mmdet.pth (mmdet layout)" in out
+    out = venv.py("""
+        import torch, swin_backbone
+        sd = torch.load('swin_t_mmdet.pth', weights_only=True)['state_dict']
+        print('FORMAT', swin_backbone.detect_format(list(sd)))
+    """)
+    assert last(out, "FORMAT ") == "mmdet"
+    assert "usage:" in run([venv.python, "-m", "swin_backbone.tools.convert_checkpoint", "--help"], venv.work)
+
+
+def test_extract_features_entry_point(venv):
+    if not os.path.isfile(os.path.join(venv.work, "swin_t_ours.pth")):
+        pytest.skip("needs test_bare_install_imports_and_runs's checkpoint")
+    venv.py("""
+        import numpy as np
+        from PIL import Image
+        rng = np.random.default_rng(0)
+        Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save('photo.png')
+    """)
+    run([venv.python, "-m", "swin_backbone.tools.extract_features", "photo.png", "feats", "--arch", "tiny",
+         "--checkpoint", "swin_t_ours.pth", "--no-progress"], venv.work)
+    out = venv.py("""
+        import numpy as np
+        z = np.load('feats/photo.npz')
+        print('STAGES', sorted((k, z[k].shape) for k in z.files))
+    """)
+    assert last(out, "STAGES ") == str([("stage0", (96, 16, 24)), ("stage1", (192, 8, 12)),
+                                                ("stage2", (384, 4, 6)), ("stage3", (768, 2, 3))])
+
+
+@pytest.fixture(scope="module")
+def venv_mm(venv, wheel):
+    """The same venv with the [mmdet,mmseg] extras (mmcv from the cached local build)."""
+    mmcv = [f for f in os.listdir(MMCV_WHEELS) if f.endswith(".whl")] if os.path.isdir(MMCV_WHEELS) else []
+    if not mmcv:
+        pytest.skip(f"no mmcv {MMCV_VERSION} wheel for torch {TORCH_VERSION} in {MMCV_WHEELS} (PyPI has none: "
+                    "`make setup` builds and caches it)")
+    venv.pip("install", "-q", f"{wheel}[mmdet,mmseg]", f"torch=={TORCH_VERSION}", "--find-links", MMCV_WHEELS,
+             "--only-binary", "mmcv")
+    return venv
+
+
+def test_extras_install_what_they_promise(venv_mm):
+    installed = venv_mm.installed()
+    assert installed["torch"] == TORCH_VERSION  # the extras never replace the user's torch
+    assert installed["mmcv"] == MMCV_VERSION
+    for name in ("mmdet", "mmsegmentation", "mmengine", "ftfy", "regex"):
+        assert name in installed, name
+    assert "torchvision" not in installed
+    assert int(installed["setuptools"].split(".")[0]) < 81  # mmengine's `pkg::` lookup uses pkg_resources
+    venv_mm.pip("check")
+
+
+def test_registries_and_config_scope(venv_mm):
+    with open(os.path.join(venv_mm.work, "my_det.py"), "w") as f:
+        f.write("_base_ = 'swin_backbone::mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py'\n"
+                "model = dict(backbone=dict(init_cfg=None), roi_head=dict(bbox_head=dict(num_classes=3)))\n")
+    with open(os.path.join(venv_mm.work, "my_seg.py"), "w") as f:
+        f.write("_base_ = 'swin_backbone::mmseg/upernet_swin-t_512x512_160k_ade20k.py'\n"
+                "model = dict(backbone=dict(init_cfg=None))\n")
+    out = venv_mm.py("""
+        import json, sys
+        import torch
+        import swin_backbone
+        from mmengine.config import Config
+        from mmengine.registry import init_default_scope
+
+        result = dict(registered=swin_backbone.REGISTERED_IN)
+        for lib in ('mmdet', 'mmseg'):
+            registry = __import__(f'{lib}.registry', fromlist=['MODELS']).MODELS
+            m = registry.build(dict(type='SwinBackbone', arch=None, embed_dims=16, depths=(1, 1),
+                                    num_heads=(1, 2), out_indices=(1,))).eval()
+            result[lib] = [type(m).__name__, list(m(torch.randn(1, 3, 32, 32))[0].shape)]
+        for name, lib in (('my_det.py', 'mmdet'), ('my_seg.py', 'mmseg')):
+            cfg = Config.fromfile(name)
+            init_default_scope(cfg.default_scope)
+            registry = __import__(f'{lib}.registry', fromlist=['MODELS']).MODELS
+            model = registry.build(cfg.model)
+            base = [line for line in cfg.text.splitlines() if '.mim/configs/' in line]
+            result[name] = dict(scope=cfg.default_scope, backbone=type(model.backbone).__name__,
+                                head=cfg.model.get('roi_head', {}).get('bbox_head', {}).get('num_classes'),
+                                base_in_site_packages=bool(base) and all(l.startswith(sys.prefix) for l in base))
+        print('JSON ' + json.dumps(result))
+    """)
+    result = json.loads(last(out, 'JSON '))
+    assert result["registered"] == ["mmdet", "mmseg"]
+    assert result["mmdet"] == result["mmseg"] == ["SwinBackbone", [1, 32, 4, 4]]
+    assert result["my_det.py"] == dict(scope="mmdet", backbone="SwinBackbone", head=3, base_in_site_packages=True)
+    assert result["my_seg.py"] == dict(scope="mmseg", backbone="SwinBackbone", head=None, base_in_site_packages=True)
+
+
+def test_train_a_user_config_with_the_installed_package(venv_mm, tmp_path):
+    """tools/train.py copied out of the checkout (the mmdet / mmseg convention), run by the
+    venv's Python on a user config that inherits the shipped toy config through the scope."""
+    run([sys.executable, os.path.join(ROOT, "tools", "make_toy_data.py"), "--out", str(tmp_path / "data"),
+         "--which", "coco", "--num-train", "4", "--num-val", "2", "--seed", "3"], str(tmp_path))
+    shutil.copy(os.path.join(ROOT, "tools", "train.py"), tmp_path / "train.py")
+    (tmp_path / "my_toy.py").write_text("_base_ = 'swin_backbone::toy/mask-rcnn_swin-toy_fpn_toy-coco.py'\n"
+                                        "train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False)\n"
+                                        "val_dataloader = dict(num_workers=0, persistent_workers=False)\n"
+                                        "test_dataloader = val_dataloader\n")
+    work = tmp_path / "work"
+    out = run([venv_mm.python, "train.py", "my_toy.py", "--work-dir", str(work), "--cfg-options",
+               "train_cfg.max_iters=2", "train_cfg.val_interval=2", "default_hooks.checkpoint.interval=2"],
+              str(tmp_path), env=dict(TOY_DATA_ROOT=str(tmp_path / "data")))
+    assert (work / "iter_2.pth").is_file()
+    logs = "".join(p.read_text() for p in work.glob("*/*.log"))
+    assert "coco/bbox_mAP" in logs
+    assert "Failed to search registry" not in out + logs  # every _scope_ resolved to a real registry
