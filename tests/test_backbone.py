@@ -78,7 +78,7 @@ def _reference(lib, **kw):
 
 
 @pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
-def test_parity_with_reference(lib):
+def test_parity_with_reference(lib, device):
     arch = dict(embed_dims=96, depths=(2, 2, 2, 2), num_heads=(3, 6, 12, 24), window_size=7)
     ref = _reference(lib, **arch, drop_path_rate=0.0)
     ref.init_weights()
@@ -90,8 +90,10 @@ def test_parity_with_reference(lib):
     ours = SwinBackbone(arch=None, **arch, mask_padding=False, pad_small_map=True).eval()
     report = swin_backbone.load_checkpoint(ours, {"state_dict": ref.state_dict()}, strict=True)
     assert report.format == "mmdet" and report.complete
+    ref.to(device)
+    ours.to(device)
     for size in ODD_SIZES:
-        x = _inputs(1, size)
+        x = _inputs(1, size).to(device)
         with torch.no_grad():
             expected = ref(x)
             got = ours(x)
@@ -100,7 +102,7 @@ def test_parity_with_reference(lib):
 
 
 @pytest.mark.parametrize("size", [(65, 97), (224, 224)])
-def test_training_gradients_match_reference(size, attention_probs):
+def test_training_gradients_match_reference(size, attention_probs, device):
     # Train mode, grad enabled: every memory-saving backward (attention with kept or
     # recomputed probabilities, norm+linear, GELU+linear, window gathers) against autograd
     # through mmdet's plain modules.
@@ -116,9 +118,9 @@ def test_training_gradients_match_reference(size, attention_probs):
     ours = SwinBackbone(arch=None, **arch, mask_padding=False, drop_path_rate=0.0)
     swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True)
     # float64: weight gradients sum thousands of tokens, fp32 ordering noise would hide bugs.
-    ref.double().train()
-    ours.double().train()
-    x = _inputs(2, size).double()
+    ref.double().to(device).train()
+    ours.double().to(device).train()
+    x = _inputs(2, size).double().to(device)
     probes = None
     grads = []
     for model in (ref, ours):
