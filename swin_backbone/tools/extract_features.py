@@ -392,7 +392,7 @@ class Progress:
 
     def __init__(self, ctx: DistContext, mine: int, total: int, enabled: bool) -> None:
         self.ctx, self.mine, self.total, self.enabled = ctx, mine, total, enabled
-        self.done, self.start, self.last_print = 0, time.perf_counter(), 0.0
+        self.done, self.unsent, self.last_sync, self.last_print = 0, 0, 0.0, 0.0
         self.bar = None
         shown_total = total if ctx.rank == 0 else mine
         desc = "extracting" if ctx.world_size == 1 else ("all ranks" if ctx.rank == 0 else f"rank {ctx.rank}")
@@ -407,16 +407,35 @@ class Progress:
 
     def update(self, n: int) -> None:
         self.done += n
-        job = self.ctx.counter("done", n)
+        self.unsent += n
+        now = time.perf_counter()
+        if now - self.last_sync < 0.5 and self.done < self.mine:
+            return  # the store (and the terminal) hear from this rank at most twice a second
+        self.last_sync = now
+        job = self.ctx.counter("done", self.unsent)
+        self.unsent = 0
         shown = job if (self.ctx.rank == 0 and job is not None) else self.done
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.n = shown
-            self.bar.refresh()
-        elif time.perf_counter() - self.last_print > 10 or shown == self.shown_total:
-            self.last_print = time.perf_counter()
+            self.bar.update(shown - self.bar.n)
+        elif now - self.last_print > 10 or shown == self.shown_total:
+            self.last_print = now
             print(f"{self.desc}: {shown}/{self.shown_total} images", file=sys.stderr, flush=True)
+
+    def follow_others(self, timeout_s: float) -> None:
+        """Rank 0, its own share done: keep the job-wide bar moving until every rank is done
+        (or the store stops answering, or ``timeout_s``; torchrun ends this process if a rank fails)."""
+        if self.ctx.rank != 0 or self.ctx.world_size == 1 or not self.enabled:
+            return
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            job = self.ctx.counter("done", 0)
+            if job is None or job >= self.total:
+                break
+            if self.bar is not None:
+                self.bar.update(job - self.bar.n)
+            time.sleep(0.5)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -472,7 +491,7 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
     loader = DataLoader(jobs, batch_size=None, shuffle=False, num_workers=args.workers, collate_fn=_as_is,
                         pin_memory=cuda, prefetch_factor=max(2, args.batch_size) if args.workers else None)
     buckets: "OrderedDict[Tuple[int, int], List[dict]]" = OrderedDict()
-    max_held = 4 * args.batch_size  # decoded images waiting for same-size partners, at most
+    max_held = 8 * args.batch_size  # decoded images waiting for same-size partners, at most
     writes: Deque[Tuple[int, Future]] = deque()
 
     def reap(keep: int) -> None:
@@ -481,7 +500,8 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
             try:
                 state.rows[i] = fut.result()
             except Exception as err:
-                raise RuntimeError(f"writing the outputs of {state.assigned[i]}: {type(err).__name__}: {err}") from err
+                state.in_flight = [state.assigned[i]]  # the image the failure is about
+                raise RuntimeError(f"writing its outputs: {type(err).__name__}: {err}") from err
             state.new += 1
             progress.update(1)
 
@@ -631,6 +651,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:
         _extract(args, extractor, plan, state, pooled, done_pooled, progress)
+        progress.follow_others(args.dist_timeout * 60)
     except BaseException as err:
         state.status = "interrupted" if isinstance(err, (KeyboardInterrupt, Terminated)) else "failed"
         state.error = f"{type(err).__name__}: {err}"
