@@ -284,6 +284,24 @@ class PooledStore:
 
 
 # ---------------------------------------------------------------------------------- data loading
+class _InlineExecutor:
+    """``ThreadPoolExecutor``'s ``submit`` without threads: runs the call now."""
+
+    def __enter__(self) -> "_InlineExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as err:
+            fut.set_exception(err)
+        return fut
+
+
 def _as_is(item: Any) -> Any:
     """DataLoader collate for ``batch_size=None``: samples unchanged (batches form by size later)."""
     return item
@@ -516,7 +534,9 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
         reap(keep=2 * args.batch_size)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="write") as writer:
+    # On CUDA two threads write while the GPU computes; on the CPU the forward already uses
+    # every core, and extra threads there stall its OpenMP regions, so writes happen inline.
+    with (ThreadPoolExecutor(max_workers=2, thread_name_prefix="write") if cuda else _InlineExecutor()) as writer:
         try:
             for item in loader:
                 if item["status"] == "done":
