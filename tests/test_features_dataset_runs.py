@@ -188,7 +188,8 @@ def test_argument_errors_name_the_argument(tmp_path, images, capsys):
         with pytest.raises(SystemExit):
             tool.main([str(images), str(tmp_path / "o")] + SMALL + extra)
         assert name in capsys.readouterr().err
-    assert 1 <= tool.default_workers() <= 8 and tool.default_workers(64) == 1
+    assert 1 <= tool.default_workers() <= 8 and tool.default_workers(4096) == 1
+    assert tool.default_workers(4096, "cpu") == 0 and tool.default_workers(1, "cpu") in (0, 1)
 
 
 # ---------------------------------------------------------------------------------- torchrun

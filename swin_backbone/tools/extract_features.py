@@ -340,14 +340,18 @@ class ImageJobs(Dataset):
         return dict(i=i, status="ok", image=image, shown=shown)
 
 
-def default_workers(local_world_size: int = 1) -> int:
-    """Decoding workers per rank: the cores this process may use, shared among the ranks of
-    the node, minus one for the rank itself; at least 1, at most 8."""
+def default_workers(local_world_size: int = 1, device: str = "cuda") -> int:
+    """Decoding workers per rank. CUDA: the rank's share of the node's cores minus one for
+    the rank itself, 1..8. CPU: the forward already uses every core and a decoding process
+    stalls it, so 1 worker only from 4 cores per rank on, else 0 (decode inline)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, min(8, cores // max(1, local_world_size) - 1))
+    share = cores // max(1, local_world_size)
+    if torch.device(device).type == "cuda":
+        return max(1, min(8, share - 1))
+    return 1 if share >= 4 else 0
 
 
 # ---------------------------------------------------------------------------------- distributed
@@ -646,7 +650,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     if not paths:
         raise SystemExit(f"input {args.input!r}: no images found")
     if args.workers is None:
-        args.workers = default_workers(ctx.local_world_size)
+        args.workers = default_workers(ctx.local_world_size, args.device)
     extractor = build_extractor(args, _device(args, ctx))
     probe = extractor.run_batch([torch.zeros(3, 64, 64)])[0]
     channels = OrderedDict((s, f.shape[0]) for s, f in probe.items())
@@ -751,8 +755,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
     p.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
     p.add_argument("--batch-size", type=int, default=4, help="images per forward, all of one input size (default: 4)")
-    p.add_argument("--workers", type=int, help="decoding processes per rank (default: the rank's share of the "
-                   "cores minus one, 1..8; 0: decode in the main process)")
+    p.add_argument("--workers", type=int, help="decoding processes per rank (default: CUDA: the rank's share of "
+                   "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--format", choices=("npz", "npy", "pt"), default="npz")
