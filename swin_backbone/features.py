@@ -6,7 +6,8 @@ tools/extract_features.py, and usable from notebooks).
 >>> feats = fx([image_hwc_uint8])          # list (one per image) of {stage: (C, h, w) tensor}
 
 Images of different sizes are never padded together: a batch only ever holds images of one
-size, so an image's features cannot depend on what else was in its batch.
+size, so an image's features cannot depend on what else was in its batch. (Mixed-size batches
+need the backbone to take per-image valid sizes; until then a batch is one input size.)
 """
 from __future__ import annotations
 
@@ -90,13 +91,23 @@ class FeatureExtractor:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arch(cls, arch: str = "tiny", checkpoint: Optional[str] = None, window_size: int = 7,
-                  out_indices: Sequence[int] = (0, 1, 2, 3), **kwargs) -> "FeatureExtractor":
-        """A SwinBackbone preset (+ a checkpoint of any supported format)."""
+    def from_arch(cls, arch: Optional[str] = "tiny", checkpoint: Optional[str] = None, window_size: int = 7,
+                  out_indices: Sequence[int] = (0, 1, 2, 3), embed_dims: Optional[int] = None,
+                  depths: Optional[Sequence[int]] = None, num_heads: Optional[Sequence[int]] = None,
+                  seed: Optional[int] = None, **kwargs) -> "FeatureExtractor":
+        """A SwinBackbone preset (+ a checkpoint of any supported format).
+
+        ``embed_dims`` / ``depths`` / ``num_heads`` override the preset (``arch=None``: give all
+        three). Without a checkpoint the weights are random: ``seed`` makes them reproducible
+        (every process of a sharded run must build the same model).
+        """
         from .model.backbone import SwinBackbone
         from .checkpoint import load_checkpoint
 
-        backbone = SwinBackbone(arch=arch, window_size=window_size, out_indices=out_indices, drop_path_rate=0.0)
+        if seed is not None:
+            torch.manual_seed(seed)
+        backbone = SwinBackbone(arch=arch, embed_dims=embed_dims, depths=depths, num_heads=num_heads,
+                                window_size=window_size, out_indices=out_indices, drop_path_rate=0.0)
         if checkpoint:
             load_checkpoint(backbone, checkpoint)
         else:
@@ -104,8 +115,10 @@ class FeatureExtractor:
         return cls(backbone, **kwargs)
 
     @classmethod
-    def from_config(cls, config: str, checkpoint: Optional[str] = None, **kwargs) -> "FeatureExtractor":
-        """The backbone of an mmdet / mmseg config, with a whole-model or backbone checkpoint."""
+    def from_config(cls, config: str, checkpoint: Optional[str] = None, seed: Optional[int] = None,
+                    **kwargs) -> "FeatureExtractor":
+        """The backbone of an mmdet / mmseg config, with a whole-model or backbone checkpoint
+        (without one the weights are random, reproducible with ``seed``)."""
         from mmengine.config import Config
         from mmengine.registry import DefaultScope, init_default_scope
 
@@ -120,6 +133,8 @@ class FeatureExtractor:
         backbone_cfg = cfg.model.backbone.copy()
         backbone_cfg.pop("init_cfg", None)
         backbone_cfg.pop("pretrained", None)
+        if seed is not None:
+            torch.manual_seed(seed)
         with DefaultScope.overwrite_default_scope(scope):
             backbone = registry.build(backbone_cfg)
         if checkpoint:
@@ -130,19 +145,19 @@ class FeatureExtractor:
 
     # ------------------------------------------------------------------ running
     def preprocess(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Same-size ``(3, H, W)`` 0..255 images -> normalised ``(B, 3, H, W)`` batch."""
-        batch = torch.stack([resize_to(im, self.resize) for im in images]).to(self.device)
+        """Same-size ``(3, H, W)`` 0..255 images (float or uint8; pinned ones are copied without
+        blocking) -> normalised ``(B, 3, H, W)`` batch on the device."""
+        on_device = [im.to(self.device, non_blocking=self.device.type == "cuda").float() for im in images]
+        batch = torch.stack([resize_to(im, self.resize) for im in on_device])
         return ((batch - self.mean) / self.std).to(self.dtype)
 
     @torch.inference_mode()
     def run_batch(self, images: Sequence[torch.Tensor]) -> List[Dict[int, torch.Tensor]]:
-        """Features of same-size images: one ``{stage: (C, h, w) cpu tensor}`` per image."""
+        """Features of same-size images: one ``{stage: (C, h, w) float32 cpu tensor}`` per image."""
         outs = self.backbone(self.preprocess(images))
         keep = self.stages if self.stages is not None else range(len(outs))
-        result = []
-        for i in range(len(images)):
-            result.append(OrderedDict((s, outs[s][i].float().cpu().contiguous()) for s in keep))
-        return result
+        on_cpu = {s: outs[s].float().cpu() for s in keep}  # one copy per stage, not per image
+        return [OrderedDict((s, on_cpu[s][i].contiguous()) for s in keep) for i in range(len(images))]
 
     def batches(self, sizes: Sequence[Tuple[int, int]]) -> Iterable[List[int]]:
         """Indices of images (given their ``(H, W)``) grouped into batches of one input size
@@ -167,6 +182,11 @@ def extract_features(images: Sequence[ImageLike], arch: str = "tiny", checkpoint
                      **kwargs) -> List[Dict[int, torch.Tensor]]:
     """One-call API: features of ``images`` from a SwinBackbone preset (+ checkpoint)."""
     return FeatureExtractor.from_arch(arch, checkpoint, **kwargs)(images)
+
+
+def mean_pool(features: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+    """One vector per stage: the mean of each ``(C, h, w)`` map over its positions, ``(C,)`` float32."""
+    return OrderedDict((s, f.float().mean(dim=(1, 2))) for s, f in features.items())
 
 
 def pca_rgb(feature: torch.Tensor) -> np.ndarray:

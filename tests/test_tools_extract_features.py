@@ -85,7 +85,7 @@ def test_tool_writes_features_index_and_pngs(tmp_path, photos, fmt, capsys):
     _write_inputs(src, photos)
     out = tmp_path / "features"
     summary = tool.main([str(src), str(out), "--arch", "tiny", "--stages", "0", "2", "--format", fmt,
-                         "--png", "--no-progress", "--batch-size", "2"])
+                         "--png", "--no-progress", "--batch-size", "2", "--random-weights"])
     assert summary["images"] == 3
     failed = sorted(os.path.basename(f["image"]) for f in summary["failed"])
     assert failed == ["broken.jpg", "truncated.png"]
@@ -109,16 +109,20 @@ def test_tool_writes_features_index_and_pngs(tmp_path, photos, fmt, capsys):
     assert not list(out.rglob("*.tmp*"))
 
 
-def test_tool_rerun_overwrites_cleanly(tmp_path, photos):
+def test_tool_rerun_skips_complete_and_overwrite_redoes(tmp_path, photos):
     src = tmp_path / "images"
     _write_inputs(src, photos)
     out = tmp_path / "features"
-    args = [str(src), str(out), "--arch", "tiny", "--no-progress"]
+    args = [str(src), str(out), "--arch", "tiny", "--no-progress", "--random-weights"]
     tool.main(args)
-    first = {p: p.stat().st_size for p in out.rglob("*") if p.is_file()}
-    tool.main(args)
-    second = {p: p.stat().st_size for p in out.rglob("*") if p.is_file()}
-    assert first.keys() == second.keys()
+    first = {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")}
+    again = tool.main(args)
+    assert again["images"] == 3 and again["new"] == 0 and again["resumed"] == 3
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")} == first  # not rewritten
+    redone = tool.main(args + ["--overwrite"])
+    assert redone["new"] == 3 and redone["resumed"] == 0
+    second = {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")}
+    assert first.keys() == second.keys() and all(second[p] > first[p] for p in first)
     assert not list(out.rglob("*.tmp*"))
 
 
@@ -126,5 +130,5 @@ def test_tool_from_config_and_glob(tmp_path, photos):
     src = tmp_path / "images"
     _write_inputs(src, photos)
     summary = tool.main([str(src / "astro*.jpg"), str(tmp_path / "f"), "--config",
-                         "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py", "--no-progress"])
+                         "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py", "--no-progress", "--random-weights"])
     assert summary["images"] == 1 and not summary["failed"]
