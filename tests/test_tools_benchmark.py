@@ -16,7 +16,7 @@ def _run(tmp_path, *extra):
 
 
 def test_benchmark_small_run(tmp_path):
-    results, stdout = _run(tmp_path)
+    results, stdout = _run(tmp_path, "--upernet", "configs/toy/upernet_swin-toy_toy-ade.py", "--upernet-size", "64")
     assert set(results["forward_eval"]["samples"]) == {"ours", "mmdet", "timm", "torchvision"}
     assert set(results["forward_eval"]["speedup_over_mmdet"]) == {"ours", "timm", "torchvision"}
     assert set(results["forward_backward"]["samples"]) == {"ours", "mmdet"}
@@ -24,8 +24,10 @@ def test_benchmark_small_run(tmp_path):
         assert len(results[key]["samples"]["ours"]) == 2 and results[key]["speedup"] > 0
     assert results["peak_memory"]["ours_bytes"] > 0 and results["peak_memory"]["mmdet_bytes"] > 0
     assert 0 < results["flops"]["fraction_of_ceiling"] and results["flops"]["gflop"] > 0
-    for line in ("forward eval 1x3x64x96", "forward+backward train 2x3x64x64", "peak memory", "FLOPs"):
+    for line in ("forward eval 1x3x64x96", "forward+backward train 2x3x64x64", "peak memory", "FLOPs",
+                 "UPerNet training step bf16 2x3x64x64"):
         assert line in stdout
+    assert set(results["upernet_train_bf16"]["samples"]) == {"mmseg", "ours"}
 
 
 def test_benchmark_ablation(tmp_path):

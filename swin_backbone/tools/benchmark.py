@@ -296,6 +296,8 @@ def run_cpu(args, results: dict) -> None:
           f"2048x2048 matmuls measured in the same rounds)")
     results["flops"] = {"gflop": flops / 1e9, "achieved_gflops": statistics.median(achieved),
                         "matmul_gflops": statistics.median(ceiling), "fraction_of_ceiling": fraction}
+    if args.upernet:
+        results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup, args.upernet_size)
 
 
 def run_ablation(args, results: dict) -> None:
@@ -401,43 +403,42 @@ def run_cuda(args, results: dict) -> None:
         times = interleave({k: train_step(m, x, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
         results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
     if args.upernet:
-        results["upernet_train_bf16"] = upernet_step(args, device)
+        results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup)
 
 
-def upernet_step(args, device: str) -> dict:
-    """A UPerNet (mmseg) training step through the project's config, against mmseg's own Swin."""
+def upernet_step(config: str, device: str, iters: int, warmup: int, size: int = 512, batch: int = 2) -> dict:
+    """A UPerNet (mmseg) training step (loss + backward, bf16 autocast) of ``config``, with its
+    SwinBackbone and with mmseg's own SwinTransformer of the same size, interleaved."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
+    from mmengine.structures import PixelData
     from mmseg.registry import MODELS
     from mmseg.structures import SegDataSample
-    from mmengine.structures import PixelData
 
-    import swin_backbone  # noqa: F401
+    import swin_backbone  # noqa: F401  (registers SwinBackbone)
 
     init_default_scope("mmseg")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = Config.fromfile(args.upernet)
-    built = {}
-    for name, backbone_type in (("mmseg", "SwinTransformer"), ("ours", "SwinBackbone")):
-        model_cfg = cfg.model.copy()
-        model_cfg.backbone = dict(cfg.model.backbone, type=backbone_type, init_cfg=None, drop_path_rate=0.0)
-        if backbone_type == "SwinTransformer":
-            for key in ("arch", "mask_padding", "channels_last_outputs", "pad_small_map"):
-                model_cfg.backbone.pop(key, None)
-        model_cfg.pop("data_preprocessor", None)
-        model_cfg.decode_head.norm_cfg = dict(type="BN", requires_grad=True)
-        if "auxiliary_head" in model_cfg:
-            model_cfg.auxiliary_head.norm_cfg = dict(type="BN", requires_grad=True)
-        built[name] = MODELS.build(model_cfg).to(device).train()
-    del root
-    batch, size = 2, 512
+    cfg = Config.fromfile(config)
+    model_cfg = cfg.model.copy()
+    model_cfg.pop("data_preprocessor", None)
+    model_cfg.backbone = dict(cfg.model.backbone, init_cfg=None, drop_path_rate=0.0)
+    for head in ("decode_head", "auxiliary_head"):  # SyncBN needs a process group
+        if head in model_cfg:
+            model_cfg[head].norm_cfg = dict(type="BN", requires_grad=True)
+    ours = MODELS.build(model_cfg)
+    b = ours.backbone
+    ref_cfg = model_cfg.copy()
+    ref_cfg.backbone = dict(type="SwinTransformer", embed_dims=b.embed_dims, depths=b.depths, num_heads=b.num_heads,
+                            window_size=b.window_size, out_indices=b.out_indices, drop_path_rate=0.0)
+    built = {"mmseg": MODELS.build(ref_cfg).to(device).train(), "ours": ours.to(device).train()}
     x = torch.randn(batch, 3, size, size, device=device)
+    num_classes = model_cfg.decode_head.num_classes
     samples = []
     for _ in range(batch):
-        s = SegDataSample()
-        s.gt_sem_seg = PixelData(data=torch.randint(0, 150, (1, size, size), device=device))
-        s.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size), ori_shape=(size, size)))
-        samples.append(s)
+        sample = SegDataSample()
+        sample.gt_sem_seg = PixelData(data=torch.randint(0, num_classes, (1, size, size), device=device))
+        sample.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size), ori_shape=(size, size)))
+        samples.append(sample)
 
     def step(model):
         def run():
@@ -448,7 +449,7 @@ def upernet_step(args, device: str) -> dict:
 
         return run
 
-    times = interleave({k: step(m) for k, m in built.items()}, device, args.iters, args.warmup)
+    times = interleave({k: step(m) for k, m in built.items()}, device, iters, warmup)
     return summarize(f"UPerNet training step bf16 {batch}x3x{size}x{size}", times, reference="mmseg")
 
 
@@ -464,7 +465,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")
-    parser.add_argument("--upernet", metavar="CONFIG", help="CUDA: a UPerNet training step of this mmseg config")
+    parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
+    parser.add_argument("--upernet-size", type=int, default=512, help="CPU: its input is 2 x 3 x S x S")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--ablate-variant", help=argparse.SUPPRESS)
     parser.add_argument("--memory-dtype", help=argparse.SUPPRESS)
