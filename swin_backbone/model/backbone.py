@@ -1,7 +1,7 @@
 """SwinBackbone: the multi-scale Swin Transformer backbone for detection and segmentation."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,7 @@ from mmengine.model import BaseModule
 from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
+from ..mmlab.dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, SwinStage
 from .. import ops
 from .validation import check_config, check_input
@@ -55,7 +56,7 @@ class SwinBackbone(BaseModule):
         depths: blocks per stage.
         num_heads: attention heads per stage.
         in_channels: image channels.
-        patch_size: patch-embedding stride (= kernel).
+        patch_size: patch-embedding stride (= kernel): ``P`` or ``(P, P)``.
         window_size: attention window (7; 12 for the 384-pretrained models).
         mlp_ratio: MLP hidden width / embed width.
         qkv_bias: learnable bias in the qkv projections.
@@ -65,7 +66,8 @@ class SwinBackbone(BaseModule):
         drop_path_rate: stochastic depth, rising linearly from 0 over all blocks.
         use_abs_pos_embed: add a learned absolute position embedding, stored at the
             ``pretrain_img_size / patch_size`` grid and resized (bicubic) to each input.
-        pretrain_img_size: image size the absolute position embedding is stored for.
+        pretrain_img_size: image size the absolute position embedding is stored for:
+            ``S``, ``(S,)`` or ``(H, W)``.
         patch_norm: LayerNorm after patch embedding and inside patch merging.
         out_indices: stages whose outputs are returned, each after its own LayerNorm.
             Stages after the last one listed are not run.
@@ -86,6 +88,20 @@ class SwinBackbone(BaseModule):
             channels-last memory wrongly). ``True``: outputs are NCHW *views* of the
             channels-last tokens (``torch.channels_last`` memory), saving one copy per
             output, for necks and heads that handle any memory format (plain convs do).
+
+        The arguments below exist so that an mmdet 3.x / mmseg 1.x ``SwinTransformer`` config
+        builds this backbone with ``type='SwinBackbone'`` and every other key unchanged; they
+        mean what they mean there (see :mod:`swin_backbone.mmlab.dropin`). Values this
+        backbone cannot honour are a ``ValueError`` naming the argument.
+
+        strides: ``None``, or mmdet's one stride per stage: ``(patch_size, 2, 2, 2)`` (the
+            patch-embedding stride, then the patch-merging strides) is the only possible value.
+        act_cfg: ``None`` or ``dict(type='GELU')``, the activation of the MLPs.
+        norm_cfg: ``None`` or ``dict(type='LN')`` (``requires_grad=True``, ``eps=1e-5``
+            allowed), the norm everywhere in the backbone.
+        pretrained: deprecated (as in mmdet and mmseg) checkpoint path; becomes
+            ``init_cfg=dict(type='Pretrained', checkpoint=pretrained)`` with a warning. Giving
+            both ``pretrained`` and ``init_cfg`` is an error.
         convert_weights: accepted for drop-in use of mmdet configs; checkpoint formats are
             detected automatically, so it has no effect.
         init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads
@@ -121,13 +137,27 @@ class SwinBackbone(BaseModule):
         pad_small_map: bool = True,
         mask_padding: bool = True,
         channels_last_outputs: bool = False,
+        strides: Optional[Sequence[int]] = None,
+        act_cfg: Optional[Mapping[str, Any]] = None,
+        norm_cfg: Optional[Mapping[str, Any]] = None,
+        pretrained: Optional[str] = None,
         convert_weights: bool = False,
-        init_cfg: Optional[Union[dict, List[dict]]] = None,
+        init_cfg: Optional[InitCfg] = None,
     ) -> None:
-        super().__init__(init_cfg=init_cfg)
         embed_dims, depths, num_heads = resolve_arch(arch, embed_dims, depths, num_heads)
-        if isinstance(pretrain_img_size, int):
-            pretrain_img_size = (pretrain_img_size, pretrain_img_size)
+        # mmdet / mmseg SwinTransformer argument forms -> ours (ValueError where impossible)
+        mmlab = translate_mmlab_args(
+            num_stages=len(depths),
+            patch_size=patch_size,
+            strides=strides,
+            pretrain_img_size=pretrain_img_size,
+            act_cfg=act_cfg,
+            norm_cfg=norm_cfg,
+            pretrained=pretrained,
+            init_cfg=init_cfg,
+        )
+        super().__init__(init_cfg=mmlab.init_cfg)
+        patch_size, pretrain_img_size = mmlab.patch_size, mmlab.pretrain_img_size
         out_indices = tuple(out_indices) if isinstance(out_indices, (list, tuple)) else out_indices
         check_config(
             embed_dims=embed_dims,

@@ -5,23 +5,24 @@ see a crash deep inside torch (or, worse, a silently wrong result).
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import NoReturn, Sequence, Tuple
 
 import torch
 
 
-def _fail(name: str, expected: str, got: object) -> None:
+def fail(name: str, expected: str, got: object) -> NoReturn:
+    """Raise ``ValueError("<name>: expected <expected>, got <got!r>")``."""
     raise ValueError(f"{name}: expected {expected}, got {got!r}")
 
 
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(name, "an int >= 1", value)
+        fail(name, "an int >= 1", value)
 
 
 def _rate(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        _fail(name, "a float in [0, 1)", value)
+        fail(name, "a float in [0, 1)", value)
 
 
 def check_config(
@@ -46,9 +47,9 @@ def check_config(
     _positive_int("patch_size", patch_size)
     _positive_int("window_size", window_size)
     if not depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths):
-        _fail("depths", "a non-empty sequence of ints >= 1", depths)
+        fail("depths", "a non-empty sequence of ints >= 1", depths)
     if len(num_heads) != len(depths):
-        _fail("num_heads", f"one entry per stage ({len(depths)} stages)", num_heads)
+        fail("num_heads", f"one entry per stage ({len(depths)} stages)", num_heads)
     for i, heads in enumerate(num_heads):
         _positive_int(f"num_heads[{i}]", heads)
         dims = embed_dims * 2**i
@@ -58,12 +59,12 @@ def check_config(
                 f"(embed_dims * 2**{i} = {dims}), got {heads}"
             )
     if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or mlp_ratio <= 0:
-        _fail("mlp_ratio", "a number > 0", mlp_ratio)
+        fail("mlp_ratio", "a number > 0", mlp_ratio)
     _rate("drop_rate", drop_rate)
     _rate("attn_drop_rate", attn_drop_rate)
     _rate("drop_path_rate", drop_path_rate)
     if len(pretrain_img_size) != 2 or any(not isinstance(s, int) or s < patch_size for s in pretrain_img_size):
-        _fail("pretrain_img_size", f"an int or (H, W) of ints >= patch_size ({patch_size})", pretrain_img_size)
+        fail("pretrain_img_size", f"an int, (S,) or (H, W) of ints >= patch_size ({patch_size})", pretrain_img_size)
     num_stages = len(depths)
     if (
         not isinstance(out_indices, tuple)
@@ -71,15 +72,15 @@ def check_config(
         or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_stages for i in out_indices)
         or len(set(out_indices)) != len(out_indices)
     ):
-        _fail("out_indices", f"a non-empty sequence of distinct stage indices in [0, {num_stages - 1}]", out_indices)
+        fail("out_indices", f"a non-empty sequence of distinct stage indices in [0, {num_stages - 1}]", out_indices)
     if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= num_stages:
-        _fail("frozen_stages", f"an int in [-1, {num_stages}] (-1 freezes nothing)", frozen_stages)
+        fail("frozen_stages", f"an int in [-1, {num_stages}] (-1 freezes nothing)", frozen_stages)
 
 
 def check_input(x: object, in_channels: int, weight: torch.Tensor) -> None:
     """Validate a backbone input against the model's channels, device and dtype."""
     if not isinstance(x, torch.Tensor):
-        _fail("input", "a torch.Tensor of shape (B, C, H, W)", type(x).__name__)
+        fail("input", "a torch.Tensor of shape (B, C, H, W)", type(x).__name__)
     if x.dim() != 4:
         raise ValueError(f"input: expected a 4-D (B, C, H, W) tensor, got {x.dim()}-D with shape {tuple(x.shape)}")
     b, c, h, w = x.shape

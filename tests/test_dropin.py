@@ -1,0 +1,400 @@
+"""Drop-in use of mmdet / mmseg Swin configs (issue #17).
+
+Every config shipped inside the installed mmdet and mmseg packages whose backbone is
+``SwinTransformer`` builds :class:`SwinBackbone` when that one word becomes ``SwinBackbone``,
+every other key of the backbone unchanged; with ``mask_padding=False`` and the library
+model's weights it gives the library model's features. The configs are found at collection
+time, so configs added by a new mmdet / mmseg release are covered without editing this file.
+Nothing downloads: the configs' checkpoint URLs are only ever stored in ``init_cfg``, and
+sockets refuse to connect during these tests.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import importlib.util
+import os
+import socket
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.registry import DefaultScope
+from torch import nn
+
+import swin_backbone
+from swin_backbone import SwinBackbone
+from swin_backbone.mmlab.dropin import PRETRAINED_DEPRECATION, translate_mmlab_args
+
+from .conftest import small_arch
+
+LIBS = ("mmdet", "mmseg")
+#: Odd in both directions and not a multiple of 4 * window: every stage pads its windows.
+ODD_SIZE = (61, 83)
+REFERENCE = "SwinTransformer"
+
+
+# ---------------------------------------------------------------- finding the configs
+def config_root(lib: str) -> str:
+    """The configs shipped inside an installed OpenMMLab package (``<pkg>/.mim/configs``)."""
+    spec = importlib.util.find_spec(lib)
+    assert spec is not None and spec.submodule_search_locations, f"{lib} is not installed"
+    return os.path.join(spec.submodule_search_locations[0], ".mim", "configs")
+
+
+def candidate_configs(roots: Dict[str, str]) -> List[Tuple[str, str]]:
+    """``(lib, path)`` of every config that names ``SwinTransformer`` or inherits from one.
+
+    A text pre-filter (loading all ~1600 configs would take minutes): the files that say
+    ``SwinTransformer``, then, until nothing changes, the files whose ``_base_`` names one of
+    them. Whether a candidate really builds a Swin backbone is decided on the loaded config.
+    """
+    texts = {}
+    for lib, root in roots.items():
+        for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+            with open(path, encoding="utf-8") as f:
+                texts[(lib, path)] = f.read()
+    found = {key for key, text in texts.items() if REFERENCE in text}
+    while True:
+        names = {os.path.basename(path) for _, path in found}
+        more = {
+            key
+            for key, text in texts.items()
+            if key not in found and "_base_" in text and any(name in text for name in names)
+        }
+        if not more:
+            return sorted(found)
+        found |= more
+
+
+def swin_backbones(obj: Any, parent: Optional[dict] = None) -> Iterator[Tuple[dict, Optional[dict]]]:
+    """Every ``dict(type='SwinTransformer' | '<scope>.SwinTransformer', ...)`` in a config,
+    with the dict that holds it (the model, whose ``pretrained`` mmseg hands down)."""
+    if isinstance(obj, dict):
+        kind = obj.get("type")
+        if isinstance(kind, str) and kind.rsplit(".", 1)[-1] == REFERENCE:
+            yield obj, parent
+        for value in obj.values():
+            yield from swin_backbones(value, obj)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from swin_backbones(value, parent)
+
+
+def canonical(obj: Any) -> Any:
+    """A hashable, order-independent form of a config value (for de-duplication)."""
+    if isinstance(obj, dict):
+        return tuple(sorted((k, canonical(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(canonical(v) for v in obj))
+    return obj
+
+
+@dataclass
+class Case:
+    """One distinct Swin backbone dict and the configs it was found in."""
+
+    lib: str
+    paths: List[str]
+    backbone: Dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.lib}/{self.paths[0]}"
+
+
+def discover() -> Tuple[List[Case], List[str]]:
+    """The distinct backbone dicts (first config path as the id) and all config paths found."""
+    roots = {lib: config_root(lib) for lib in LIBS}
+    cases: Dict[Any, Case] = {}
+    all_paths = []
+    for lib, path in candidate_configs(roots):
+        rel = os.path.relpath(path, roots[lib])
+        try:  # custom_imports name projects that need not be installed; the model is plain data
+            cfg = Config.fromfile(path, import_custom_modules=False).to_dict()
+        except Exception as err:  # a config we cannot even read must fail, not vanish
+            cases[(lib, rel)] = Case(lib, [rel], error=f"{type(err).__name__}: {err}")
+            continue
+        for backbone, parent in swin_backbones(cfg):
+            backbone = copy.deepcopy(backbone)
+            if parent is not None and parent.get("pretrained") is not None:  # mmseg segmentors
+                backbone["pretrained"] = parent["pretrained"]
+            all_paths.append(f"{lib}/{rel}")
+            key = (lib, canonical(backbone))
+            if key in cases:
+                cases[key].paths.append(rel)
+            else:
+                cases[key] = Case(lib, [rel], backbone)
+    return list(cases.values()), sorted(set(all_paths))
+
+
+CASES, CONFIG_PATHS = discover()
+
+
+def one_word_change(backbone: Dict[str, Any]) -> Dict[str, Any]:
+    """``type='[scope.]SwinTransformer'`` -> ``type='[scope.]SwinBackbone'``, nothing else."""
+    cfg = copy.deepcopy(backbone)
+    cfg["type"] = cfg["type"].replace(REFERENCE, "SwinBackbone")
+    return cfg
+
+
+def build(lib: str, cfg: Dict[str, Any]) -> nn.Module:
+    """Build from the library's ``MODELS`` under its default scope, as its Runner would."""
+    registry = importlib.import_module(f"{lib}.registry").MODELS
+    with DefaultScope.overwrite_default_scope(lib):
+        return registry.build(copy.deepcopy(cfg))
+
+
+def perturb(model: nn.Module) -> None:
+    """Random norm scales, biases and relative position tables (freshly built they are 1, 0
+    and 0, which would hide a wrongly mapped or reordered tensor)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            elif p.dim() == 1 or name.endswith("relative_position_bias_table"):
+                p.normal_(0.0, 0.1)
+
+
+@pytest.fixture(autouse=True)
+def no_downloads(monkeypatch):
+    """Any attempt to fetch a checkpoint URL fails the test instead of downloading."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"test tried to open a network connection to {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core test machine two threads spin against each
+    other (and other jobs) and make these small-input forwards of large models 2-5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- every shipped config
+def test_discovery_finds_the_known_configs():
+    counts = {lib: sum(p.startswith(lib + "/") for p in CONFIG_PATHS) for lib in LIBS}
+    assert counts["mmdet"] >= 90 and counts["mmseg"] >= 20, counts
+    for known in [
+        "mmdet/swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py",  # names SwinTransformer
+        "mmdet/swin/mask-rcnn_swin-s-p4-w7_fpn_amp-ms-crop-3x_coco.py",  # only inherits it
+        "mmdet/mask2former/mask2former_swin-t-p4-w7-224_8xb2-lsj-50e_coco.py",
+        "mmseg/swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py",
+        "mmseg/maskformer/maskformer_swin-t_upernet_8xb2-160k_ade20k-512x512.py",
+        "mmseg/mask2former/mask2former_swin-l-in22k-384x384-pre_8xb2-160k_ade20k-640x640.py",
+    ]:
+        assert known in CONFIG_PATHS
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_one_word_change_gives_library_features(case, one_thread):
+    if case.error:
+        pytest.fail(f"{case.id} does not load: {case.error}")
+    # The one-word change (+ mask_padding=False for the library's numbers) builds; every other
+    # key is the config's own, init_cfg / pretrained checkpoint URLs included: building only
+    # records them (init_weights, which would load them, is not called; no_downloads checks).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PRETRAINED_DEPRECATION)
+        ours = build(case.lib, dict(one_word_change(case.backbone), mask_padding=False))
+        ref = build(case.lib, case.backbone)
+    assert type(ours) is SwinBackbone
+    expected_init = case.backbone.get("init_cfg")
+    if case.backbone.get("pretrained"):
+        expected_init = dict(type="Pretrained", checkpoint=case.backbone["pretrained"])
+    assert ours.init_cfg == expected_init
+    if not (case.lib == "mmdet" and case.backbone.get("pretrained")):  # mmdet 3.3 drops it
+        assert ours.init_cfg == ref.init_cfg
+
+    # With the library model's weights: the library model's features (eval mode, so the
+    # configs' drop_path_rate, with_cp and dropout do nothing in either).
+    ours.eval()
+    ref.eval()  # (mmdet's train() returns None: no chaining)
+    perturb(ref)
+    report = swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    assert report.format == "mmdet" and report.complete
+    x = torch.randn(1, case.backbone.get("in_channels", 3), *ODD_SIZE)
+    with torch.no_grad():
+        expected = ref(x)
+        got = ours(x)
+    assert len(got) == len(expected) == len(case.backbone.get("out_indices", (0, 1, 2, 3)))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"{case.id} output {i}: {m}")
+
+
+def _case(path: str) -> Case:
+    return next(c for c in CASES if path in (f"{c.lib}/{p}" for p in c.paths))
+
+
+def test_mask_padding_is_what_differs(one_thread):
+    # The one-word change alone keeps mask_padding=True: identical where no window needs
+    # padding (224 x 224: 56, 28, 14, 7 tokens, multiples of the window 7), different where
+    # padding is added (real tokens no longer attend to padding).
+    case = _case("mmdet/swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py")
+    ref = build(case.lib, dict(case.backbone, init_cfg=None))
+    ours = build(case.lib, dict(one_word_change(case.backbone), init_cfg=None)).eval()
+    ref.eval()  # (mmdet's train() returns None: no chaining)
+    assert ours.mask_padding
+    perturb(ref)
+    swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    with torch.no_grad():
+        x = torch.randn(1, 3, 224, 224)
+        for g, e in zip(ours(x), ref(x)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        x = torch.randn(1, 3, *ODD_SIZE)
+        diffs = [(g - e).abs().max().item() for g, e in zip(ours(x), ref(x))]
+    assert max(diffs) > 1e-2, diffs
+
+
+def test_mmseg_model_level_pretrained_reaches_the_backbone():
+    # mmseg's EncoderDecoder hands its own ``pretrained=`` to the backbone as ``pretrained``.
+    path = "swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py"
+    cfg = Config.fromfile(os.path.join(config_root("mmseg"), path), import_custom_modules=False)
+    cfg.model.backbone = one_word_change(dict(cfg.model.backbone, init_cfg=None))
+    cfg.model.pretrained = "x.pth"
+    with pytest.warns(UserWarning, match="pretrained is deprecated"):
+        model = build("mmseg", cfg.model)
+    assert isinstance(model.backbone, SwinBackbone)
+    assert model.backbone.init_cfg == dict(type="Pretrained", checkpoint="x.pth")
+
+
+# ---------------------------------------------------------------- argument forms
+def test_pretrained_becomes_init_cfg():
+    with pytest.warns(UserWarning, match="pretrained is deprecated, please use \"init_cfg\" instead"):
+        model = SwinBackbone(**small_arch(pretrained="x.pth"))
+    assert model.init_cfg == dict(type="Pretrained", checkpoint="x.pth")
+    assert SwinBackbone(**small_arch()).init_cfg is None
+
+
+@pytest.mark.xfail(
+    raises=ModuleNotFoundError,
+    strict=True,
+    reason="SwinBackbone.init_weights imports '.checkpoint' (swin_backbone.model.checkpoint, "
+    "gone since the model/ops/mmlab layout); needs '..checkpoint'",
+)
+def test_pretrained_path_loads_in_init_weights(tmp_path):
+    from mmdet.models.backbones import SwinTransformer
+
+    arch = dict(embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16))
+    ref = SwinTransformer(**arch)
+    ref.eval()
+    perturb(ref)
+    path = str(tmp_path / "ref.pth")
+    torch.save({"state_dict": ref.state_dict()}, path)
+    with pytest.warns(UserWarning, match="pretrained is deprecated"):
+        ours = SwinBackbone(arch=None, **arch, pretrained=path, mask_padding=False)
+    ours.init_weights()
+    ours.eval()
+    x = torch.randn(1, 3, *ODD_SIZE)
+    with torch.no_grad():
+        for g, e in zip(ours(x), ref(x)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "form,hw",
+    [(224, (224, 224)), ((224,), (224, 224)), ([224], (224, 224)), ((224, 224), (224, 224)), ((192, 320), (192, 320))],
+)
+def test_pretrain_img_size_forms(form, hw):
+    from mmdet.models.backbones import SwinTransformer
+
+    arch = dict(embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16), use_abs_pos_embed=True)
+    ours = SwinBackbone(arch=None, **arch, pretrain_img_size=form)
+    assert ours.absolute_pos_embed.shape[-2:] == (hw[0] // 4, hw[1] // 4)
+    if not isinstance(form, list):  # mmdet takes tuples only
+        ref = SwinTransformer(**arch, pretrain_img_size=form)
+        assert ref.absolute_pos_embed.shape[1] == ours.absolute_pos_embed.shape[-2:].numel()
+
+
+@pytest.mark.parametrize(
+    "act_cfg", [None, dict(type="GELU"), dict(type="GELU", approximate="none"), dict(type=nn.GELU)]
+)
+@pytest.mark.parametrize(
+    "norm_cfg",
+    [None, dict(type="LN"), dict(type="LN", requires_grad=True), dict(type="LN", eps=1e-5), dict(type=nn.LayerNorm)],
+)
+def test_accepted_layer_cfgs_are_what_mmcv_builds_from_them(act_cfg, norm_cfg):
+    from mmcv.cnn import build_activation_layer, build_norm_layer
+
+    SwinBackbone(**small_arch(act_cfg=act_cfg, norm_cfg=norm_cfg))
+    if act_cfg is not None:  # mmcv builds exactly the layer SwinBackbone uses
+        act = build_activation_layer(copy.deepcopy(act_cfg))
+        assert type(act) is nn.GELU and act.approximate == "none"
+    if norm_cfg is not None:
+        norm = build_norm_layer(copy.deepcopy(norm_cfg), 8)[1]
+        assert type(norm) is nn.LayerNorm and norm.eps == 1e-5 and norm.elementwise_affine
+        assert all(p.requires_grad for p in norm.parameters())
+
+
+@pytest.mark.parametrize(
+    "patch_size,strides",
+    [(4, (4, 2, 2, 2)), (4, [4, 2, 2, 2]), ((4, 4), ((4, 4), 2, 2, 2)), (2, (2, 2, 2, 2))],
+)
+def test_strides_consistent_with_patch_size_match_mmdet(patch_size, strides):
+    from mmdet.models.backbones import SwinTransformer
+
+    arch = dict(embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16))
+    ref = SwinTransformer(**arch, patch_size=patch_size, strides=strides, drop_path_rate=0.0)
+    ref.eval()
+    ours = SwinBackbone(arch=None, **arch, patch_size=patch_size, strides=strides, mask_padding=False).eval()
+    perturb(ref)
+    swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    x = torch.randn(1, 3, *ODD_SIZE)
+    with torch.no_grad():
+        for g, e in zip(ours(x), ref(x)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        (dict(act_cfg=dict(type="ReLU")), "act_cfg"),
+        (dict(act_cfg=dict(type="GELU", approximate="tanh")), "act_cfg"),
+        (dict(act_cfg="GELU"), "act_cfg"),
+        (dict(act_cfg=dict(type="mmdet.GELU")), "act_cfg"),  # mmdet cannot build it either
+        (dict(norm_cfg=dict(type="BN")), "norm_cfg"),
+        (dict(norm_cfg=dict(type="LN", eps=1e-6)), "norm_cfg"),
+        (dict(norm_cfg=dict(type="LN", requires_grad=False)), "norm_cfg"),
+        (dict(strides=(2, 2, 2, 2)), "strides"),  # patch_size is 4
+        (dict(patch_size=2, strides=(4, 2, 2, 2)), "strides"),
+        (dict(strides=(4, 2, 2)), "strides"),
+        (dict(strides=(4, 2, 2, 2, 2)), "strides"),
+        (dict(strides=4), "strides"),
+        (dict(strides=(4, 2, 1, 2)), "strides"),
+        (dict(strides=(4, 2, 2, 4)), "strides"),
+        (dict(pretrain_img_size=(1, 2, 3)), "pretrain_img_size"),
+        (dict(pretrain_img_size=()), "pretrain_img_size"),
+        (dict(pretrain_img_size=(2, 2)), "pretrain_img_size"),  # smaller than a patch
+        (dict(patch_size=(4, 2)), "patch_size"),
+        (dict(pretrained=3), "pretrained"),
+        (dict(pretrained=""), "pretrained"),
+        (dict(pretrained="x.pth", init_cfg=dict(type="Pretrained", checkpoint="y.pth")), "pretrained"),
+    ],
+)
+def test_values_this_backbone_cannot_honour_raise(kwargs, argument):
+    with pytest.raises(ValueError, match=rf"^{argument}: expected "):
+        SwinBackbone(**small_arch(**kwargs))
+
+
+def test_translation_is_a_pure_function_of_its_arguments():
+    init = dict(type="Pretrained", checkpoint="y.pth")
+    args = translate_mmlab_args(
+        num_stages=4,
+        patch_size=(4, 4),
+        strides=[4, 2, 2, 2],
+        pretrain_img_size=(384,),
+        act_cfg=dict(type=nn.GELU),
+        norm_cfg=dict(type="LN", requires_grad=True),
+        pretrained=None,
+        init_cfg=init,
+    )
+    assert (args.patch_size, args.pretrain_img_size, args.init_cfg) == (4, (384, 384), init)
+    assert init == dict(type="Pretrained", checkpoint="y.pth")  # the input is not modified
