@@ -274,12 +274,6 @@ def test_pretrained_becomes_init_cfg():
     assert SwinBackbone(**small_arch()).init_cfg is None
 
 
-@pytest.mark.xfail(
-    raises=ModuleNotFoundError,
-    strict=True,
-    reason="SwinBackbone.init_weights imports '.checkpoint' (swin_backbone.model.checkpoint, "
-    "gone since the model/ops/mmlab layout); needs '..checkpoint'",
-)
 def test_pretrained_path_loads_in_init_weights(tmp_path):
     from mmdet.models.backbones import SwinTransformer
 
