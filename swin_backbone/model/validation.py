@@ -153,11 +153,13 @@ def check_valid_sizes(
     if not mask_padding:
         raise ValueError(
             "valid_sizes: needs mask_padding=True (padding as its own attention region); "
-            "mask_padding=False reproduces mmdet, where padding is attended to"
+            "mask_padding=False reproduces mmdet, where padding is attended to (sizes attached by "
+            "SwinDetDataPreprocessor / SwinSegDataPreProcessor: use the library's own preprocessor type)"
         )
     if not pad_small_map:
         raise ValueError(
             "valid_sizes: needs pad_small_map=True; with pad_small_map=False the window shrinks "
-            "with each image's own size, which one batch cannot hold"
+            "with each image's own size, which one batch cannot hold (sizes attached by "
+            "SwinDetDataPreprocessor / SwinSegDataPreProcessor: use the library's own preprocessor type)"
         )
     return pairs_ok
