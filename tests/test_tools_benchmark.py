@@ -24,7 +24,8 @@ def test_benchmark_small_run(tmp_path):
         assert len(results[key]["samples"]["ours"]) == 2 and results[key]["speedup"] > 0
     assert results["peak_memory"]["ours_bytes"] > 0 and results["peak_memory"]["mmdet_bytes"] > 0
     assert 0 < results["flops"]["fraction_of_ceiling"] and results["flops"]["gflop"] > 0
-    for line in ("forward eval 1x3x64x96", "forward+backward train 2x3x64x64", "peak memory", "FLOPs"):
+    assert results["valid_sizes_overhead"]["overhead"] > -1 and len(results["valid_sizes_overhead"]["samples"]["valid_sizes"]) == 2
+    for line in ("forward eval 1x3x64x96", "forward+backward train 2x3x64x64", "peak memory", "FLOPs", "valid_sizes overhead"):
         assert line in stdout
 
 
