@@ -6,12 +6,16 @@ installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs can use
 """
 from .model.backbone import ARCH_SETTINGS, SwinBackbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
+from .mmlab.preprocessors import register_preprocessors
 from .mmlab.registry import register
 from .ops.windows import clear_caches
 
 __version__ = "0.1.0"
 
 REGISTERED_IN = register(SwinBackbone)
+#: ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``: per-image valid sizes for the
+#: backbone (:mod:`swin_backbone.mmlab.preprocessors`), where mmdet / mmseg are installed.
+PREPROCESSORS = register_preprocessors()
 
 __all__ = [
     "ARCH_SETTINGS",

@@ -24,8 +24,10 @@ def test_benchmark_small_run(tmp_path):
         assert len(results[key]["samples"]["ours"]) == 2 and results[key]["speedup"] > 0
     assert results["peak_memory"]["ours_bytes"] > 0 and results["peak_memory"]["mmdet_bytes"] > 0
     assert 0 < results["flops"]["fraction_of_ceiling"] and results["flops"]["gflop"] > 0
+    assert results["valid_sizes_overhead"]["overhead"] > -1
+    assert len(results["valid_sizes_overhead"]["samples"]["valid_sizes"]) == 2
     for line in ("forward eval 1x3x64x96", "forward+backward train 2x3x64x64", "peak memory", "FLOPs",
-                 "UPerNet training step bf16 2x3x64x64"):
+                 "UPerNet training step bf16 2x3x64x64", "valid_sizes overhead"):
         assert line in stdout
     assert set(results["upernet_train_bf16"]["samples"]) == {"mmseg", "ours"}
 

@@ -13,7 +13,8 @@ from torch import nn
 from ..mmlab.dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, SwinStage
 from .. import ops
-from .validation import check_config, check_input
+from ..mmlab.valid_sizes import attached_valid_sizes
+from .validation import check_config, check_input, check_valid_sizes
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
 ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
@@ -299,25 +300,60 @@ class SwinBackbone(BaseModule):
             pos = F.interpolate(pos, size=(height, width), mode="bicubic", align_corners=False)
         return pos.permute(0, 2, 3, 1)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """``(B, C_in, H, W)`` -> tuple of ``(B, C_i, H_i, W_i)`` per ``out_indices``."""
+    def forward(
+        self, x: torch.Tensor, valid_sizes: Optional[Union[Sequence[Sequence[int]], torch.Tensor]] = None
+    ) -> Tuple[torch.Tensor, ...]:
+        """``(B, C_in, H, W)`` -> tuple of ``(B, C_i, H_i, W_i)`` per ``out_indices``.
+
+        Args:
+            x: the batch input; images sit at its top left, padded bottom / right.
+            valid_sizes: per image, the ``(h, w)`` in input pixels that is the image: a
+                sequence of ``B`` pairs or a ``(B, 2)`` int tensor; ``None``: each image is
+                the whole input. Everything beyond an image's valid size is then treated
+                like window padding at every stage (its own attention region, zeros where
+                patch merging reads it), and the returned maps are zero beyond
+                ``ceil(h / (patch_size * 2**i)) x ceil(w / ...)`` at stage ``i``: image
+                ``b``'s features over its valid region equal those of the image run alone
+                at its exact size, whatever the batch and its padding. Needs
+                ``mask_padding=True`` and ``pad_small_map=True``; with
+                ``use_abs_pos_embed`` the position embedding is resized to each image's own
+                size. A batch made by ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``
+                carries its images' sizes (:mod:`swin_backbone.mmlab.valid_sizes`); they
+                are used when ``valid_sizes`` is not given.
+        """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
+        if valid_sizes is None and not torch.compiler.is_compiling():
+            valid_sizes = attached_valid_sizes(x)
+        valid = check_valid_sizes(
+            valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map
+        )
         plan = ops.plan_forward(
             x, self, attn_dropout=self.training and self.attn_drop_rate > 0,
             dropout=self.training and self.drop_rate > 0, drop_path=self.training and self.drop_path_rate > 0,
+            valid_sizes=valid,
         )
-        x = self.patch_embed(x)  # (B, H0, W0, C)
+        x = self.patch_embed(ops.mask_input(x, plan))  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
-            x = x + self.position_embedding(x.shape[1], x.shape[2])
+            x = x + self._position_embeddings(x.shape[1], x.shape[2], plan)
         x = self.drop_after_pos(x)
         outs = []
         last = self.out_indices[-1]
         for i in range(last + 1):
             stage = self.stages[i]
-            stage_plan = plan.for_stage(x, stage)
+            stage_plan = plan.for_stage(x, stage, i)
             out = stage(x, stage_plan)
             if i in self.out_indices:
                 outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
             if i < last:
                 x = stage.downsample(out, stage_plan)
         return tuple(outs)
+
+    def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:
+        """The absolute position embedding for a ``height x width`` token map: ``(1, H, W, C)``,
+        or with per-image valid sizes ``(B, H, W, C)``, each image's resized to its own
+        token size (as it is alone) at the top left, zeros beyond."""
+        stage0 = None if plan.stage_valid_sizes is None else plan.stage_valid_sizes[0]
+        if stage0 is None:
+            return self.position_embedding(height, width)
+        resized = {size: self.position_embedding(*size)[0] for size in set(stage0)}
+        return torch.stack([F.pad(resized[(h, w)], (0, 0, 0, width - w, 0, height - h)) for h, w in stage0])

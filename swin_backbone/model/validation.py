@@ -5,7 +5,8 @@ see a crash deep inside torch (or, worse, a silently wrong result).
 """
 from __future__ import annotations
 
-from typing import NoReturn, Sequence, Tuple
+import numbers
+from typing import NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -103,3 +104,63 @@ def check_input(x: object, in_channels: int, weight: torch.Tensor) -> None:
             f"input: expected dtype {weight.dtype} (the model's), got {x.dtype}; "
             "cast the input or run under torch.autocast"
         )
+
+
+def check_valid_sizes(
+    valid_sizes: object, shape: Sequence[int], *, mask_padding: bool, pad_small_map: bool
+) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """Validate ``SwinBackbone.forward``'s ``valid_sizes`` against the input ``shape``.
+
+    Accepts ``None``, a sequence of ``B`` ``(h, w)`` int pairs or a ``(B, 2)`` integer tensor,
+    each ``1 <= h <= H``, ``1 <= w <= W``. Returns the sizes as a tuple of int pairs, or
+    ``None`` when there are none or every image is the whole input (today's path, exactly).
+    """
+    if valid_sizes is None:
+        return None
+    b, _, height, width = shape
+    expected = f"None, or {b} (h, w) int pairs (a sequence or a ({b}, 2) int tensor) with 1 <= h <= {height}, 1 <= w <= {width}"
+    if isinstance(valid_sizes, torch.Tensor):
+        if valid_sizes.is_floating_point() or valid_sizes.is_complex() or valid_sizes.dtype == torch.bool:
+            _fail("valid_sizes", f"an integer tensor ({expected})", f"a {valid_sizes.dtype} tensor")
+        if tuple(valid_sizes.shape) != (b, 2):
+            _fail("valid_sizes", expected, f"a tensor of shape {tuple(valid_sizes.shape)}")
+        pairs = [tuple(int(v) for v in row) for row in valid_sizes.tolist()]
+    elif isinstance(valid_sizes, (str, bytes)) or not isinstance(valid_sizes, Sequence):
+        _fail("valid_sizes", expected, valid_sizes)
+    else:
+        if len(valid_sizes) != b:
+            _fail("valid_sizes", expected, f"{len(valid_sizes)} entries {list(valid_sizes)!r}")
+        pairs = []
+        for pair in valid_sizes:
+            if isinstance(pair, torch.Tensor) and pair.dim() == 1 and not pair.is_floating_point():
+                pair = pair.tolist()
+            if (
+                isinstance(pair, (str, bytes))
+                or not isinstance(pair, Sequence)
+                or len(pair) != 2
+                or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in pair)
+            ):
+                _fail("valid_sizes", expected, valid_sizes)
+            pairs.append((int(pair[0]), int(pair[1])))
+    for h, w in pairs:
+        if not (1 <= h <= height and 1 <= w <= width):
+            _fail("valid_sizes", expected, pairs)
+    if all(p == (height, width) for p in pairs):
+        # Checked anyway: a config that cannot honour valid sizes should fail the same way
+        # whatever the batch.
+        pairs_ok = None
+    else:
+        pairs_ok = tuple(pairs)
+    if not mask_padding:
+        raise ValueError(
+            "valid_sizes: needs mask_padding=True (padding as its own attention region); "
+            "mask_padding=False reproduces mmdet, where padding is attended to (sizes attached by "
+            "SwinDetDataPreprocessor / SwinSegDataPreProcessor: use the library's own preprocessor type)"
+        )
+    if not pad_small_map:
+        raise ValueError(
+            "valid_sizes: needs pad_small_map=True; with pad_small_map=False the window shrinks "
+            "with each image's own size, which one batch cannot hold (sizes attached by "
+            "SwinDetDataPreprocessor / SwinSegDataPreProcessor: use the library's own preprocessor type)"
+        )
+    return pairs_ok

@@ -12,6 +12,7 @@ about devices or grad modes again. The implementations live in the submodules:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -22,11 +23,13 @@ from .chunked import mlp_residual_, norm_nchw_by_rows
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp
-from .windows import WindowLayout, window_partition
+from .windows import WindowLayout, window_partition, zero_beyond_valid
 
 __all__ = [
     "Plan",
     "attention_kernel",
+    "mask_input",
+    "mask_map",
     "mlp_residual",
     "norm_linear",
     "norm_qkv",
@@ -47,7 +50,8 @@ def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads:
         return plan.attention
     from .triton_attention import supports
 
-    if layout.window > TRITON_MAX_WINDOW:
+    # Per-image boundary windows (valid_sizes) are not in the fused kernel yet.
+    if layout.window > TRITON_MAX_WINDOW or layout.images is not None:
         return "sdpa"
     probe = torch.empty((0, 0, 3 * channels), dtype=plan.mask_dtype, device=device)  # dtype, device, width only
     ok = supports(probe, layout.window, num_heads, height=layout.height, width=layout.width,
@@ -143,21 +147,61 @@ def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:
     """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)``: a view of channels-last
-    memory if ``channels_last``, else contiguous NCHW (by map rows in CPU inference)."""
+    memory if ``channels_last``, else contiguous NCHW (by map rows in CPU inference).
+    With the plan's ``valid_sizes``, zeros beyond each image's valid size."""
     if channels_last:
-        return norm(x).permute(0, 3, 1, 2)
-    if plan.chunk_bytes and not plan.grad:
-        return norm_nchw_by_rows(x, norm, plan.chunk_bytes)
-    return norm(x).permute(0, 3, 1, 2).contiguous()
+        out = norm(x).permute(0, 3, 1, 2)
+    elif plan.chunk_bytes and not plan.grad:
+        out = norm_nchw_by_rows(x, norm, plan.chunk_bytes)
+    else:
+        out = norm(x).permute(0, 3, 1, 2).contiguous()
+    if plan.valid_sizes is None:
+        return out
+    return zero_beyond_valid(out, plan.valid_sizes, 2, inplace=not plan.grad)
+
+
+def mask_input(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """``(B, C, H, W)`` input with zeros beyond each image's valid size (the plan's
+    ``valid_sizes``, in pixels): a patch straddling an image's edge then sees the zeros it
+    sees alone. A new tensor (the caller's input is never written); ``x`` itself without."""
+    if plan.valid_sizes is None:
+        return x
+    return zero_beyond_valid(x, plan.valid_sizes, 2, inplace=False)
+
+
+def mask_map(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """``(B, H, W, C)`` map of a stage with zeros beyond each image's valid size (the plan's
+    ``valid_sizes``), as before patch merging; in place where nothing records a gradient."""
+    if plan.valid_sizes is None:
+        return x
+    return zero_beyond_valid(x, plan.valid_sizes, 1, inplace=not plan.grad)
 
 
 def stage_layouts(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, plan: Plan
 ) -> "tuple[WindowLayout, Optional[WindowLayout]]":
-    """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift."""
+    """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift.
+
+    With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
+    windows that the images' boundaries cut (:class:`~swin_backbone.ops.windows.ImageWindows`).
+    """
     from .windows import get_window_layout
 
     regular = get_window_layout(height, width, window, 0, mask_padding, device, plan.mask_dtype, plan.align_masks)
-    if shift == 0:
-        return regular, None
-    return regular, get_window_layout(height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
+    shifted = None
+    if shift > 0:
+        shifted = get_window_layout(height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
+    if plan.valid_sizes is None:
+        return regular, shifted
+    return _with_images(regular, plan), None if shifted is None else _with_images(shifted, plan)
+
+
+def _with_images(layout: WindowLayout, plan: Plan) -> WindowLayout:
+    """``layout`` with the windows the plan's per-image valid sizes cut (if any)."""
+    from .windows import get_image_windows
+
+    images = get_image_windows(
+        layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes,
+        layout.index.device, plan.mask_dtype, plan.align_masks,
+    )
+    return layout if images is None else dataclasses.replace(layout, images=images)

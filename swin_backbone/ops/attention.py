@@ -141,7 +141,38 @@ def attention_in_windows(
             out = out.index_copy(1, masked, fixed) if out.requires_grad else out.index_copy_(1, masked, fixed)
     else:
         out = run(qkv, per_window_bias(mask, bias, qkv.dtype, align), True, scale, dropout_p)
+    if layout.images is not None:
+        out = _redo_image_windows(out, qkv, bias, layout, scale, dropout_p, run, align)
     return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+def _redo_image_windows(
+    out: torch.Tensor,
+    qkv: torch.Tensor,
+    bias: torch.Tensor,
+    layout: WindowLayout,
+    scale: float,
+    dropout_p: float,
+    run: Kernel,
+    align: bool,
+) -> torch.Tensor:
+    """Recompute the windows that images' boundaries cut with their per-image masks.
+
+    Args:
+        out: ``(B, nW, N, nH, d)`` attention of every window with the shared masks.
+        qkv: ``(3, B, nW, nH, N, d)`` view.
+    Returns:
+        ``out`` with the ``K`` windows of ``layout.images`` replaced, as ``(B * nW, N, nH, d)``.
+    """
+    images = layout.images
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    # The K windows, flat over the batch, go into the windows dimension of one "image".
+    picked = qkv.flatten(1, 2).index_select(1, images.windows).unsqueeze(1)  # (3, 1, K, nH, N, d)
+    fixed = run(picked, per_window_bias(images.masks, bias, qkv.dtype, align), True, scale, dropout_p)[0]
+    flat = out.reshape(batch * num_windows, n, num_heads, head_dim)
+    if flat.requires_grad or fixed.requires_grad:
+        return flat.index_copy(0, images.windows, fixed)
+    return flat.index_copy_(0, images.windows, fixed)
 
 
 def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
@@ -209,7 +240,8 @@ class _RecomputedAttention(torch.autograd.Function):
         windows = _windows(qkv, num_heads, layout)  # (B, nW, N, 3, nH, d)
         batch, num_windows, n = windows.shape[:3]
         probs = None
-        if batch * num_windows * num_heads * n * n * qkv.element_size() <= keep_probs_bytes:
+        small = batch * num_windows * num_heads * n * n * qkv.element_size() <= keep_probs_bytes
+        if small and layout.images is None:
             mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
             q, k, v = _split_heads(windows, scale)
             probs = _probs(q, k, bias.to(qkv.dtype), mask)
@@ -241,6 +273,17 @@ class _RecomputedAttention(torch.autograd.Function):
         grad_qkv = torch.empty_like(qkv)
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
+        images = layout.images
+        if images is not None:
+            # Windows that images' boundaries cut have masks of their own: they are left out
+            # of the shared-mask pass below (zero gradient and delta give them zero there)
+            # and done afterwards with their masks.
+            flat_grad = grad_out.reshape(batch * num_windows, n, num_heads, head_dim)
+            flat_delta = delta.reshape(batch * num_windows, n, num_heads)
+            image_grad_out = flat_grad.index_select(0, images.windows).unsqueeze(0)
+            image_delta = flat_delta.index_select(0, images.windows).unsqueeze(0)
+            grad_out = flat_grad.index_fill(0, images.windows, 0).view_as(grad_out)
+            delta = flat_delta.index_fill(0, images.windows, 0).view_as(delta)
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
         if ctx.chunk_bytes and probs is None:
@@ -251,6 +294,14 @@ class _RecomputedAttention(torch.autograd.Function):
                 None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
                 None if probs is None else probs[:, part],
             )
+        if images is not None:
+            flat_qkv = qkv.reshape((batch * num_windows,) + qkv.shape[2:])
+            image_grad_qkv = torch.empty((1, images.windows.numel()) + qkv.shape[2:], dtype=dtype, device=qkv.device)
+            attention_backward(
+                flat_qkv.index_select(0, images.windows).unsqueeze(0), image_grad_out, image_delta, bias_c,
+                images.masks.to(dtype), scale, image_grad_qkv, grad_bias,
+            )
+            grad_qkv.view((batch * num_windows,) + qkv.shape[2:]).index_copy_(0, images.windows, image_grad_qkv[0])
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None, None

@@ -18,7 +18,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -102,6 +102,12 @@ class Plan:
             the shared bias and redoes the masked ones (above it, one per-window bias).
         project_first_padding: qkv projects before the partition when the layout's padding
             share times C reaches this (``inf``: never).
+        valid_sizes: per image of the batch, the ``(h, w)`` that is the image on the map this
+            plan is for (input pixels for the forward's plan, tokens for a stage's);
+            ``None``: every image fills the map (the shared masks alone, as without).
+        stage_valid_sizes: the forward's plan only: ``valid_sizes`` of each stage's map
+            (:func:`~swin_backbone.ops.windows.stage_valid_sizes`), ``None`` per stage where
+            every image fills it.
     """
 
     device: str
@@ -118,15 +124,19 @@ class Plan:
     keep_probs_bytes: int
     fixup_share: float
     project_first_padding: float
+    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
+    stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
 
-    def for_stage(self, x: torch.Tensor, stage: nn.Module) -> "Plan":
-        """The plan for one stage: the no-grad variant when nothing in it needs a gradient
-        (frozen stages run like inference)."""
-        if not self.grad or self.tracing or x.requires_grad:
-            return self
-        if any(p.requires_grad for p in stage.parameters()):
-            return self
-        return decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout)
+    def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
+        """The plan for stage ``index``: the no-grad variant when nothing in it needs a
+        gradient (frozen stages run like inference), with the stage's valid sizes."""
+        plan = self
+        if self.grad and not self.tracing and not x.requires_grad and not any(p.requires_grad for p in stage.parameters()):
+            plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout)
+        valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
+        if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
+            return plan
+        return dataclasses.replace(plan, valid_sizes=valid, stage_valid_sizes=None)
 
     def fixup_masked(self, num_masked: int, num_windows: int) -> bool:
         """Whether attention computes all windows with the shared bias and redoes the masked ones."""
@@ -143,7 +153,14 @@ class Plan:
         return padding_tokens * channels >= self.project_first_padding * real_tokens
 
 
-def plan_forward(x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool) -> Plan:
+def plan_forward(
+    x: torch.Tensor,
+    model: nn.Module,
+    attn_dropout: bool,
+    dropout: bool,
+    drop_path: bool,
+    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None,
+) -> Plan:
     """Decide how ``model`` computes its forward on ``x`` (once per forward).
 
     Args:
@@ -151,6 +168,8 @@ def plan_forward(x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout:
         model: the module about to run (its parameters' ``requires_grad`` matter).
         attn_dropout, dropout, drop_path: whether attention dropout, other dropout and
             stochastic depth are in effect (training mode and a rate > 0).
+        valid_sizes: checked per-image valid ``(h, w)`` in input pixels, or ``None`` (every
+            image is the whole input). ``model`` then needs ``patch_size`` and ``stages``.
     """
     stochastic = attn_dropout or dropout or drop_path
     device = x.device.type
@@ -158,9 +177,31 @@ def plan_forward(x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout:
     tracing = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled()
     if tracing:
+        if valid_sizes is not None:
+            raise ValueError(
+                "valid_sizes: expected None while tracing (torch.compile / torch.export); per-image "
+                "valid sizes run eagerly"
+            )
         return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, _SWITCHES)
     grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
-    return decide(device, dtype, grad, False, dropout, stochastic, attn_dropout)
+    plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout)
+    if valid_sizes is None:
+        return plan
+    return dataclasses.replace(plan, valid_sizes=valid_sizes, stage_valid_sizes=_stage_valid_sizes(
+        tuple(x.shape[-2:]), valid_sizes, model.patch_size, len(model.stages)))
+
+
+def _stage_valid_sizes(
+    size: Tuple[int, int], valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
+) -> Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]:
+    """Per stage, the images' valid sizes on its map, ``None`` where all fill the map."""
+    from .windows import output_size, stage_valid_sizes
+
+    maps = output_size(size[0], size[1], patch_size, num_stages)
+    per_stage = stage_valid_sizes(valid_sizes, patch_size, num_stages)
+    return tuple(
+        None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)
+    )
 
 
 def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:

@@ -145,14 +145,26 @@ def window_inverse_index(
 
 
 def region_labels(
-    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    mask_padding: bool,
+    device: torch.device,
+    valid: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Region id of every token of the padded, shifted map, ``(Hp, Wp)`` int64.
 
     Tokens may attend to each other only when their ids are equal. Ids 0..8 are the nine
     shift regions; with ``mask_padding`` every padding token gets :data:`PAD_REGION` so that
-    real tokens never attend to padding.
+    real tokens never attend to padding. ``valid = (h, w)`` (with ``mask_padding``): the
+    labels of one image that is only the top-left ``h x w`` of the map: every token beyond
+    it is padding too.
     """
+    if valid is not None:
+        height_, width_ = valid
+    else:
+        height_, width_ = height, width
     hp, wp = padded_size(height, window), padded_size(width, window)
     labels = (
         _shift_regions(hp, window, shift, device)[:, None] * 3
@@ -161,7 +173,7 @@ def region_labels(
     if mask_padding:
         rows = _rolled_rows(height, hp, shift, device)
         cols = _rolled_rows(width, wp, shift, device)
-        is_pad = (rows >= height)[:, None] | (cols >= width)[None, :]
+        is_pad = (rows >= height_)[:, None] | (cols >= width_)[None, :]
         labels = labels.masked_fill(is_pad, PAD_REGION)
     return labels
 
@@ -250,6 +262,8 @@ class WindowLayout:
             regions and padding only ever meet in the last row and column of windows, so
             attention can run on all windows with the shared bias alone and redo just these.
         window_masks: ``mask[masked_windows]``, ``(nM, N, N)``.
+        images: the windows that the boundaries of a batch's images cut (per-image valid
+            sizes, :func:`get_image_windows`), or ``None``: every image fills the map.
     """
 
     height: int
@@ -264,6 +278,7 @@ class WindowLayout:
     window_masks: Optional[torch.Tensor] = None
     pad_slots: Optional[torch.Tensor] = None
     padding_masked: bool = False
+    images: Optional["ImageWindows"] = None
 
     def to_windows(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H * W, C)`` row-major tokens -> ``(B, nW * N, C)`` window layout (no autograd
@@ -332,6 +347,136 @@ def build_window_layout(
     )
 
 
+# ---------------------------------------------------------------- per-image valid sizes
+#: Per image of a batch, the ``(h, w)`` that is the image on a map; ``None``: all fill it.
+ValidSizes = Optional[Tuple[Tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
+class ImageWindows:
+    """Windows of a batch whose mask differs per image: those an image's boundary cuts.
+
+    An image that is only the top-left ``h x w`` of a batch map treats every token beyond
+    it as padding (:func:`region_labels` with ``valid``). That changes the mask only of the
+    windows holding both tokens of the image and tokens beyond it; windows wholly beyond
+    the image keep the shared mask (nothing of the image reads their results).
+
+    Attributes:
+        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
+        masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
+            (8-aligned rows with ``align``, as :func:`window_attention_mask`).
+    """
+
+    windows: torch.Tensor
+    masks: torch.Tensor
+
+
+def image_window_masks(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    valid: Tuple[int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    align: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The windows of an ``height x width`` map that an image of ``valid = (h, w)`` cuts.
+
+    Padding is masked (``mask_padding=True``). Returns ``(k,)`` window indices and their
+    ``(k, N, N)`` masks: the windows holding a token of the image and a token of the map
+    beyond it, whose per-image labels thus differ from the shared ones.
+    """
+    own = partition_grid(region_labels(height, width, window, shift, True, device, valid), window)
+    shared = partition_grid(region_labels(height, width, window, shift, True, device), window)
+    cut = (own != shared).any(1) & (own != PAD_REGION).any(1)
+    windows = cut.nonzero().squeeze(1)
+    own = own.index_select(0, windows)
+    differs = own[:, :, None] != own[:, None, :]
+    n = differs.shape[-1]
+    if align and n % 8:
+        buffer = torch.zeros(differs.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
+        return windows, buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
+    return windows, torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
+
+
+def image_windows(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    valid_sizes: Tuple[Tuple[int, int], ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    align: bool = False,
+) -> Optional[ImageWindows]:
+    """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``
+    of the ``height x width`` map; ``None`` where no image's boundary cuts a window.
+
+    Images that fill the map contribute nothing (they use the shared masks).
+    """
+    num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
+    windows, masks = [], []
+    for b, valid in enumerate(valid_sizes):
+        if tuple(valid) == (height, width):
+            continue
+        index, mask = get_image_window_masks(height, width, window, shift, tuple(valid), device, dtype, align)
+        if index.numel():
+            windows.append(index + b * num_windows)
+            masks.append(mask)
+    if not windows:
+        return None
+    masks = torch.cat(masks) if len(masks) > 1 else masks[0]
+    n = window * window
+    if align and n % 8 and len(windows) > 1:  # cat made the rows dense: re-align them
+        buffer = torch.zeros(masks.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
+        masks = buffer.narrow(-1, 0, n).copy_(masks)
+    return ImageWindows(windows=torch.cat(windows), masks=masks)
+
+
+def stage_valid_sizes(
+    valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
+) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Per stage, per image, the valid size on the stage's map (:func:`output_size` of each
+    image's valid size in input pixels): ``(num_stages, B)`` pairs."""
+    per_image = [output_size(h, w, patch_size, num_stages) for h, w in valid_sizes]
+    return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
+
+
+def valid_token_mask(
+    height: int, width: int, valid_sizes: Tuple[Tuple[int, int], ...], device: torch.device
+) -> torch.Tensor:
+    """``(B, H, W)`` bool: True where the token lies inside its image's valid size."""
+    sizes = torch.tensor(valid_sizes, dtype=torch.long, device=device).view(-1, 2)
+    rows = torch.arange(height, device=device)[None, :, None] < sizes[:, 0, None, None]
+    cols = torch.arange(width, device=device)[None, None, :] < sizes[:, 1, None, None]
+    return rows & cols
+
+
+def zero_beyond_valid(
+    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, inplace: bool
+) -> torch.Tensor:
+    """Zero every element of ``x`` beyond its image's valid ``(h, w)``.
+
+    Args:
+        x: a batch-first map whose height and width are dims ``height_dim`` and
+            ``height_dim + 1`` (``(B, C, H, W)``: 2; ``(B, H, W, C)``: 1).
+        inplace: write into ``x`` (only the regions beyond the images are touched); else
+            return a new tensor (autograd-friendly).
+    """
+    height, width = x.shape[height_dim], x.shape[height_dim + 1]
+    if not inplace:
+        keep = valid_token_mask(height, width, valid_sizes, x.device)
+        keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
+        return x.masked_fill(~keep, 0)
+    for b, (h, w) in enumerate(valid_sizes):
+        if h < height:
+            x[b].narrow(height_dim - 1, h, height - h).zero_()
+        if w < width:
+            x[b].narrow(height_dim - 1, 0, h).narrow(height_dim, w, width - w).zero_()
+    return x
+
+
 def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """``lru_cache`` for size-only helpers that steps aside while tracing.
 
@@ -368,11 +513,19 @@ get_window_layout = size_cache(maxsize=256)(build_window_layout)
 #: Cached :func:`relative_position_index`.
 get_relative_position_index = size_cache(maxsize=64)(relative_position_index)
 
+#: Cached :func:`image_window_masks`, per map size, window, shift and one image's valid size.
+get_image_window_masks = size_cache(maxsize=512)(image_window_masks)
+
+#: Cached :func:`image_windows`, per map size, window, shift and a whole batch's valid sizes.
+get_image_windows = size_cache(maxsize=128)(image_windows)
+
 
 def clear_caches() -> None:
     """Drop every cached layout and index (e.g. to free device memory after a size sweep)."""
     get_window_layout.cache_clear()
     get_relative_position_index.cache_clear()
+    get_image_window_masks.cache_clear()
+    get_image_windows.cache_clear()
 
 
 class _TokenGather(torch.autograd.Function):
@@ -455,8 +608,17 @@ def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tu
 
 
 __all__ = [
+    "ImageWindows",
     "MASK_VALUE",
     "PAD_REGION",
+    "ValidSizes",
+    "get_image_window_masks",
+    "get_image_windows",
+    "image_window_masks",
+    "image_windows",
+    "stage_valid_sizes",
+    "valid_token_mask",
+    "zero_beyond_valid",
     "WindowLayout",
     "build_window_layout",
     "ceil_div",

@@ -296,8 +296,30 @@ def run_cpu(args, results: dict) -> None:
           f"2048x2048 matmuls measured in the same rounds)")
     results["flops"] = {"gflop": flops / 1e9, "achieved_gflops": statistics.median(achieved),
                         "matmul_gflops": statistics.median(ceiling), "fraction_of_ceiling": fraction}
+    run_valid_sizes_overhead(models["ours"], args, results)
     if args.upernet:
         results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup, args.upernet_size)
+
+
+def run_valid_sizes_overhead(model: torch.nn.Module, args, results: dict) -> None:
+    """Eval cost of per-image valid sizes: a batch of 2 images of different sizes at detection
+    resolution, padded to one input, with ``valid_sizes`` against the same batch without."""
+    eh, ew = args.eval_size
+    device = next(model.parameters()).device.type
+    x = torch.randn(2, 3, eh, ew, device=device)
+    sizes = [(eh, ew - 17), (eh - 50, ew)]  # one short on width, one on height: both cut windows
+    model.eval()
+
+    def with_sizes():
+        with torch.inference_mode():
+            model(x, valid_sizes=sizes)
+
+    times = interleave({"without": eval_step(model, x), "valid_sizes": with_sizes}, device, args.iters, args.warmup)
+    overhead = statistics.median(v / w for v, w in zip(times["valid_sizes"], times["without"])) - 1
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"valid_sizes overhead, eval 2x3x{eh}x{ew} (images {sizes[0][0]}x{sizes[0][1]}, {sizes[1][0]}x{sizes[1][1]}): "
+          f"without {med['without'] * 1e3:.1f} ms, with {med['valid_sizes'] * 1e3:.1f} ms, {100 * overhead:+.1f}%")
+    results["valid_sizes_overhead"] = {"samples": times, "median_s": med, "overhead": overhead, "sizes": sizes}
 
 
 def run_ablation(args, results: dict) -> None:

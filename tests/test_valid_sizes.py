@@ -1,0 +1,219 @@
+"""SwinBackbone.forward(x, valid_sizes): each image's features equal those of the image run
+alone at its exact size, whatever the batch and its padding (eval and training), and the
+per-image window arithmetic behind it."""
+from typing import List, Sequence, Tuple
+
+import pytest
+import torch
+
+from swin_backbone import SwinBackbone, ops
+from swin_backbone.mmlab.valid_sizes import attach_valid_sizes, attached_valid_sizes
+from swin_backbone.ops import windows as W
+
+# window 4 keeps maps of several windows small; sizes hit odd sizes at every stage, images
+# whose last stages are below one window, and images that fill one axis of the batch.
+CFG = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+BATCHES = {
+    # the issue's 600x901 with 777x650 in an 800x928 batch, scaled down by 8
+    "issue-like": ((100, 116), [(75, 113), (97, 81)]),
+    "mixed": ((64, 72), [(45, 61), (30, 29), (9, 7), (64, 50)]),
+    "tiny": ((40, 36), [(3, 5), (40, 17)]),
+}
+
+
+def _model(**kw) -> SwinBackbone:
+    torch.manual_seed(0)
+    model = SwinBackbone(**dict(CFG, **kw))
+    model.init_weights()
+    return model
+
+
+def _batch(size: Tuple[int, int], sizes: Sequence[Tuple[int, int]], dtype=torch.float32):
+    """Images, and a batch holding them top-left with *non-zero* garbage beyond each (the
+    backbone must not read it)."""
+    images = [torch.randn(1, 3, h, w, dtype=dtype) for h, w in sizes]
+    batch = torch.randn(len(sizes), 3, *size, dtype=dtype) * 3 + 1
+    for i, img in enumerate(images):
+        batch[i, :, : img.shape[2], : img.shape[3]] = img[0]
+    return images, batch
+
+
+def _assert_image_exact(outs, alone: List[Tuple[torch.Tensor, ...]], atol=1e-4):
+    for i, image_outs in enumerate(alone):
+        for stage, (got, ref) in enumerate(zip(outs, image_outs)):
+            h, w = ref.shape[-2:]
+            torch.testing.assert_close(got[i, :, :h, :w], ref[0], rtol=1e-4, atol=atol, msg=f"image {i} stage {stage}")
+            beyond = got[i].clone()
+            beyond[:, :h, :w] = 0
+            assert beyond.abs().max() == 0, f"image {i} stage {stage}: non-zero beyond its valid size"
+
+
+# ---------------------------------------------------------------- eval
+@pytest.mark.parametrize("name", sorted(BATCHES))
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        dict(),  # CPU default: shared-bias fixups, row chunks, project-first
+        dict(fixup_share=0.0, chunk_bytes=0, project_first_padding=float("inf")),  # per-window bias
+        dict(sdpa=False),  # matmul + softmax
+    ],
+    ids=["default", "per-window", "plain"],
+)
+def test_eval_batch_equals_each_image_alone(name, strategy):
+    size, sizes = BATCHES[name]
+    model = _model().eval()
+    images, batch = _batch(size, sizes)
+    with torch.no_grad(), ops.override(**strategy):
+        outs = model(batch, valid_sizes=sizes)
+        alone = [model(img) for img in images]
+        plain = model(batch)
+    _assert_image_exact(outs, alone)
+    # without valid_sizes the padding is ordinary tokens: the test can fail
+    i = next(i for i, s in enumerate(sizes) if s != size)
+    h, w = alone[i][1].shape[-2:]
+    assert not torch.allclose(plain[1][i, :, :h, :w], alone[i][1][0], atol=1e-3)
+
+
+def test_valid_sizes_as_tensor_and_with_options():
+    size, sizes = BATCHES["mixed"]
+    images, batch = _batch(size, sizes)
+    for kw in (dict(channels_last_outputs=True), dict(use_abs_pos_embed=True, pretrain_img_size=32), dict(out_indices=(1, 2))):
+        model = _model(**kw).eval()
+        with torch.no_grad():
+            outs = model(batch, valid_sizes=torch.tensor(sizes, dtype=torch.int32))
+            alone = [model(img) for img in images]
+        _assert_image_exact(outs, alone)
+
+
+def test_full_valid_sizes_equal_none():
+    model = _model().eval()
+    x = torch.randn(2, 3, 45, 61)
+    with torch.no_grad():
+        ref = model(x)
+        for valid in ([(45, 61), (45, 61)], torch.tensor([[45, 61], [45, 61]])):
+            for a, b in zip(model(x, valid_sizes=valid), ref):
+                assert torch.equal(a, b)
+
+
+def test_layouts_of_images_that_fill_are_shared():
+    # An image that fills the batch adds no per-image window; only images whose boundary
+    # cuts a window do, and only those windows.
+    h, w, ws = 17, 23, 4
+    assert W.image_windows(h, w, ws, 2, ((h, w), (h, w)), torch.device("cpu"), torch.float32) is None
+    images = W.image_windows(h, w, ws, 2, ((h, w), (9, 23)), torch.device("cpu"), torch.float32)
+    num_windows = (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
+    assert images.windows.min() >= num_windows  # all of image 1
+    # image 1 (rows < 9) is cut by the window rows holding its row 8 and 9
+    per_image, _ = W.image_window_masks(h, w, ws, 2, (9, 23), torch.device("cpu"), torch.float32)
+    assert 0 < per_image.numel() < num_windows
+    assert torch.equal(images.windows, per_image + num_windows)
+
+
+# ---------------------------------------------------------------- training
+def _loss(outs, weights, i=None):
+    """Sum of features times fixed random weights; ``i``: image ``i`` of a batch."""
+    total = 0
+    for out, wt in zip(outs, weights):
+        if i is None:
+            total = total + (out * wt[..., : out.shape[-2], : out.shape[-1]]).sum()
+        else:
+            total = total + (out * wt[i : i + 1, :, : out.shape[-2], : out.shape[-1]]).sum()
+    return total
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["recompute", "recompute-kept-probs", "autograd", "frozen-abs-pos"],
+)
+def test_training_gradients_equal_sum_over_images_alone(variant):
+    size, sizes = (40, 44), [(37, 21), (15, 44), (6, 9)]
+    kw = dict(use_abs_pos_embed=True, pretrain_img_size=32, frozen_stages=1) if variant == "frozen-abs-pos" else {}
+    model = _model(**kw).double().train()
+    images, batch = _batch(size, sizes, torch.float64)
+    with torch.no_grad():
+        shapes = [o.shape for o in model(batch)]
+    weights = [torch.randn(len(sizes), s[1], s[2], s[3], dtype=torch.float64) for s in shapes]
+    switches = dict(
+        recompute=dict(keep_probs_bytes=0),
+        **{"recompute-kept-probs": dict(keep_probs_bytes=2**40)},
+        autograd=dict(recompute_attention=False, save_memory=False),
+        **{"frozen-abs-pos": {}},
+    )[variant]
+    params = [p for p in model.parameters() if p.requires_grad]
+    with ops.override(**switches):
+        model.zero_grad()
+        _loss(model(batch, valid_sizes=sizes), weights).backward()
+        got = [p.grad.clone() for p in params]
+        model.zero_grad()
+        for i, img in enumerate(images):
+            _loss(model(img), weights, i).backward()
+        expected = [p.grad.clone() for p in params]
+    for p, g, e in zip([n for n, p in model.named_parameters() if p.requires_grad], got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-7, atol=1e-9, msg=p)
+
+
+def test_training_input_gradient_stays_inside_images():
+    size, sizes = (32, 36), [(21, 36), (9, 13)]
+    model = _model().double().train()
+    images, batch = _batch(size, sizes, torch.float64)
+    batch.requires_grad_(True)
+    sum(o.sum() for o in model(batch, valid_sizes=sizes)).backward()
+    grad = batch.grad
+    assert grad[1, :, 9:].abs().max() == 0 and grad[1, :, :, 13:].abs().max() == 0
+    alone = images[1].clone().requires_grad_(True)
+    sum(o.sum() for o in model(alone)).backward()
+    torch.testing.assert_close(grad[1:2, :, :9, :13], alone.grad, rtol=1e-7, atol=1e-9)
+
+
+# ---------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([(10, 10)], "2 \\(h, w\\) int pairs"),  # wrong length
+        ([(10, 10), (33, 10)], "1 <= h <= 32"),  # larger than the input
+        ([(10, 10), (10, 41)], "1 <= w <= 40"),
+        ([(0, 10), (10, 10)], "valid_sizes"),  # zero
+        ([(10, 10), (-3, 10)], "valid_sizes"),  # negative
+        ([(10.0, 10), (10, 10)], "valid_sizes"),  # floats
+        ([(10, 10, 3), (10, 10)], "valid_sizes"),  # not pairs
+        ("abc", "valid_sizes"),
+        (12, "valid_sizes"),
+        (torch.tensor([[10.0, 10.0], [10.0, 10.0]]), "integer tensor"),
+        (torch.tensor([10, 10]), "shape \\(2,\\)"),
+        ([(True, 10), (10, 10)], "valid_sizes"),
+    ],
+)
+def test_bad_valid_sizes_raise(bad, match):
+    model = _model().eval()
+    with pytest.raises(ValueError, match=f"^valid_sizes: expected .*{match}" if match != "valid_sizes" else "^valid_sizes: expected"):
+        model(torch.randn(2, 3, 32, 40), valid_sizes=bad)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(mask_padding=False), "mask_padding=True"), (dict(pad_small_map=False), "pad_small_map=True")])
+def test_valid_sizes_need_masked_padding_and_padded_small_maps(kw, match):
+    model = _model(**kw).eval()
+    with pytest.raises(ValueError, match=f"^valid_sizes: needs {match}"):
+        model(torch.randn(2, 3, 32, 40), valid_sizes=[(32, 40), (20, 40)])
+
+
+# ---------------------------------------------------------------- attached sizes
+def test_attached_sizes_follow_the_batch_and_its_crops():
+    batch = attach_valid_sizes(torch.zeros(2, 3, 20, 30), [(12, 30), (20, 7)])
+    assert attached_valid_sizes(batch) == ((12, 30), (20, 7))
+    crop = batch[:, :, 8:18, 5:25]  # mmseg slide inference
+    assert attached_valid_sizes(crop) == ((4, 20), (10, 2))
+    assert attached_valid_sizes(batch[:, :, 14:20, 10:30]) == ((6, 20), (6, 20))  # image 1 absent: whole crop
+    assert attached_valid_sizes(batch.clone()) is None  # a copy carries nothing
+    assert attached_valid_sizes(batch[:1]) is None  # not a crop of the whole batch
+    assert attached_valid_sizes(torch.zeros(2, 3, 20, 30)) is None
+
+
+def test_backbone_reads_attached_sizes():
+    size, sizes = BATCHES["tiny"]
+    model = _model().eval()
+    _, batch = _batch(size, sizes)
+    with torch.no_grad():
+        explicit = model(batch, valid_sizes=sizes)
+        attached = model(attach_valid_sizes(batch.clone(), sizes))
+    for a, b in zip(explicit, attached):
+        assert torch.equal(a, b)
