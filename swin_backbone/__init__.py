@@ -12,12 +12,16 @@ from .ops.windows import clear_caches
 __version__ = "0.1.0"
 
 REGISTERED_IN = register(SwinBackbone)
+from .model.v2 import SwinV2Backbone  # noqa: E402  (Swin V2: same family, registered alike)
+
+register(SwinV2Backbone, "SwinV2Backbone")
 
 __all__ = [
     "ARCH_SETTINGS",
     "CheckpointError",
     "LoadReport",
     "SwinBackbone",
+    "SwinV2Backbone",
     "clear_caches",
     "detect_format",
     "load_checkpoint",

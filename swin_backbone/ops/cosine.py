@@ -94,7 +94,7 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> 
         ``(..., 3C)`` in ``qkv``'s dtype: ``[normalize(q) * exp(min(logit_scale, log 100)),
         normalize(k), v]`` per head.
 
-    q and k are normalised in fp32 whatever the compute dtype: in fp16 the squared norm of a
+    q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
     head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
     an all-zero key (a padding token: the qkv projection of a zero token has a zero k bias)
     into ``0 / 0``. In fp32 a zero key stays zero and its logits are exactly 0.
@@ -102,8 +102,9 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> 
     *lead, width = qkv.shape
     channels = width // 3
     heads = qkv.reshape(*lead, 3, num_heads, channels // num_heads)
-    qk = F.normalize(heads[..., :2, :, :].float(), dim=-1)
-    scale = torch.clamp(logit_scale.reshape(num_heads, 1).float(), max=LOGIT_SCALE_MAX).exp()
+    acc = torch.promote_types(qkv.dtype, torch.float32)  # fp16 / bf16 -> fp32; fp64 stays
+    qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
+    scale = torch.clamp(logit_scale.reshape(num_heads, 1).to(acc), max=LOGIT_SCALE_MAX).exp()
     q = qk[..., 0, :, :] * scale
     k = qk[..., 1, :, :]
     v = heads[..., 2, :, :]
