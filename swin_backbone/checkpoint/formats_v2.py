@@ -203,3 +203,40 @@ V2_FROM_OURS: Dict[str, Callable[[StateDict], StateDict]] = {
     "torchvision": ours_v2_to_torchvision,
     "mmpretrain": ours_v2_to_mmpretrain,
 }
+
+
+# ---------------------------------------------------------------- architecture from the tensors
+def infer_v2_arch(raw: StateDict, state: StateDict) -> Dict[str, object]:
+    """:class:`~swin_backbone.SwinV2Backbone` keyword arguments that match a V2 checkpoint
+    (``raw``: as found, ``state``: converted to ours), plus ``swin_version=2``.
+
+    V2 weights do not depend on the window; it is read from a saved ``relative_coords_table``
+    (official, torchvision, mmpretrain) where there is one, else 8 (any works for conversion).
+    """
+    proj = state.get("patch_embed.proj.weight")
+    if proj is None:
+        raise CheckpointError("checkpoint: no patch_embed.proj weight; cannot infer the architecture")
+    depths, heads = [], []
+    stage = 0
+    while any(k.startswith(f"stages.{stage}.blocks.") for k in state):
+        blocks = {int(m.group(1)) for m in (re.match(rf"stages\.{stage}\.blocks\.(\d+)\.", k) for k in state) if m}
+        depths.append(max(blocks) + 1)
+        heads.append(int(state[f"stages.{stage}.blocks.0.attn.logit_scale"].shape[0]))
+        stage += 1
+    tables = [v for k, v in raw.items() if k.endswith("relative_coords_table")]
+    window = (int(tables[0].shape[-2]) + 1) // 2 if tables else 8
+    extra = sorted({int(m.group(1)) for m in (re.match(r"stages\.\d+\.blocks\.(\d+)\.norm3\.", k) for k in state) if m})
+    return dict(
+        swin_version=2,
+        arch=None,
+        embed_dims=int(proj.shape[0]),
+        depths=tuple(depths),
+        num_heads=tuple(heads),
+        in_channels=int(proj.shape[1]),
+        patch_size=int(proj.shape[-1]),
+        window_size=window,
+        qkv_bias=any(k.endswith(".attn.q_bias") for k in state),
+        extra_norm_every_n_blocks=extra[0] + 1 if extra else 0,
+        out_indices=tuple(i for i in range(len(depths)) if f"norm{i}.weight" in state) or (len(depths) - 1,),
+        use_abs_pos_embed="absolute_pos_embed" in state,
+    )
