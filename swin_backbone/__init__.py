@@ -1,10 +1,11 @@
 """swin-backbone: a Swin Transformer backbone for mmdet 3.x and mmseg 1.x.
 
-Importing the package registers :class:`SwinBackbone` in the ``MODELS`` registry of every
-installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs can use
-``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
+Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone` in the
+``MODELS`` registry of every installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs
+can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
 """
 from .model.backbone import ARCH_SETTINGS, SwinBackbone
+from .model.v2 import SwinV2Backbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
 from .mmlab.preprocessors import register_preprocessors
 from .mmlab.registry import register
@@ -13,6 +14,7 @@ from .ops.windows import clear_caches
 __version__ = "0.1.0"
 
 REGISTERED_IN = register(SwinBackbone)
+register(SwinV2Backbone, "SwinV2Backbone")
 #: ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``: per-image valid sizes for the
 #: backbone (:mod:`swin_backbone.mmlab.preprocessors`), where mmdet / mmseg are installed.
 PREPROCESSORS = register_preprocessors()
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "LoadReport",
     "SwinBackbone",
+    "SwinV2Backbone",
     "clear_caches",
     "detect_format",
     "load_checkpoint",

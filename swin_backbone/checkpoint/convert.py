@@ -8,6 +8,7 @@ from typing import Mapping, Optional
 import torch
 
 from .formats import FROM_OURS, CheckpointError, detect_format, to_ours, unwrap_state_dict
+from .formats_v2 import V2_FROM_OURS, infer_v2_arch, swin_version
 from .loading import LoadReport, load_checkpoint, read_checkpoint
 from .resize import table_window
 
@@ -23,6 +24,8 @@ def infer_arch(checkpoint: Mapping) -> dict:
     if fmt == "unknown":
         raise CheckpointError("checkpoint: not a Swin Transformer checkpoint of any known format")
     state, _, _ = to_ours(raw, fmt)
+    if swin_version(fmt) == 2:
+        return infer_v2_arch(raw, state)
     proj = state.get("patch_embed.proj.weight")
     if proj is None:
         raise CheckpointError("checkpoint: no patch_embed.proj weight; cannot infer the architecture")
@@ -65,21 +68,26 @@ def convert_file(
 ) -> LoadReport:
     """Read ``src`` (any format), load it into a matching SwinBackbone, save ``dst`` as ``to``."""
     from ..model.backbone import SwinBackbone
+    from ..model.v2 import SwinV2Backbone
 
-    if to not in FROM_OURS:
-        raise ValueError(f"to: expected one of {sorted(FROM_OURS)}, got {to!r}")
     checkpoint = read_checkpoint(src)
     kwargs = infer_arch(checkpoint)
+    v2 = kwargs.pop("swin_version", 1) == 2
+    targets = V2_FROM_OURS if v2 else FROM_OURS
+    if to not in targets:
+        raise ValueError(
+            f"to: expected one of {sorted(targets)} for a Swin V{2 if v2 else 1} checkpoint, got {to!r}"
+        )
     if arch is not None:
         for key in ("embed_dims", "depths", "num_heads"):
             kwargs.pop(key)
         kwargs["arch"] = arch
     if window_size is not None:
         kwargs["window_size"] = window_size
-    model = SwinBackbone(**kwargs, drop_path_rate=0.0)
+    model = (SwinV2Backbone if v2 else SwinBackbone)(**kwargs, drop_path_rate=0.0)
     report = load_checkpoint(model, checkpoint, strict=strict, logger=None)
     report.source = src
-    state = FROM_OURS[to](model.state_dict())
+    state = targets[to](model.state_dict())
     meta = dict(swin_backbone_format=to, source=os.path.basename(src), source_format=report.format, arch=kwargs)
     tmp = dst + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)

@@ -77,7 +77,15 @@ _LAYER_DOWNSAMPLE = re.compile(r"^layers\.(\d+)\.downsample\.")
 
 
 def detect_format(keys: Iterable[str]) -> str:
-    """Name of the format of an unwrapped state dict's keys, or ``'unknown'``."""
+    """Name of the format of an unwrapped state dict's keys, or ``'unknown'``; Swin V2
+    checkpoints get their layout's name with ``-v2`` (:mod:`.formats_v2`)."""
+    keys = list(keys)
+    layout = detect_layout(keys)
+    return v2_format(layout) if layout != "unknown" and is_v2(keys) else layout
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """Name of the key layout (V1 format names), or ``'unknown'``."""
     keys = list(keys)
     if any(re.match(r"^features\.\d+\.\d+\.attn\.qkv\.", k) for k in keys):
         return "torchvision"
@@ -283,3 +291,10 @@ def describe_keys(keys: Iterable[str], limit: int = 6) -> str:
 def prefixed(state: MutableMapping[str, torch.Tensor], prefix: str) -> StateDict:
     """The entries of ``state`` under ``prefix``, with the prefix removed."""
     return OrderedDict((k[len(prefix):], v) for k, v in state.items() if k.startswith(prefix))
+
+
+# ---------------------------------------------------------------- Swin V2 (formats_v2.py)
+from .formats_v2 import V2_FORMATS, V2_TO_OURS, is_v2, v2_format  # noqa: E402
+
+FORMATS = FORMATS + V2_FORMATS
+TO_OURS.update(V2_TO_OURS)

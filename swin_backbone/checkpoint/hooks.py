@@ -32,7 +32,7 @@ def _convert_on_load(
     if not sub or detect_format(sub) == "unknown":
         return  # nothing of ours here; torch reports missing keys as usual
     state, report = prepare_state_dict(sub, module, source=f"'{prefix or '<root>'}*'")
-    if report.format == "ours" and not report.resized and not report.skipped:
+    if report.format in ("ours", "ours-v2") and not report.resized and not report.skipped:
         return
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]

@@ -14,6 +14,7 @@ from mmengine.logging import print_log
 from torch import nn
 
 from ..mmlab.compat import allow_mmengine_checkpoints
+from .formats_v2 import swin_version
 from .formats import CheckpointError, StateDict, describe_keys, detect_format, to_ours, unwrap_state_dict
 from .resize import (
     adapt_patch_embed_channels,
@@ -152,6 +153,19 @@ def adapt_to_model(state: StateDict, target: Mapping[str, torch.Tensor], report:
     return out
 
 
+def check_swin_version(fmt: str, model: nn.Module, source: str = "<dict>") -> None:
+    """Refuse a Swin V1 checkpoint for a V2 model and the reverse (never a partial load)."""
+    have, want = swin_version(fmt), getattr(model, "swin_version", 1)
+    if have != want:
+        names = {1: "Swin V1 (SwinBackbone)", 2: "Swin V2 (SwinV2Backbone)"}
+        raise CheckpointError(
+            f"checkpoint {source}: a {names[have]} checkpoint (format '{fmt}') cannot be loaded into "
+            f"{type(model).__name__}, a {names[want]} model: V1 and V2 differ in the attention "
+            f"(bias table vs cosine attention with cpb_mlp / logit_scale) and the norm placement; "
+            f"use {'SwinV2Backbone' if have == 2 else 'SwinBackbone'} for this checkpoint"
+        )
+
+
 def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<dict>") -> tuple:
     """Unwrap, detect, convert and resize a checkpoint for ``model``.
 
@@ -169,6 +183,7 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
             f"checkpoint {source}: not a Swin Transformer checkpoint of any known format "
             f"(ours, official, mmdet/mmseg/mmpretrain, timm, torchvision); keys seen: {describe_keys(raw)}"
         )
+    check_swin_version(report.format, model, source)
     state, report.converted, report.skipped = to_ours(raw, report.format)
     target = _model_state(model)
     state = adapt_to_model(state, target, report)

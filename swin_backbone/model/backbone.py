@@ -209,7 +209,6 @@ class SwinBackbone(BaseModule):
                     self.num_features[i],
                     depth,
                     num_heads[i],
-                    window_size,
                     drop_path_rates=rates[first : first + depth],
                     downsample=i < self.num_stages - 1,
                     mlp_ratio=mlp_ratio,
@@ -221,6 +220,7 @@ class SwinBackbone(BaseModule):
                     pad_small_map=pad_small_map,
                     mask_padding=mask_padding,
                     with_cp=with_cp,
+                    **self.stage_options(i),
                 )
             )
         for i in self.out_indices:
@@ -236,6 +236,11 @@ class SwinBackbone(BaseModule):
 
         register_state_dict_hooks(self)
         self._freeze_stages()
+
+    def stage_options(self, index: int) -> Dict[str, Any]:
+        """Stage ``index``'s own :class:`SwinStage` arguments: its window here; variants
+        (Swin V2) add their block and merging classes. Called during ``__init__``."""
+        return dict(window_size=self.window_size)
 
     # ------------------------------------------------------------------ freezing
     def frozen_modules(self) -> List[nn.Module]:

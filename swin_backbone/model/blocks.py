@@ -5,7 +5,7 @@ stage the blocks work on the flat ``(B, H * W, C)`` view of the same memory.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +151,9 @@ class SwinStage(nn.Module):
         patch_norm: LayerNorm inside the patch merging.
         pad_small_map, mask_padding: see :class:`~swin_backbone.SwinBackbone`.
         with_cp: non-reentrant activation checkpointing per block.
+        block, merging: the block and patch-merging classes (Swin V2 passes its own; they
+            take the arguments of :class:`SwinBlock` / :class:`PatchMerging`).
+        block_options: per-block extra keyword arguments for ``block`` (one mapping per block).
     """
 
     def __init__(
@@ -170,6 +173,9 @@ class SwinStage(nn.Module):
         pad_small_map: bool = True,
         mask_padding: bool = True,
         with_cp: bool = False,
+        block: Callable[..., nn.Module] = SwinBlock,
+        merging: Callable[..., nn.Module] = PatchMerging,
+        block_options: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> None:
         super().__init__()
         self.window_size = window_size
@@ -178,7 +184,7 @@ class SwinStage(nn.Module):
         self.mask_padding = mask_padding
         self.with_cp = with_cp
         self.blocks = nn.ModuleList(
-            SwinBlock(
+            block(
                 embed_dims,
                 num_heads,
                 window_size,
@@ -189,10 +195,11 @@ class SwinStage(nn.Module):
                 drop_rate=drop_rate,
                 attn_drop_rate=attn_drop_rate,
                 drop_path_rate=drop_path_rates[i],
+                **(block_options[i] if block_options else {}),
             )
             for i in range(depth)
         )
-        self.downsample = PatchMerging(embed_dims, norm=patch_norm) if downsample else None
+        self.downsample = merging(embed_dims, norm=patch_norm) if downsample else None
 
     def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import attention as _attention
 from .chunked import mlp_residual_, norm_nchw_by_rows
+from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp

@@ -1,4 +1,5 @@
-"""Convert a Swin checkpoint of any supported format to ours, mmdet's or the official layout.
+"""Convert a Swin checkpoint of any supported format to ours, mmdet's or the official layout
+(Swin V2: to ours, official, timm, torchvision or mmpretrain).
 
     swin-convert-checkpoint SRC DST [--to ours|mmdet|official] [--arch tiny]
     python -m swin_backbone.tools.convert_checkpoint SRC DST ...
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 
 from ..checkpoint.convert import convert_file
 from ..checkpoint.formats import FROM_OURS
+from ..checkpoint.formats_v2 import V2_FROM_OURS
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -23,7 +25,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog="swin-convert-checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="source checkpoint (.pth)")
     parser.add_argument("dst", help="output file")
-    parser.add_argument("--to", choices=sorted(FROM_OURS), default="ours", help="output key layout (default: ours)")
+    parser.add_argument("--to", choices=sorted(set(FROM_OURS) | set(V2_FROM_OURS)), default="ours",
+                        help="output key layout (default: ours); Swin V2: ours, official, timm, torchvision, mmpretrain")
     parser.add_argument("--arch", help="tiny/small/base/large (default: inferred from the weights)")
     parser.add_argument("--window-size", type=int, help="target window (default: the checkpoint's)")
     parser.add_argument("--strict", action="store_true", help="fail unless every tensor maps")

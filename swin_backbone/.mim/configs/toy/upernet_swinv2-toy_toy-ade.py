@@ -1,0 +1,8 @@
+# UPerNet with a small Swin V2 (window 8) on the generated toy ADE20K (tools/make_toy_data.py),
+# from scratch on CPU. Everything but the backbone type, window and no-decay keys is the V1
+# toy config's.
+_base_ = './upernet_swin-toy_toy-ade.py'
+
+model = dict(backbone=dict(type='SwinV2Backbone', window_size=8, pretrained_window_sizes=0))
+optim_wrapper = dict(
+    paramwise_cfg=dict(custom_keys=dict(cpb_mlp=dict(decay_mult=0.), logit_scale=dict(decay_mult=0.))))

@@ -1,0 +1,386 @@
+"""Swin Transformer V2 (Liu et al. 2022) for dense prediction: what differs from V1.
+
+V2 changes four things; everything else (patch embedding, window layouts and masks, padding,
+stages, output norms, freezing, checkpointing, the planner and its kernels) is V1's:
+
+* the block: residual post-norm, ``x = x + drop_path(norm1(attn(x)))``,
+  ``x = x + drop_path(norm2(mlp(x)))`` (:class:`SwinBlockV2`), and for the huge / giant
+  variants an extra LayerNorm ``norm3`` after every ``n``-th block of a stage;
+* the attention logits: scaled cosine attention and a log-spaced continuous position bias
+  (:class:`WindowAttentionV2`; the arithmetic lives in :mod:`swin_backbone.ops.cosine` and
+  feeds the ordinary window-attention kernels);
+* the qkv bias: learnable q and v biases, a zero k bias;
+* patch merging: reduction ``4C -> 2C``, then LayerNorm of ``2C`` (:class:`PatchMergingV2`),
+  in the official channel order.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..ops.windows import WindowLayout, ceil_div
+from .backbone import SwinBackbone
+from .blocks import DropPath, Mlp
+from .validation import fail
+
+#: Swin V2 presets: the V1 sizes (Liu et al. 2022, table 1), plus huge / giant as mmpretrain
+#: defines them (the paper's giant; "huge" heads are not published by the authors).
+V2_ARCH_SETTINGS: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), extra_norm_every_n_blocks=0),
+    "small": dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), extra_norm_every_n_blocks=0),
+    "base": dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), extra_norm_every_n_blocks=0),
+    "large": dict(embed_dims=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), extra_norm_every_n_blocks=0),
+    "huge": dict(embed_dims=352, depths=(2, 2, 18, 2), num_heads=(8, 16, 32, 64), extra_norm_every_n_blocks=6),
+    "giant": dict(embed_dims=512, depths=(2, 2, 42, 4), num_heads=(16, 32, 64, 128), extra_norm_every_n_blocks=6),
+}
+V2_ARCH_ALIASES = {"t": "tiny", "s": "small", "b": "base", "l": "large", "h": "huge", "g": "giant"}
+
+#: The published V2 models (official repository / timm names): preset, window and the
+#: pre-training windows of the fine-tuned ones. ``arch=`` accepts these names too.
+PUBLISHED_V2: Dict[str, Dict[str, Any]] = {
+    "swinv2_tiny_window8_256": dict(arch="tiny", window_size=8),
+    "swinv2_tiny_window16_256": dict(arch="tiny", window_size=16),
+    "swinv2_small_window8_256": dict(arch="small", window_size=8),
+    "swinv2_small_window16_256": dict(arch="small", window_size=16),
+    "swinv2_base_window8_256": dict(arch="base", window_size=8),
+    "swinv2_base_window16_256": dict(arch="base", window_size=16),
+    "swinv2_base_window12_192": dict(arch="base", window_size=12),
+    "swinv2_base_window12to16_192to256": dict(arch="base", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
+    "swinv2_base_window12to24_192to384": dict(arch="base", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
+    "swinv2_large_window12_192": dict(arch="large", window_size=12),
+    "swinv2_large_window12to16_192to256": dict(arch="large", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
+    "swinv2_large_window12to24_192to384": dict(arch="large", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
+}
+
+#: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
+CPB_HIDDEN_DIMS = 512
+
+
+class _QKVProjection:
+    """``F.linear(x, weight, bias)`` with V2's ``bias = [q_bias, 0, v_bias]`` (or none): the
+    ``weight`` / ``bias`` / call interface of the ``nn.Linear`` that :func:`ops.norm_qkv` takes."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class WindowAttentionV2(nn.Module):
+    """(Shifted) window attention with scaled cosine logits and a continuous position bias.
+
+    ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + 16 sigmoid(cpb_mlp(coords)) + mask) v``
+    per head, with ``q = x W_q + q_bias``, ``k = x W_k`` (zero bias), ``v = x W_v + v_bias``.
+
+    Args:
+        embed_dims: channels ``C``.
+        num_heads: heads ``nH`` (must divide ``C``).
+        window_size: the stage's window ``tw`` (the position bias is evaluated on its
+            ``(2 tw - 1)**2`` offsets; a smaller effective window reads a subset).
+        pretrained_window_size: window of the pre-training run whose weights are fine-tuned
+            at ``window_size`` (coordinates are normalised by it); ``0``: ``window_size``.
+        qkv_bias: learnable q and v biases (k has none).
+        attn_drop_rate: dropout on attention weights.
+        proj_drop_rate: dropout after the output projection.
+    """
+
+    def __init__(
+        self,
+        embed_dims: int,
+        num_heads: int,
+        window_size: int,
+        pretrained_window_size: int = 0,
+        qkv_bias: bool = True,
+        attn_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.pretrained_window_size = pretrained_window_size
+        self.attn_drop_rate = attn_drop_rate
+        self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
+        self.cpb_mlp = nn.Sequential(
+            nn.Linear(2, CPB_HIDDEN_DIMS, bias=True),
+            nn.ReLU(inplace=True),
+            nn.Linear(CPB_HIDDEN_DIMS, num_heads, bias=False),
+        )
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=False)
+        if qkv_bias:
+            self.q_bias: Optional[nn.Parameter] = nn.Parameter(torch.zeros(embed_dims))
+            self.v_bias: Optional[nn.Parameter] = nn.Parameter(torch.zeros(embed_dims))
+        else:
+            self.q_bias = self.v_bias = None
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop_rate)
+
+    def qkv_projection(self) -> _QKVProjection:
+        """The qkv projection with the ``[q_bias, 0, v_bias]`` bias."""
+        bias = None
+        if self.q_bias is not None:
+            bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+        return _QKVProjection(self.qkv.weight, bias)
+
+    def position_bias_table(self) -> torch.Tensor:
+        """``((2 tw - 1)**2, nH)``: ``16 * sigmoid(cpb_mlp(log-spaced coordinates))``."""
+        return ops.continuous_position_bias(self.cpb_mlp, self.window_size, self.pretrained_window_size)
+
+    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        """``proj(attention(windows(x)))``: ``(B, H * W, C)`` -> ``(B, H * W, C)`` (no norm
+        before: V2 normalises the branch's output)."""
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
+        qkv = ops.norm_qkv(x, _IDENTITY, self.qkv_projection(), layout, self.num_heads, plan)  # type: ignore[arg-type]
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads)
+        out = ops.window_attention(
+            qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
+        )
+        return self.proj_drop(ops.project(out, self.proj))
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
+            f"pretrained_window_size={self.pretrained_window_size}"
+        )
+
+
+_IDENTITY = nn.Identity()
+
+
+class SwinBlockV2(nn.Module):
+    """Residual post-norm (shifted-)window attention + MLP (Swin V2).
+
+    ``x = x + drop_path(norm1(attn(x)))``, ``x = x + drop_path(norm2(mlp(x)))``, then
+    ``x = norm3(x)`` if ``extra_norm`` (huge / giant). Arguments as :class:`SwinBlock`, plus
+    ``pretrained_window_size`` (see :class:`WindowAttentionV2`) and ``extra_norm``;
+    ``qk_scale`` must be ``None`` (cosine attention has a learned scale instead).
+    """
+
+    def __init__(
+        self,
+        embed_dims: int,
+        num_heads: int,
+        window_size: int,
+        shift: bool,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        pretrained_window_size: int = 0,
+        extra_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if qk_scale is not None:
+            fail("qk_scale", "None (Swin V2's cosine attention learns its scale: logit_scale)", qk_scale)
+        self.shift = shift
+        self.attn = WindowAttentionV2(
+            embed_dims, num_heads, window_size, pretrained_window_size, qkv_bias, attn_drop_rate, drop_rate
+        )
+        self.norm1 = nn.LayerNorm(embed_dims)
+        self.drop_path = DropPath(drop_path_rate)
+        self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
+        self.norm2 = nn.LayerNorm(embed_dims)
+        self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None
+
+    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
+        # The residual goes into the branch's fresh output (LayerNorm's backward does not
+        # need its output, so adding into it in place is safe).
+        x = self.drop_path(self.norm1(self.attn(x, layout, plan))).add_(x)
+        x = self.drop_path(self.norm2(self.mlp(x))).add_(x)
+        return x if self.norm3 is None else self.norm3(x)
+
+    def reset_post_norms(self) -> None:
+        """Zero ``norm1`` / ``norm2`` (official ``_init_respostnorm``): every residual
+        branch starts at 0, so a model trained from scratch starts as the identity."""
+        for norm in (self.norm1, self.norm2):
+            nn.init.zeros_(norm.weight)
+            nn.init.zeros_(norm.bias)
+
+
+class PatchMergingV2(nn.Module):
+    """2x2 neighbourhood concatenation + linear reduction ``4C -> 2C`` + LayerNorm of ``2C``.
+
+    Odd sizes are padded bottom/right with zeros first; channels in the official order
+    ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as V1's
+    :class:`PatchMerging`). ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``.
+    """
+
+    def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
+        super().__init__()
+        out_dims = out_dims or 2 * embed_dims
+        self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
+        self.norm = nn.LayerNorm(out_dims) if norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        b, h, w, c = x.shape
+        h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+        x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
+        # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
+        x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
+        return self.norm(self.reduction(x))
+
+
+def _per_stage(name: str, value: Union[int, Sequence[int]], num_stages: int, minimum: int) -> Tuple[int, ...]:
+    """An int or one int per stage -> a tuple of ``num_stages`` ints ``>= minimum``."""
+    values = (value,) * num_stages if isinstance(value, int) and not isinstance(value, bool) else value
+    if (
+        not isinstance(values, (list, tuple))
+        or len(values) != num_stages
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
+    ):
+        fail(name, f"an int >= {minimum} or one per stage ({num_stages} stages)", value)
+    return tuple(values)
+
+
+def resolve_v2_arch(
+    arch: Optional[str],
+    embed_dims: Optional[int],
+    depths: Optional[Sequence[int]],
+    num_heads: Optional[Sequence[int]],
+    extra_norm_every_n_blocks: Optional[int],
+) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(architecture, published defaults)``: ``embed_dims`` / ``depths`` / ``num_heads`` /
+    ``extra_norm_every_n_blocks`` from the preset (explicit values override it), and the
+    ``window_size`` / ``pretrained_window_sizes`` of a published model name."""
+    published: Dict[str, Any] = {}
+    preset: Dict[str, Any] = {}
+    if arch is not None:
+        key = arch.lower() if isinstance(arch, str) else arch
+        if isinstance(key, str) and key in PUBLISHED_V2:
+            published = dict(PUBLISHED_V2[key])
+            key = published.pop("arch")
+        key = V2_ARCH_ALIASES.get(key, key) if isinstance(key, str) else key
+        if key not in V2_ARCH_SETTINGS:
+            fail(
+                "arch",
+                f"one of {sorted(V2_ARCH_SETTINGS)} (or {sorted(V2_ARCH_ALIASES)}), or a published model name "
+                f"({', '.join(sorted(PUBLISHED_V2))})",
+                arch,
+            )
+        preset = dict(V2_ARCH_SETTINGS[key])
+    given = dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads, extra_norm_every_n_blocks=extra_norm_every_n_blocks)
+    values = dict(preset, **{k: v for k, v in given.items() if v is not None})
+    missing = [k for k in ("embed_dims", "depths", "num_heads") if k not in values]
+    if missing:
+        raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
+    values.setdefault("extra_norm_every_n_blocks", 0)
+    return values, published
+
+
+class SwinV2Backbone(SwinBackbone):
+    """Swin Transformer V2 backbone emitting stage 1-4 feature maps, correct at any input size.
+
+    Arguments as :class:`~swin_backbone.SwinBackbone` (same meaning, same mmdet / mmseg
+    drop-in forms), except:
+
+    Args:
+        arch: ``'tiny'``, ``'small'``, ``'base'``, ``'large'``, ``'huge'``, ``'giant'`` (or
+            their initials), or a published model name such as
+            ``'swinv2_base_window12to16_192to256'`` (:data:`PUBLISHED_V2`), which also sets
+            ``window_size`` and ``pretrained_window_sizes`` unless they are given.
+        window_size: the attention window, an int or one per stage (default 8, or the
+            published model's).
+        pretrained_window_sizes: per stage (or one int), the window the weights were
+            pre-trained with; the position-bias coordinates are normalised by it, which is
+            how the published fine-tunes (e.g. window 16 from ``(12, 12, 12, 6)``) were
+            trained. ``0`` (default): the stage's own window.
+        extra_norm_every_n_blocks: an extra LayerNorm (``norm3``) after blocks
+            ``n - 1, 2n - 1, ...`` of every stage (counted from 0 within each stage, as
+            mmpretrain's huge / giant); ``0``: none. Default: the preset's.
+        qkv_bias: learnable q and v biases (the k bias is always zero).
+        qk_scale: must be ``None``: cosine attention learns a per-head ``logit_scale``.
+
+    Initialisation (``init_weights``): as V1 (truncated-normal linears, unit LayerNorms),
+    then the post-norms ``norm1`` / ``norm2`` of every block are zeroed (official
+    ``_init_respostnorm``), ``logit_scale = log 10``, q / v biases 0. A ``Pretrained``
+    ``init_cfg`` loads afterwards, from any V2 checkpoint format; V1 checkpoints are refused.
+    """
+
+    #: Swin version of this backbone's parameters (checked against checkpoints).
+    swin_version = 2
+
+    def __init__(
+        self,
+        arch: Optional[str] = "tiny",
+        embed_dims: Optional[int] = None,
+        depths: Optional[Sequence[int]] = None,
+        num_heads: Optional[Sequence[int]] = None,
+        window_size: Optional[Union[int, Sequence[int]]] = None,
+        pretrained_window_sizes: Optional[Union[int, Sequence[int]]] = None,
+        extra_norm_every_n_blocks: Optional[int] = None,
+        qk_scale: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        if qk_scale is not None:
+            fail("qk_scale", "None (Swin V2's cosine attention learns its scale: logit_scale)", qk_scale)
+        values, published = resolve_v2_arch(arch, embed_dims, depths, num_heads, extra_norm_every_n_blocks)
+        depths_t = tuple(values["depths"])
+        num_stages = len(depths_t) if depths_t else 0
+        window = window_size if window_size is not None else published.get("window_size", 8)
+        pretrained = (
+            pretrained_window_sizes if pretrained_window_sizes is not None else published.get("pretrained_window_sizes", 0)
+        )
+        windows = _per_stage("window_size", window, num_stages, 1)
+        pretrained_t = _per_stage("pretrained_window_sizes", pretrained, num_stages, 0)
+        extra = values["extra_norm_every_n_blocks"]
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            fail("extra_norm_every_n_blocks", "an int >= 0", extra)
+        # Read by stage_options() while SwinBackbone.__init__ builds the stages (plain
+        # attributes may be set before nn.Module.__init__).
+        self._v2_windows = windows
+        self._v2_pretrained_windows = pretrained_t
+        self._v2_extra_norm = extra
+        super().__init__(
+            arch=None,
+            embed_dims=values["embed_dims"],
+            depths=depths_t,
+            num_heads=tuple(values["num_heads"]),
+            window_size=max(windows),
+            **kwargs,
+        )
+        self.window_size = windows[0] if len(set(windows)) == 1 else windows  # type: ignore[assignment]
+        self.window_sizes = windows
+        self.pretrained_window_sizes = pretrained_t
+        self.extra_norm_every_n_blocks = extra
+
+    def stage_options(self, index: int) -> Dict[str, Any]:
+        depth = self.depths[index]
+        n = self._v2_extra_norm
+        return dict(
+            window_size=self._v2_windows[index],
+            block=SwinBlockV2,
+            merging=PatchMergingV2,
+            block_options=[
+                dict(pretrained_window_size=self._v2_pretrained_windows[index], extra_norm=bool(n) and (j + 1) % n == 0)
+                for j in range(depth)
+            ],
+        )
+
+    def _default_init(self) -> None:
+        super()._default_init()
+        for module in self.modules():
+            if isinstance(module, SwinBlockV2):
+                module.reset_post_norms()
+            elif isinstance(module, WindowAttentionV2):
+                with torch.no_grad():
+                    module.logit_scale.fill_(math.log(10.0))
+                    if module.q_bias is not None:
+                        module.q_bias.zero_()
+                        module.v_bias.zero_()  # type: ignore[union-attr]
+
+    @staticmethod
+    def no_weight_decay_keywords() -> Tuple[str, ...]:
+        """Parameter-name parts the official recipe excludes from weight decay."""
+        return ("cpb_mlp", "logit_scale", "relative_position_bias_table", "absolute_pos_embed")

@@ -1,0 +1,127 @@
+"""Swin V2's attention logits as inputs of the ordinary window attention.
+
+Swin V2 (Liu et al. 2022) replaces V1's ``q k^T * head_dim**-0.5 + table bias`` by
+
+    ``cos(q, k) * exp(min(logit_scale, log 100)) + 16 * sigmoid(cpb_mlp(log-spaced coords))``.
+
+Both parts fit the V1 kernels unchanged (SDPA, plain, CPU recompute, the fused Triton one):
+
+* :func:`cosine_qkv` normalises q and k per head and multiplies q by the per-head logit
+  scale, so that the dot product of the prepared q and k *is* the scaled cosine; the window
+  attention then runs with ``scale=1.0``. Normalisation is per token, so it commutes with the
+  window partition: it applies to window-ordered and row-major ``qkv`` alike.
+* :func:`continuous_position_bias` evaluates the CPB MLP once over the
+  ``((2 tw - 1)**2, 2)`` table of log-spaced relative coordinates; ``16 * sigmoid`` is
+  elementwise, so applying it before the gather gives the same ``((2 tw - 1)**2, nH)`` table
+  that :func:`swin_backbone.ops.window_attention` gathers for V1's learned table.
+
+The coordinate arithmetic is pure (:func:`log_spaced_coords`) and cached per
+``(table window, pretrained window, device, dtype)`` like the window layouts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .windows import size_cache
+
+#: Upper clamp of ``logit_scale`` (the official ``log(1 / 0.01)``), a Python float so that
+#: the clamp works on every device (the official code builds a CPU tensor here).
+LOGIT_SCALE_MAX = math.log(100.0)
+
+#: Coordinates are normalised to ``[-COORD_RANGE, COORD_RANGE]`` before the log spacing.
+COORD_RANGE = 8.0
+
+#: Output scale of the position bias: ``16 * sigmoid(...)`` lies in ``(0, 16)``.
+BIAS_SCALE = 16.0
+
+
+def log_spaced_coords(table_window: int, pretrained_window: int) -> torch.Tensor:
+    """Log-spaced relative coordinates of a ``table_window`` window, ``((2 tw - 1)**2, 2)`` fp32.
+
+    Row ``r = (dy + tw - 1) * (2 tw - 1) + (dx + tw - 1)`` holds ``(f(dy), f(dx))`` with
+    ``f(d) = sign(d) * log2(1 + 8 |d| / (n - 1)) / log2(8)``, where ``n`` is
+    ``pretrained_window`` if it is > 0 (a fine-tune of a model pre-trained with that
+    window), else ``table_window``. The row order is that of
+    :func:`~swin_backbone.ops.windows.relative_position_index`, so the table gathers like
+    V1's. A 1-wide window (``n = 1``) has only the offset 0, which maps to 0.
+    """
+    if table_window < 1:
+        raise ValueError(f"table_window: expected an int >= 1, got {table_window!r}")
+    if pretrained_window < 0:
+        raise ValueError(f"pretrained_window: expected an int >= 0, got {pretrained_window!r}")
+    n = pretrained_window if pretrained_window > 0 else table_window
+    offsets = torch.arange(-(table_window - 1), table_window, dtype=torch.float32)
+    offsets = offsets / max(n - 1, 1) * COORD_RANGE
+    offsets = torch.sign(offsets) * torch.log2(offsets.abs() + 1.0) / math.log2(COORD_RANGE)
+    dy, dx = torch.meshgrid(offsets, offsets, indexing="ij")
+    return torch.stack((dy.reshape(-1), dx.reshape(-1)), dim=1)
+
+
+def _coords_on(table_window: int, pretrained_window: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return log_spaced_coords(table_window, pretrained_window).to(device=device, dtype=dtype)
+
+
+#: Cached :func:`log_spaced_coords` on a device, in a dtype (the CPB MLP's).
+get_log_spaced_coords = size_cache(maxsize=64)(_coords_on)
+
+
+def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_window: int) -> torch.Tensor:
+    """``16 * sigmoid(cpb_mlp(coords))``: the ``((2 tw - 1)**2, nH)`` bias table of a window.
+
+    ``cpb_mlp`` maps ``(..., 2)`` coordinates to ``(..., nH)``; the table is in the MLP's
+    output dtype (the autocast dtype under autocast) and differentiable w.r.t. its weights.
+    """
+    weight = next(cpb_mlp.parameters())
+    coords = get_log_spaced_coords(table_window, pretrained_window, weight.device, weight.dtype)
+    return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
+
+
+def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Prepare ``qkv`` so that plain dot-product attention with ``scale=1.0`` computes
+    Swin V2's scaled cosine logits.
+
+    Args:
+        qkv: ``(..., 3C)`` projected tokens, q / k / v each ``nH`` heads of ``C / nH``
+            channels (any token order: the operation is per token).
+        logit_scale: ``(nH, 1, 1)`` (or ``nH`` elements) learnable log scale.
+        num_heads: ``nH``.
+    Returns:
+        ``(..., 3C)`` in ``qkv``'s dtype: ``[normalize(q) * exp(min(logit_scale, log 100)),
+        normalize(k), v]`` per head.
+
+    q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
+    head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
+    an all-zero key (a padding token: the qkv projection of a zero token has a zero k bias)
+    into ``0 / 0``. In fp32 a zero key stays zero and its logits are exactly 0.
+    """
+    *lead, width = qkv.shape
+    channels = width // 3
+    heads = qkv.reshape(*lead, 3, num_heads, channels // num_heads)
+    acc = torch.promote_types(qkv.dtype, torch.float32)  # fp16 / bf16 -> fp32; fp64 stays
+    qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
+    scale = torch.clamp(logit_scale.reshape(num_heads, 1).to(acc), max=LOGIT_SCALE_MAX).exp()
+    q = qk[..., 0, :, :] * scale
+    k = qk[..., 1, :, :]
+    v = heads[..., 2, :, :]
+    return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
+
+
+def clear_caches() -> None:
+    """Drop the cached coordinate tables."""
+    get_log_spaced_coords.cache_clear()
+
+
+__all__: Sequence[str] = (
+    "BIAS_SCALE",
+    "LOGIT_SCALE_MAX",
+    "clear_caches",
+    "continuous_position_bias",
+    "cosine_qkv",
+    "get_log_spaced_coords",
+    "log_spaced_coords",
+)
