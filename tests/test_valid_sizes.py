@@ -48,6 +48,25 @@ def _assert_image_exact(outs, alone: List[Tuple[torch.Tensor, ...]], atol=1e-4):
             assert beyond.abs().max() == 0, f"image {i} stage {stage}: non-zero beyond its valid size"
 
 
+def test_v2_batch_equals_each_image_alone():
+    # Swin V2 shares the stages, layouts and merging masks: the same exactness holds.
+    from swin_backbone import SwinV2Backbone
+
+    torch.manual_seed(0)
+    model = SwinV2Backbone(**dict(CFG, window_size=4)).eval()
+    model.init_weights()
+    with torch.no_grad():  # post-norms start at zero: make them non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    size, sizes = BATCHES["issue-like"]
+    images, batch = _batch(size, sizes)
+    with torch.no_grad():
+        outs = model(batch, valid_sizes=sizes)
+        alone = [model(img) for img in images]
+    _assert_image_exact(outs, alone)
+
+
 # ---------------------------------------------------------------- eval
 @pytest.mark.parametrize("name", sorted(BATCHES))
 @pytest.mark.parametrize(

@@ -212,7 +212,8 @@ class SwinBlockV2(nn.Module):
 class PatchMergingV2(nn.Module):
     """2x2 neighbourhood concatenation + linear reduction ``4C -> 2C`` + LayerNorm of ``2C``.
 
-    Odd sizes are padded bottom/right with zeros first; channels in the official order
+    Odd sizes are padded bottom/right with zeros first (and, with per-image valid sizes, each
+    image's tokens beyond its size are zeroed, as V1's merging does); channels in the official order
     ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as V1's
     :class:`PatchMerging`). ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``.
     """
@@ -224,6 +225,8 @@ class PatchMergingV2(nn.Module):
         self.norm = nn.LayerNorm(out_dims) if norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        plan = plan if plan is not None else ops.plan_for_module(x, self)
+        x = ops.mask_map(x, plan)  # per-image valid sizes: zeros beyond each image, as alone
         b, h, w, c = x.shape
         h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
         x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))

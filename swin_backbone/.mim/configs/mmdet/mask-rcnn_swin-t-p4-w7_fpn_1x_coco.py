@@ -4,4 +4,8 @@
 #   --cfg-options model.backbone.init_cfg.checkpoint=/path/to/swin_tiny_patch4_window7_224.pth
 _base_ = ['mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py', '../_base_/swin_backbone.py']
 
-model = dict(backbone={{_base_.swin_t}}, neck=dict(in_channels=[96, 192, 384, 768]))
+# data_preprocessor: the library's preprocessor that also hands each image's size to the
+# backbone, so features do not depend on batch padding (README: image-exact batches).
+model = dict(
+    data_preprocessor=dict(type='SwinDetDataPreprocessor'),
+    backbone={{_base_.swin_t}}, neck=dict(in_channels=[96, 192, 384, 768]))

@@ -1,7 +1,11 @@
 # Semantic FPN, Swin-T, ADE20K 512x512, 160k; the Swin recipe's AdamW settings.
 _base_ = ['mmseg::sem_fpn/fpn_r50_4xb4-160k_ade20k-512x512.py', '../_base_/swin_backbone.py']
 
-model = dict(pretrained=None, backbone={{_base_.swin_t_seg}}, neck=dict(in_channels=[96, 192, 384, 768]))
+# data_preprocessor: the library's preprocessor that also hands each image's size to the
+# backbone, so features do not depend on batch padding (README: image-exact batches).
+model = dict(
+    data_preprocessor=dict(type='SwinSegDataPreProcessor'),
+    pretrained=None, backbone={{_base_.swin_t_seg}}, neck=dict(in_channels=[96, 192, 384, 768]))
 
 # `_scope_='mmseg'`: a type dict this file defines whole (not merged into one of the base's)
 # names its library, so that it still builds from mmseg's registries when this config is

@@ -6,7 +6,10 @@ _base_ = [
     '../_base_/swin_backbone.py'
 ]
 
+# data_preprocessor: the library's preprocessor that also hands each image's size to the
+# backbone, so features do not depend on batch padding (README: image-exact batches).
 model = dict(
+    data_preprocessor=dict(type='SwinSegDataPreProcessor'),
     pretrained=None,
     backbone={{_base_.swin_t_seg}},
     decode_head=dict(in_channels=[96, 192, 384, 768], num_classes=150),
