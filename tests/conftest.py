@@ -12,16 +12,6 @@ def _seed():
     yield
 
 
-@pytest.fixture(params=["kept-probs", "recomputed-probs"])
-def attention_probs(request):
-    """Runs a test twice: CPU training attention keeping its probabilities in every layer, and
-    recomputing them in backward in every layer (at test sizes all layers would keep them)."""
-    from swin_backbone import ops
-
-    with ops.override(keep_probs_bytes=2**40 if request.param == "kept-probs" else 0):
-        yield request.param
-
-
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -15,26 +15,21 @@ def _layout(h, w, shift, mask_padding=True, dtype=torch.float64):
     return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), dtype)
 
 
-@pytest.fixture(params=[None, 1, 3, "keep"], ids=["whole", "1-window-chunks", "3-window-chunks", "kept-probs"])
+@pytest.fixture(params=[None, 1, 3], ids=["whole", "1-window-chunks", "3-window-chunks"])
 def backward_mode(request):
-    """``(keep_probs_bytes, chunk_bytes)`` for the recompute kernel, given one window's logits
-    bytes: whole-tensor backward, 1- and 3-window groups, or probabilities kept by the forward."""
+    """``chunk_bytes`` for the recompute kernel, given one window's logits bytes: whole-tensor
+    backward, or 1- and 3-window groups."""
 
     def settings(window_bytes):
-        if request.param == "keep":
-            return 2**40, 0
-        if request.param is None:
-            return 0, 0
-        return 0, 2 * request.param * window_bytes  # the backward's groups take chunk_bytes / 2
+        return 0 if request.param is None else 2 * request.param * window_bytes  # groups take chunk_bytes / 2
 
     return settings
 
 
-def _attend(attn, x, layout, kernel, fixup, keep, chunk):
+def _attend(attn, x, layout, kernel, fixup, chunk):
     """The attention module's computation with a plan forcing these choices (no norm)."""
     plan = ops.plan_for(
-        x, grad=True, attention=kernel, save_memory=False, keep_probs_bytes=keep, chunk_bytes=chunk,
-        fixup_share=1.0 if fixup else 0.0, project_first_padding=float("inf"),
+        x, grad=True, attention=kernel, save_memory=False, chunk_bytes=chunk, fixup_share=1.0 if fixup else 0.0
     )
     return attn(x, torch.nn.Identity(), layout, plan)
 
@@ -42,7 +37,7 @@ def _attend(attn, x, layout, kernel, fixup, keep, chunk):
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
 @pytest.mark.parametrize("fixup", [False, True], ids=["per-window-bias", "masked-fixup"])
 def test_kernels_agree_forward_and_backward(size, shift, fixup, backward_mode):
-    keep, chunk = backward_mode(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
+    chunk = backward_mode(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
@@ -52,14 +47,14 @@ def test_kernels_agree_forward_and_backward(size, shift, fixup, backward_mode):
     for kernel in KERNELS:
         attn.zero_grad()
         xi = x.clone().requires_grad_(True)
-        out = _attend(attn, xi, layout, kernel, fixup, keep, chunk)
+        out = _attend(attn, xi, layout, kernel, fixup, chunk)
         out.square().sum().backward()
         outs[kernel] = out.detach()
         grads[kernel] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
     # The reference: plain kernel, one per-window bias, autograd's graph.
     attn.zero_grad()
     xi = x.clone().requires_grad_(True)
-    ref = _attend(attn, xi, layout, "plain", False, 0, 0)
+    ref = _attend(attn, xi, layout, "plain", False, 0)
     ref.square().sum().backward()
     ref_grads = (xi.grad, attn.relative_position_bias_table.grad, attn.qkv.weight.grad)
     for kernel in KERNELS:
@@ -74,14 +69,14 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     # mask, with shift + padding masks, and with a shift mask alone.
     torch.manual_seed(0)
     heads, d, window = 2, 3, 2
-    keep, chunk = backward_mode(2 * heads * window**4 * 8)
+    chunk = backward_mode(2 * heads * window**4 * 8)
     layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64)
     assert (layout.mask is None) == (shift == 0 and not mask_padding)
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
     def fn(qkv, bias):
-        return window_attention(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, keep, chunk)
+        return window_attention(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, chunk)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 

@@ -102,8 +102,8 @@ def test_parity_with_reference(lib, device):
 
 
 @pytest.mark.parametrize("size", [(65, 97), (224, 224)])
-def test_training_gradients_match_reference(size, attention_probs, device):
-    # Train mode, grad enabled: every memory-saving backward (attention with kept or
+def test_training_gradients_match_reference(size, device):
+    # Train mode, grad enabled: every memory-saving backward (attention with
     # recomputed probabilities, norm+linear, GELU+linear, window gathers) against autograd
     # through mmdet's plain modules.
     from swin_backbone.checkpoint.formats import mmdet_to_ours
@@ -137,34 +137,6 @@ def test_training_gradients_match_reference(size, attention_probs, device):
     assert set(converted) == set(pgrads)
     for name, g in pgrads.items():
         torch.testing.assert_close(g, converted[name], msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("train", [False, True])
-def test_projecting_before_partition_changes_nothing(train):
-    # With padding masked, the qkv projection may run before the window partition (padding
-    # rows then hold zeros, not the qkv bias): outputs and gradients must not change.
-    from swin_backbone import ops
-
-    torch.manual_seed(0)
-    model = SwinBackbone(**small_arch()).double().train(train)
-    x = torch.randn(2, 3, 61, 75, dtype=torch.float64)
-    results = []
-    for threshold in (0.0, float("inf")):  # always / never project first
-        with ops.override(project_first_padding=threshold):
-            model.zero_grad()
-            with torch.set_grad_enabled(train):
-                outs = model(x)
-            plan = ops.plan_for(x)
-        grads = []
-        if train:
-            sum((o * o).sum() for o in outs).backward()
-            grads = [p.grad.clone() for p in model.parameters()]
-        results.append((outs, grads))
-        assert plan.project_first(1, 100, 16) == (threshold == 0.0)
-    for a, b in zip(results[0][0], results[1][0]):
-        torch.testing.assert_close(a, b)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b)
 
 
 def test_full_tiny_parity_batch3():
@@ -374,7 +346,7 @@ def test_bf16_autocast_and_pure_bf16():
         assert (p.float() - r).abs().mean() < 0.1 * r.abs().mean()
 
 
-def test_bf16_autocast_training_step(attention_probs):
+def test_bf16_autocast_training_step():
     model = SwinBackbone(**small_arch())
     model.init_weights()
     model.train()

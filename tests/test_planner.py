@@ -26,7 +26,7 @@ def test_decisions_per_situation():
     assert planner.decide("cpu", f32, True, False, False, True, True).attention == "plain"  # attention dropout
     cuda = planner.decide("cuda", torch.bfloat16, True, False, False, False, False)
     assert cuda.attention in ("sdpa", "triton") and cuda.align_masks and cuda.save_memory
-    assert cuda.chunk_bytes == 0 and cuda.fixup_share == 0 and cuda.project_first_padding == float("inf")
+    assert cuda.chunk_bytes == 0 and cuda.fixup_share == 0
     traced = planner.decide("cpu", f32, True, True, False, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0
     assert planner.decide("cpu", f32, False, True, False, False, False).attention == "sdpa"
@@ -81,7 +81,7 @@ def test_cpu_reaches_flash_sdpa_never_math(train, fixup_share):
     # grad, even under no_grad): inference and training (inside the recompute kernel) must
     # reach the CPU flash kernel, with per-window biases and with the masked-window fixup.
     model = SwinBackbone(**small_arch()).train(train)
-    with ops.override(fixup_share=fixup_share, keep_probs_bytes=0):
+    with ops.override(fixup_share=fixup_share):
         names = _sdpa_kernels(model, torch.randn(2, 3, 61, 75), train)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
     assert "aten::_scaled_dot_product_attention_math" not in names
@@ -128,7 +128,7 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monk
     counts = []
     for batch in (1, 3):
         calls.clear()
-        with ops.override(align_masks=True, keep_probs_bytes=0), torch.set_grad_enabled(train):
+        with ops.override(align_masks=True), torch.set_grad_enabled(train):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 model(torch.randn(batch, 3, 61, 75))
         counts.append(len(calls))

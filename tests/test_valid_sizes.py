@@ -73,7 +73,7 @@ def test_v2_batch_equals_each_image_alone():
     "strategy",
     [
         dict(),  # CPU default: shared-bias fixups, row chunks, project-first
-        dict(fixup_share=0.0, chunk_bytes=0, project_first_padding=float("inf")),  # per-window bias
+        dict(fixup_share=0.0, chunk_bytes=0),  # per-window bias
         dict(sdpa=False),  # matmul + softmax
     ],
     ids=["default", "per-window", "plain"],
@@ -142,7 +142,7 @@ def _loss(outs, weights, i=None):
 
 @pytest.mark.parametrize(
     "variant",
-    ["recompute", "recompute-kept-probs", "autograd", "frozen-abs-pos"],
+    ["recompute", "recompute-chunked", "autograd", "frozen-abs-pos"],
 )
 def test_training_gradients_equal_sum_over_images_alone(variant):
     size, sizes = (40, 44), [(37, 21), (15, 44), (6, 9)]
@@ -153,8 +153,8 @@ def test_training_gradients_equal_sum_over_images_alone(variant):
         shapes = [o.shape for o in model(batch)]
     weights = [torch.randn(len(sizes), s[1], s[2], s[3], dtype=torch.float64) for s in shapes]
     switches = dict(
-        recompute=dict(keep_probs_bytes=0),
-        **{"recompute-kept-probs": dict(keep_probs_bytes=2**40)},
+        recompute=dict(chunk_bytes=0),
+        **{"recompute-chunked": dict(chunk_bytes=2 * 2 * 16 * 16 * 8)},  # backward groups of one window
         autograd=dict(recompute_attention=False, save_memory=False),
         **{"frozen-abs-pos": {}},
     )[variant]

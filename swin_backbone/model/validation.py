@@ -121,15 +121,15 @@ def check_valid_sizes(
     expected = f"None, or {b} (h, w) int pairs (a sequence or a ({b}, 2) int tensor) with 1 <= h <= {height}, 1 <= w <= {width}"
     if isinstance(valid_sizes, torch.Tensor):
         if valid_sizes.is_floating_point() or valid_sizes.is_complex() or valid_sizes.dtype == torch.bool:
-            _fail("valid_sizes", f"an integer tensor ({expected})", f"a {valid_sizes.dtype} tensor")
+            fail("valid_sizes", f"an integer tensor ({expected})", f"a {valid_sizes.dtype} tensor")
         if tuple(valid_sizes.shape) != (b, 2):
-            _fail("valid_sizes", expected, f"a tensor of shape {tuple(valid_sizes.shape)}")
+            fail("valid_sizes", expected, f"a tensor of shape {tuple(valid_sizes.shape)}")
         pairs = [tuple(int(v) for v in row) for row in valid_sizes.tolist()]
     elif isinstance(valid_sizes, (str, bytes)) or not isinstance(valid_sizes, Sequence):
-        _fail("valid_sizes", expected, valid_sizes)
+        fail("valid_sizes", expected, valid_sizes)
     else:
         if len(valid_sizes) != b:
-            _fail("valid_sizes", expected, f"{len(valid_sizes)} entries {list(valid_sizes)!r}")
+            fail("valid_sizes", expected, f"{len(valid_sizes)} entries {list(valid_sizes)!r}")
         pairs = []
         for pair in valid_sizes:
             if isinstance(pair, torch.Tensor) and pair.dim() == 1 and not pair.is_floating_point():
@@ -140,11 +140,11 @@ def check_valid_sizes(
                 or len(pair) != 2
                 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in pair)
             ):
-                _fail("valid_sizes", expected, valid_sizes)
+                fail("valid_sizes", expected, valid_sizes)
             pairs.append((int(pair[0]), int(pair[1])))
     for h, w in pairs:
         if not (1 <= h <= height and 1 <= w <= width):
-            _fail("valid_sizes", expected, pairs)
+            fail("valid_sizes", expected, pairs)
     if all(p == (height, width) for p in pairs):
         # Checked anyway: a config that cannot honour valid sizes should fail the same way
         # whatever the batch.

@@ -81,11 +81,6 @@ def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLay
     channels = x.shape[-1]
     if attention_kernel(plan, layout, channels, num_heads, x.device) == "triton":
         return norm_linear(x, norm, qkv, plan)
-    padding = layout.index.numel() - layout.height * layout.width
-    # Exact only when padding is masked: the padding rows then hold zeros instead of the qkv
-    # bias, and no real token can see them.
-    if layout.padding_masked and layout.has_padding and plan.project_first(padding, layout.height * layout.width, channels):
-        return window_partition(norm_linear(x, norm, qkv, plan), layout)
     if plan.save_memory:
         return _norm_linear(x, norm, qkv, layout)
     return qkv(window_partition(norm(x), layout))
@@ -123,7 +118,7 @@ def window_attention(
     fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
     return _attention.window_attention(
         qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, kernel, fixup,
-        plan.keep_probs_bytes, plan.chunk_bytes, plan.align_masks,
+        plan.chunk_bytes, plan.align_masks,
     )
 
 

@@ -77,7 +77,6 @@ def window_attention(
     dropout_p: float = 0.0,
     kernel: str = "sdpa",
     fixup: bool = False,
-    keep_probs_bytes: int = 0,
     chunk_bytes: int = 0,
     align: bool = False,
 ) -> torch.Tensor:
@@ -91,7 +90,7 @@ def window_attention(
         kernel: ``'sdpa'``, ``'plain'`` or ``'recompute'``.
         fixup: run every window with the shared bias, then redo the masked windows with
             their masks (instead of one per-window bias for all).
-        keep_probs_bytes, chunk_bytes: ``recompute`` only (see :class:`_RecomputedAttention`).
+        chunk_bytes: ``recompute`` only: its backward's group size (see :class:`_RecomputedAttention`).
         align: hand SDPA 8-aligned biases (CUDA; see :func:`sdpa_ready`).
     Returns:
         ``(B, H * W, C)``; the output projection then runs on real tokens only.
@@ -99,7 +98,7 @@ def window_attention(
     if kernel == "recompute":
         if dropout_p > 0:
             raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
-        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, fixup, keep_probs_bytes, chunk_bytes, align)
+        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, fixup, chunk_bytes, align)
     if kernel not in ("sdpa", "plain"):
         raise ValueError(f"kernel: expected 'sdpa', 'plain' or 'recompute', got {kernel!r}")
     run = _sdpa if kernel == "sdpa" else _plain
@@ -229,33 +228,21 @@ class _RecomputedAttention(torch.autograd.Function):
     also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
     The output is kept by the next linear layer anyway, so saving it here costs nothing.
-    Layers whose probabilities fit in ``keep_probs_bytes`` keep ``P`` itself instead: the
-    forward computes it with matmuls and the backward skips the recomputation. With
-    ``chunk_bytes`` the backward runs a cache-sized group of windows at a time.
+    With ``chunk_bytes`` the backward runs a cache-sized group of windows at a time.
     """
 
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, fixup: bool,
-                keep_probs_bytes: int, chunk_bytes: int, align: bool):
-        windows = _windows(qkv, num_heads, layout)  # (B, nW, N, 3, nH, d)
-        batch, num_windows, n = windows.shape[:3]
-        probs = None
-        small = batch * num_windows * num_heads * n * n * qkv.element_size() <= keep_probs_bytes
-        if small and layout.images is None:
-            mask = None if layout.mask is None else layout.mask.to(qkv.dtype)
-            q, k, v = _split_heads(windows, scale)
-            probs = _probs(q, k, bias.to(qkv.dtype), mask)
-            out = torch.matmul(probs, v).transpose(2, 3).reshape(batch, num_windows * n, -1)
-        else:
-            out = attention_in_windows(qkv, bias, layout, num_heads, scale, 0.0, _sdpa, fixup, align)
+                chunk_bytes: int, align: bool):
+        out = attention_in_windows(qkv, bias, layout, num_heads, scale, 0.0, _sdpa, fixup, align)
         out = layout.to_tokens(out)  # (B, H * W, C)
-        ctx.save_for_backward(qkv, bias, out, probs)
+        ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, chunk_bytes
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        qkv, bias, out, probs = ctx.saved_tensors
+        qkv, bias, out = ctx.saved_tensors
         num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
         num_windows, mask = layout.num_windows, layout.mask
         batch, tokens, three_c = qkv.shape
@@ -286,13 +273,12 @@ class _RecomputedAttention(torch.autograd.Function):
             delta = flat_delta.index_fill(0, images.windows, 0).view_as(delta)
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
-        if ctx.chunk_bytes and probs is None:
+        if ctx.chunk_bytes:
             step = chunk_rows(batch * num_heads * n * n, qkv.element_size(), ctx.chunk_bytes // 2)
         for part in chunk_slices(num_windows, step):
             attention_backward(
                 qkv[:, part], grad_out[:, part], delta[:, part], bias_c,
                 None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
-                None if probs is None else probs[:, part],
             )
         if images is not None:
             flat_qkv = qkv.reshape((batch * num_windows,) + qkv.shape[2:])
@@ -304,7 +290,7 @@ class _RecomputedAttention(torch.autograd.Function):
             grad_qkv.view((batch * num_windows,) + qkv.shape[2:]).index_copy_(0, images.windows, image_grad_qkv[0])
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
 
 
 def _windows(qkv: torch.Tensor, num_heads: int, layout: WindowLayout) -> torch.Tensor:
@@ -341,10 +327,8 @@ def attention_backward(
     scale: float,
     grad_qkv: torch.Tensor,
     grad_bias: Optional[torch.Tensor],
-    probs: Optional[torch.Tensor] = None,
 ) -> None:
-    """Gradients of window attention for some windows, recomputing the probabilities unless
-    given.
+    """Gradients of window attention for some windows, recomputing the probabilities.
 
     Args:
         qkv: ``(B, w, N, 3, nH, d)`` queries, keys and values of ``w`` windows (a view).
@@ -353,13 +337,11 @@ def attention_backward(
         bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None; both in ``qkv``'s dtype.
         grad_qkv: ``(B, w, N, 3, nH, d)`` written with the gradient of ``qkv``.
         grad_bias: ``(nH, N, N)`` in fp32 or wider, accumulated into; None to skip.
-        probs: ``(B, w, nH, N, N)`` attention probabilities kept by the forward, or None.
     """
     dtype = qkv.dtype
     acc = torch.promote_types(dtype, torch.float32)
     q, k, v = _split_heads(qkv, scale)
-    if probs is None:
-        probs = _probs(q, k, bias, mask)
+    probs = _probs(q, k, bias, mask)
     grad_out = grad_out.transpose(2, 3).contiguous()  # (B, w, nH, N, d)
     grad_logits = torch.matmul(grad_out, v.transpose(-2, -1)).sub_(delta.transpose(2, 3).unsqueeze(-1)).mul_(probs)
     if grad_bias is not None:

@@ -27,12 +27,8 @@ from torch import nn
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
 
-#: ``padding share x C`` at which projecting first pays (CPU; stages 3-4 of detection sizes).
-PROJECT_FIRST_PADDING = 48.0
 #: Largest share of masked windows for which the shared-bias-then-fixup strategy is used.
 FIXUP_SHARE = 0.25
-#: Attention probabilities of a layer up to this size are kept for backward (CPU training).
-KEEP_PROBS_BYTES = 12 * 2**20
 
 
 @dataclass(frozen=True)
@@ -45,9 +41,7 @@ class Switches:
     save_memory: bool = True  #: LayerNorm -> linear / MLP functions that keep only their inputs
     triton: bool = True  #: CUDA: the fused Triton window-attention kernel where it applies
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
-    keep_probs_bytes: int = KEEP_PROBS_BYTES  #: CPU training keeps probabilities of layers up to this size
     fixup_share: float = FIXUP_SHARE  #: up to this share of masked windows: shared bias, then redo them
-    project_first_padding: float = PROJECT_FIRST_PADDING  #: padding share x C to project before partition
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
 
 
@@ -97,11 +91,8 @@ class Plan:
         attention: one of :data:`ATTENTION_KERNELS`.
         save_memory: norm -> qkv and norm -> MLP use the input-keeping autograd functions.
         chunk_bytes: CPU row-chunk size in bytes, 0 for whole tensors.
-        keep_probs_bytes: the recompute kernel keeps a layer's probabilities up to this size.
         fixup_share: up to this share of masked windows, attention runs every window with
             the shared bias and redoes the masked ones (above it, one per-window bias).
-        project_first_padding: qkv projects before the partition when the layout's padding
-            share times C reaches this (``inf``: never).
         valid_sizes: per image of the batch, the ``(h, w)`` that is the image on the map this
             plan is for (input pixels for the forward's plan, tokens for a stage's);
             ``None``: every image fills the map (the shared masks alone, as without).
@@ -121,9 +112,7 @@ class Plan:
     attention: str
     save_memory: bool
     chunk_bytes: int
-    keep_probs_bytes: int
     fixup_share: float
-    project_first_padding: float
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
 
@@ -141,16 +130,6 @@ class Plan:
     def fixup_masked(self, num_masked: int, num_windows: int) -> bool:
         """Whether attention computes all windows with the shared bias and redoes the masked ones."""
         return num_masked <= self.fixup_share * num_windows
-
-    def project_first(self, padding_tokens: int, real_tokens: int, channels: int) -> bool:
-        """Whether the qkv projection runs on the real tokens before the window partition.
-
-        It saves projecting the padding tokens (3C x C multiply-adds each) for a 3x wider
-        gather; worth it where padding is a large share of the map and C is large.
-        """
-        if self.project_first_padding == float("inf"):  # off (and never a symbolic comparison)
-            return False
-        return padding_tokens * channels >= self.project_first_padding * real_tokens
 
 
 def plan_forward(
@@ -259,10 +238,8 @@ def _decide(
         attention=attention,
         save_memory=eager and grad and s.save_memory,
         chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
-        keep_probs_bytes=s.keep_probs_bytes,
-        # Both measured on CPU only; on GPUs they would add kernel launches.
+        # Measured on CPU only; on GPUs it would add kernel launches.
         fixup_share=s.fixup_share if eager and cpu else 0.0,
-        project_first_padding=s.project_first_padding if eager and cpu else float("inf"),
     )
 
 

@@ -43,13 +43,11 @@ ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window
 ABLATIONS: Dict[str, Dict[str, object]] = {
     "no SDPA (matmul attention)": dict(sdpa=False),
     "no recompute attention (autograd)": dict(recompute_attention=False),
-    "no kept probabilities": dict(keep_probs_bytes=0),
     "no memory-saving norm->linear/MLP": dict(save_memory=False),
     "no CPU row chunks": dict(chunk_bytes=0),
     "row chunks x0.5": dict(chunk_bytes="half"),
     "row chunks x2": dict(chunk_bytes="double"),
     "no masked-window fixup": dict(fixup_share=0.0),
-    "no project-before-partition": dict(project_first_padding=float("inf")),
 }
 
 
