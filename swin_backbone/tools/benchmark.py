@@ -248,6 +248,11 @@ def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet
     parts = [f"{k} {med[k] * 1e3:.1f} ms" + (f" ({speedups[k]:.2f}x)" if k in speedups else "") for k in times]
     print(f"{label}: " + ", ".join(parts) + f"  [speedup over {reference}]")
     result = {"samples": times, "median_s": med, "speedup_over_" + reference: speedups}
+    peers = [k for k in times if k not in ("ours", reference)]
+    if "ours" in times and peers:  # ours against every other model, per round as well
+        ours_over = {k: statistics.median(p / o for p, o in zip(times[k], times["ours"])) for k in peers}
+        print(f"{label}: ours faster than " + ", ".join(f"{k} {r:.2f}x" for k, r in ours_over.items()))
+        result["ours_speedup_over"] = ours_over
     if "ours" in times and reference in times:  # the keys earlier runs and the tests read
         result.update(ours_s=med["ours"], mmdet_s=med[reference], speedup=speedups["ours"])
     return result

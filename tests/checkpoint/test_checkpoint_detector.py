@@ -15,7 +15,7 @@ from mmengine.runner import load_checkpoint as mmengine_load_checkpoint
 import swin_backbone
 from swin_backbone import SwinBackbone, load_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _build_det(cfg):

@@ -19,6 +19,7 @@ def test_benchmark_small_run(tmp_path):
     results, stdout = _run(tmp_path, "--upernet", "configs/toy/upernet_swin-toy_toy-ade.py", "--upernet-size", "64")
     assert set(results["forward_eval"]["samples"]) == {"ours", "mmdet", "timm", "torchvision"}
     assert set(results["forward_eval"]["speedup_over_mmdet"]) == {"ours", "timm", "torchvision"}
+    assert set(results["forward_eval"]["ours_speedup_over"]) == {"timm", "torchvision"}
     assert set(results["forward_backward"]["samples"]) == {"ours", "mmdet"}
     for key in ("forward_eval", "forward_backward"):
         assert len(results[key]["samples"]["ours"]) == 2 and results[key]["speedup"] > 0

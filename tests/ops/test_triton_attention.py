@@ -6,7 +6,7 @@ The interpreter only works in a process where ``TRITON_INTERPRET=1`` was set bef
 decorates, and ``triton.language`` decorates its own ``tl.sum`` / ``tl.max`` at import
 (an interpreted kernel cannot call compiled-mode ones). So:
 
-* run alone with the flag (``TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py``),
+* run alone with the flag (``TRITON_INTERPRET=1 python -m pytest tests/ops/test_triton_attention.py``),
   every check runs in this process;
 * inside the whole suite (no flag, or triton imported earlier), the kernel checks skip here
   and :func:`test_kernels_in_interpreter_subprocess` runs this file again in a subprocess
@@ -62,7 +62,7 @@ def no_interpreter():
 def test_kernels_in_interpreter_subprocess():
     if IN_PROCESS:
         pytest.skip("the interpreter works in this process: the checks ran here")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
         cwd=root,
@@ -302,7 +302,7 @@ def test_kernel_compiles_for_nvidia_gpus():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-c", COMPILE_CHECK],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         env=env,
         capture_output=True,
         text=True,

@@ -9,7 +9,7 @@ import swin_backbone
 from swin_backbone import SwinBackbone
 from swin_backbone.ops import windows as W
 
-from .conftest import small_arch
+from ..conftest import small_arch
 
 ODD_SIZES = [(1, 1), (31, 33), (65, 97), (227, 301), (33, 800), (512, 512)]
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
 SEG = "configs/toy/upernet_swin-toy_toy-ade.py"
 FAST = [

@@ -6,7 +6,7 @@ import torch
 from swin_backbone import SwinBackbone
 from swin_backbone.ops import windows as W
 
-from .conftest import small_arch
+from ..conftest import small_arch
 
 
 @pytest.fixture(scope="module")

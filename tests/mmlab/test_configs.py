@@ -11,7 +11,7 @@ from mmengine.registry import DefaultScope
 import swin_backbone
 from swin_backbone import SwinBackbone
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_ROOT = os.path.join(ROOT, "swin_backbone", ".mim", "configs")  # ./configs links here
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_ROOT, "**", "*.py"), recursive=True) if "_base_" not in p)
 # What mmengine's Runner builds from a config.

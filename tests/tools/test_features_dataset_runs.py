@@ -16,7 +16,7 @@ from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
          "--random-weights", "--no-progress", "--batch-size", "2"]
 SIZES = [(40, 56), (33, 61), (40, 56), (64, 48), (40, 56), (33, 61), (29, 29), (40, 56)]

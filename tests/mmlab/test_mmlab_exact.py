@@ -13,7 +13,7 @@ from mmengine.registry import DefaultScope
 import swin_backbone
 from swin_backbone.mmlab.valid_sizes import attached_valid_sizes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = os.path.join(ROOT, "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py")
 SEG = os.path.join(ROOT, "configs/toy/upernet_swin-toy_toy-ade.py")
 DET_SIZES = [(150, 190), (120, 170), (192, 100), (97, 133)]

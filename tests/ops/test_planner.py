@@ -14,7 +14,7 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import planner
 from swin_backbone.ops import windows as W
 
-from .conftest import small_arch
+from ..conftest import small_arch
 
 
 def test_decisions_per_situation():

@@ -8,7 +8,7 @@ from swin_backbone.checkpoint.formats import detect_format, official_to_unfold
 from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
 from swin_backbone.tools.convert_checkpoint import main as convert_main
 
-from .test_v2_model import _randomize, _timm_stages
+from ..model.test_v2_model import _randomize, _timm_stages
 
 SMALL = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
 
