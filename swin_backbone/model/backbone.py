@@ -1,6 +1,8 @@
 """SwinBackbone: the multi-scale Swin Transformer backbone for detection and segmentation."""
 from __future__ import annotations
 
+import logging
+
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -328,7 +330,7 @@ class SwinBackbone(BaseModule):
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
         if valid_sizes is None and not torch.compiler.is_compiling():
-            valid_sizes = attached_valid_sizes(x)
+            valid_sizes = self._attached_sizes(x)
         valid = check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map
         )
@@ -352,6 +354,23 @@ class SwinBackbone(BaseModule):
             if i < last:
                 x = stage.downsample(out, stage_plan)
         return tuple(outs)
+
+    def _attached_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Sizes a ``Swin*DataPreprocessor`` attached to ``x``, unless this backbone reproduces
+        the libraries' padding semantics (``mask_padding=False`` / ``pad_small_map=False``):
+        then padding is ordinary tokens, as the user asked, and the sizes are ignored (said once)."""
+        sizes = attached_valid_sizes(x)
+        if sizes is None or (self.mask_padding and self.pad_small_map):
+            return sizes
+        if not getattr(self, "_said_sizes_ignored", False):
+            self._said_sizes_ignored = True
+            print_log(
+                "SwinBackbone: the image sizes attached by the data preprocessor are ignored because "
+                f"mask_padding={self.mask_padding}, pad_small_map={self.pad_small_map} reproduce mmdet / mmseg, "
+                "where batch padding is attended to (image-exact features need both True)",
+                logger="current", level=logging.WARNING,
+            )
+        return None
 
     def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:
         """The absolute position embedding for a ``height x width`` token map: ``(1, H, W, C)``,

@@ -20,9 +20,14 @@ DET_SIZES = [(150, 190), (120, 170), (192, 100), (97, 133)]
 
 
 def _cfg(path, switch=True, **preprocessor):
+    """The config with the switch on (the line every shipped config has) or off (the library's
+    own preprocessor type)."""
     cfg = Config.fromfile(path)
-    if switch:  # the config line a user adds (and every shipped config has)
-        cfg.model.data_preprocessor.type = "SwinDetDataPreprocessor" if "mmdet" in cfg.default_scope else "SwinSegDataPreProcessor"
+    det = "mmdet" in cfg.default_scope
+    if switch:
+        cfg.model.data_preprocessor.type = "SwinDetDataPreprocessor" if det else "SwinSegDataPreProcessor"
+    else:
+        cfg.model.data_preprocessor.type = "DetDataPreprocessor" if det else "SegDataPreProcessor"
     cfg.model.data_preprocessor.update(preprocessor)
     return cfg
 
@@ -186,12 +191,23 @@ def test_switch_off_is_todays_behaviour():
     assert not torch.allclose(outs[1][1, :, :h, :w], rec.calls[-1][2][1][0], atol=1e-3)
 
 
-def test_mask_padding_false_with_the_switch_fails_clearly():
+def test_mask_padding_false_ignores_attached_sizes():
+    # mask_padding=False asks for mmdet's numbers (padding attended to): the sizes the
+    # preprocessor attaches are then ignored, and explicit valid_sizes are still refused.
     cfg = _cfg(DET)
     cfg.model.backbone.mask_padding = False
     model = _build(cfg).eval()
-    with DefaultScope.overwrite_default_scope("mmdet"), torch.no_grad(), pytest.raises(ValueError, match="^valid_sizes: needs mask_padding=True"):
-        model.test_step(_det_data(_images(DET_SIZES[:2]), range(2)))
+    data = _det_data(_images(DET_SIZES[:2]), range(2))
+    with DefaultScope.overwrite_default_scope("mmdet"), torch.no_grad():
+        batch = model.data_preprocessor(data, False)
+        assert attached_valid_sizes(batch["inputs"]) is not None
+        with_sizes = model.backbone(batch["inputs"])
+        plain = model.backbone(batch["inputs"].clone())  # a copy carries no sizes
+        model.test_step(data)
+        with pytest.raises(ValueError, match="^valid_sizes: needs mask_padding=True"):
+            model.backbone(batch["inputs"], valid_sizes=[(32, 32)] * len(data["inputs"]))
+    for a, b in zip(with_sizes, plain):
+        torch.testing.assert_close(a, b)
 
 
 def test_mask_rcnn_train_and_val_steps_pass_sizes():
