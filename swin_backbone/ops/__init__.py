@@ -8,7 +8,9 @@ about devices or grad modes again. The implementations live in the submodules:
 * :mod:`.attention`: window attention kernels (SDPA, plain, CPU recompute);
 * :mod:`.triton_attention`: the fused CUDA kernel (where triton is available);
 * :mod:`.recompute`: LayerNorm -> linear / MLP autograd functions that keep only their inputs;
-* :mod:`.chunked`: CPU work in cache-sized row chunks.
+* :mod:`.chunked`: CPU work in cache-sized row chunks;
+* :mod:`.cosine`: Swin V2's cosine-attention q / k and continuous position bias table, which
+  feed the same attention kernels.
 """
 from __future__ import annotations
 

@@ -48,6 +48,8 @@ ABLATIONS: Dict[str, Dict[str, object]] = {
     "row chunks x0.5": dict(chunk_bytes="half"),
     "row chunks x2": dict(chunk_bytes="double"),
     "no masked-window fixup": dict(fixup_share=0.0),
+    "fixup share 0.1 (default 0.25)": dict(fixup_share=0.1),
+    "fixup share 0.5": dict(fixup_share=0.5),
 }
 
 
@@ -333,7 +335,10 @@ def run_ablation(args, results: dict) -> None:
     ts = args.train_size
     x_eval = torch.randn(1, 3, eh, ew, device=device)
     x_train = torch.randn(2, 3, ts, ts, device=device)
-    variants: List[Optional[str]] = [None] + list(ABLATIONS)
+    chosen = list(ABLATIONS) if not args.only else [name for name in ABLATIONS if any(o in name for o in args.only)]
+    if args.only and not chosen:
+        raise ValueError(f"--only: expected words of the variant names {sorted(ABLATIONS)}, got {args.only}")
+    variants: List[Optional[str]] = [None] + chosen
     label = {v: v or "defaults" for v in variants}
     ours.eval()
     eval_times = interleave({label[v]: with_switches(eval_step(ours, x_eval), switches(v)) for v in variants},
@@ -487,6 +492,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--no-peers", action="store_true", help="skip the timm / torchvision rows")
     parser.add_argument("--ablate", action="store_true", help="only the ablation of SwinBackbone's optimisations")
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="--ablate: only the variants whose name contains a WORD")
     parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")

@@ -42,3 +42,8 @@ def test_benchmark_ablation(tmp_path):
         assert name in stdout
     # Turning the memory-saving functions off keeps more activations for backward.
     assert rows["no memory-saving norm->linear/MLP"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
+
+
+def test_benchmark_ablation_only_some_variants(tmp_path):
+    results, _ = _run(tmp_path, "--ablate", "--only", "share 0.5", "--skip-memory")
+    assert set(results["ablation"]["rows"]) == {"defaults", "fixup share 0.5"}
