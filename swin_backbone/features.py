@@ -5,9 +5,12 @@ tools/extract_features.py, and usable from notebooks).
 >>> fx = FeatureExtractor.from_arch('tiny', checkpoint='swin_tiny_patch4_window7_224.pth')
 >>> feats = fx([image_hwc_uint8])          # list (one per image) of {stage: (C, h, w) tensor}
 
-Images of different sizes are never padded together: a batch only ever holds images of one
-size, so an image's features cannot depend on what else was in its batch. (Mixed-size batches
-need the backbone to take per-image valid sizes; until then a batch is one input size.)
+An image's features never depend on what else is in its batch. On GPUs, with a SwinBackbone
+/ SwinV2Backbone that masks its padding (the defaults), images of different sizes share a
+batch, padded to the largest and passed with their ``valid_sizes`` (exact: each image's maps
+equal those of the image alone, cropped back to its own size). On the CPU, and for other
+backbones, a batch holds images of one input size (batching gains nothing on a CPU, and the
+padding would cost compute: docs/performance.md).
 """
 from __future__ import annotations
 
@@ -57,8 +60,10 @@ class FeatureExtractor:
             (``None``: all).
         mean, std: per-channel normalisation of 0..255 RGB input (ImageNet by default).
         resize: ``(H, W)`` to resize every image to, or ``None`` to keep each image's size.
-        batch_size: images per forward (same-size images only).
+        batch_size: images per forward (of mixed sizes where :attr:`mixed_sizes`, else of one size).
         device, dtype: where and in which precision to run (``'fp32'``, ``'bf16'``, ``'fp16'``).
+        mixed_sizes: let images of different sizes share a batch (needs a Swin backbone that
+            takes exact ``valid_sizes``); ``None``: on GPUs only.
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class FeatureExtractor:
         batch_size: int = 8,
         device: Union[str, torch.device] = "cpu",
         dtype: str = "fp32",
+        mixed_sizes: Optional[bool] = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
@@ -88,6 +94,14 @@ class FeatureExtractor:
         self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
         self.resize = tuple(resize) if resize else None
         self.batch_size = batch_size
+        self._mixed_sizes = mixed_sizes
+        if mixed_sizes and not self._exact_valid_sizes():
+            raise ValueError(
+                "mixed_sizes: expected a SwinBackbone / SwinV2Backbone with mask_padding=True and "
+                f"pad_small_map=True (exact valid_sizes), got {type(backbone).__name__}"
+                + (f" with mask_padding={backbone.mask_padding}, pad_small_map={backbone.pad_small_map}"
+                   if hasattr(backbone, "mask_padding") else "")
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -151,17 +165,69 @@ class FeatureExtractor:
         batch = torch.stack([resize_to(im, self.resize) for im in on_device])
         return ((batch - self.mean) / self.std).to(self.dtype)
 
+    def _exact_valid_sizes(self) -> bool:
+        """Whether the backbone takes per-image ``valid_sizes`` exactly."""
+        from .model.backbone import SwinBackbone
+
+        b = self.backbone
+        return isinstance(b, SwinBackbone) and b.mask_padding and b.pad_small_map
+
+    @property
+    def mixed_sizes(self) -> bool:
+        """Whether images of different sizes share batches: asked for (or, by default, on a
+        GPU), the backbone takes exact ``valid_sizes``, and images are not resized to one size."""
+        wanted = self.device.type != "cpu" if self._mixed_sizes is None else self._mixed_sizes
+        return wanted and self.resize is None and self._exact_valid_sizes()
+
     @torch.inference_mode()
     def run_batch(self, images: Sequence[torch.Tensor]) -> List[Dict[int, torch.Tensor]]:
-        """Features of same-size images: one ``{stage: (C, h, w) float32 cpu tensor}`` per image."""
-        outs = self.backbone(self.preprocess(images))
+        """Features of a batch of images: one ``{stage: (C, h, w) float32 cpu tensor}`` per image.
+
+        Images of one size (after ``resize``) run as they are; images of different sizes (only
+        where :attr:`mixed_sizes`) are zero-padded to the largest and run with their
+        ``valid_sizes``, and each image's maps are cropped back to its own size.
+        """
+        sizes = [tuple(im.shape[-2:]) for im in images]
+        if self.resize is not None or len(set(sizes)) == 1:
+            outs = self.backbone(self.preprocess(images))
+            crops = None
+        else:
+            if not self.mixed_sizes:
+                raise ValueError(f"images: expected one size per batch for this backbone, got sizes {sizes}")
+            height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
+            batch = torch.cat([F.pad(self.preprocess([im]), (0, width - w, 0, height - h)) for im, (h, w) in zip(images, sizes)])
+            outs = self.backbone(batch, valid_sizes=sizes)
+            crops = self._crops(sizes)
         keep = self.stages if self.stages is not None else range(len(outs))
         on_cpu = {s: outs[s].float().cpu() for s in keep}  # one copy per stage, not per image
-        return [OrderedDict((s, on_cpu[s][i].contiguous()) for s in keep) for i in range(len(images))]
+        result = []
+        for i in range(len(images)):
+            maps = OrderedDict()
+            for s in keep:
+                m = on_cpu[s][i]
+                if crops is not None:
+                    m = m[:, : crops[i][s][0], : crops[i][s][1]]
+                maps[s] = m.contiguous()
+            result.append(maps)
+        return result
+
+    def _crops(self, sizes: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, int]]]:
+        """Per image, the ``(h, w)`` of each output of the (Swin) backbone for its own size."""
+        from .ops.windows import output_size
+
+        b = self.backbone
+        per_stage = [output_size(h, w, b.patch_size, b.num_stages) for h, w in sizes]
+        return [[stage_sizes[i] for i in b.out_indices] for stage_sizes in per_stage]
 
     def batches(self, sizes: Sequence[Tuple[int, int]]) -> Iterable[List[int]]:
-        """Indices of images (given their ``(H, W)``) grouped into batches of one input size
-        each, in order of first appearance."""
+        """Indices of images (given their ``(H, W)``) grouped into batches: of similar sizes
+        (sorted by size, so that little padding is computed) where :attr:`mixed_sizes`, else of
+        one input size each, in order of first appearance."""
+        if self.mixed_sizes:
+            order = sorted(range(len(sizes)), key=lambda i: (tuple(sizes[i]), i))
+            for start in range(0, len(order), self.batch_size):
+                yield order[start : start + self.batch_size]
+            return
         groups: "OrderedDict[Tuple[int, int], List[int]]" = OrderedDict()
         for i, size in enumerate(sizes):
             groups.setdefault(self.resize or tuple(size), []).append(i)

@@ -506,13 +506,14 @@ class RankState:
 
 def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, state: RankState,
              pooled: Optional[PooledStore], done_pooled: Optional[Set[str]], progress: Progress) -> None:
-    """The rank's loop: workers decode, same-size images are batched, a writer thread writes."""
+    """The rank's loop: workers decode, images are batched (mixed sizes where the backbone takes
+    per-image valid sizes, else by size), a writer thread writes."""
     cuda = extractor.device.type == "cuda"
     jobs = ImageJobs(state.assigned, plan, tuple(args.resize) if args.resize else None,
                      skip_complete=not args.overwrite, pooled=done_pooled)
     loader = DataLoader(jobs, batch_size=None, shuffle=False, num_workers=args.workers, collate_fn=_as_is,
                         pin_memory=cuda, prefetch_factor=max(2, args.batch_size) if args.workers else None)
-    buckets: "OrderedDict[Tuple[int, int], List[dict]]" = OrderedDict()
+    buckets: "OrderedDict[Optional[Tuple[int, int]], List[dict]]" = OrderedDict()
     max_held = 8 * args.batch_size  # decoded images waiting for same-size partners, at most
     writes: Deque[Tuple[int, Future]] = deque()
 
@@ -551,7 +552,8 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
                     state.failed[item["i"]] = item["error"]
                     progress.update(1)
                 else:
-                    size = tuple(item["image"].shape[-2:])
+                    # One bucket where the backbone batches mixed sizes exactly, else one per size.
+                    size = None if extractor.mixed_sizes else tuple(item["image"].shape[-2:])
                     buckets.setdefault(size, []).append(item)
                     if len(buckets[size]) >= args.batch_size:
                         run(buckets.pop(size))

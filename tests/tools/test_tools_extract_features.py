@@ -48,7 +48,8 @@ def test_batch_equals_single(extractor):
         (alone,) = extractor([image])
         for s in feats:
             torch.testing.assert_close(feats[s], alone[s], rtol=1e-5, atol=1e-5)
-    # a batch never mixes sizes
+    # on the CPU a batch never mixes sizes (tests/tools/test_features_mixed_sizes.py: where it does)
+    assert not extractor.mixed_sizes
     assert list(extractor.batches([(45, 67), (45, 67), (31, 99), (45, 67)])) == [[0, 1, 3], [2]]
 
 
