@@ -20,6 +20,8 @@ off. A custom preprocessor can call :func:`attach_img_shapes` at the end of its 
 """
 from __future__ import annotations
 
+import importlib
+
 from typing import List, Optional, Tuple
 
 from .valid_sizes import attach_valid_sizes
@@ -68,6 +70,13 @@ def _with_img_shapes(base: type, name: str) -> type:
     return type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__})
 
 
+#: (module, class) of each library's preprocessor, its registry module, and our subclass's name.
+_PREPROCESSORS = (
+    ("mmdet.models.data_preprocessors", "DetDataPreprocessor", "mmdet.registry", "SwinDetDataPreprocessor"),
+    ("mmseg.models.data_preprocessor", "SegDataPreProcessor", "mmseg.registry", "SwinSegDataPreProcessor"),
+)
+
+
 def register_preprocessors() -> List[str]:
     """Define and register the preprocessors in each installed library's ``MODELS``.
 
@@ -75,24 +84,14 @@ def register_preprocessors() -> List[str]:
     ``SwinSegDataPreProcessor`` with mmseg).
     """
     done = []
-    try:
-        from mmdet.models.data_preprocessors import DetDataPreprocessor
-        from mmdet.registry import MODELS as DET_MODELS
-    except ImportError:
-        pass
-    else:
-        cls = _with_img_shapes(DetDataPreprocessor, "SwinDetDataPreprocessor")
-        globals()["SwinDetDataPreprocessor"] = cls
-        DET_MODELS.register_module(name=cls.__name__, module=cls, force=True)
-        done.append(cls.__name__)
-    try:
-        from mmseg.models.data_preprocessor import SegDataPreProcessor
-        from mmseg.registry import MODELS as SEG_MODELS
-    except ImportError:
-        pass
-    else:
-        cls = _with_img_shapes(SegDataPreProcessor, "SwinSegDataPreProcessor")
-        globals()["SwinSegDataPreProcessor"] = cls
-        SEG_MODELS.register_module(name=cls.__name__, module=cls, force=True)
-        done.append(cls.__name__)
+    for base_module, base_name, registry_module, name in _PREPROCESSORS:
+        try:
+            base = getattr(importlib.import_module(base_module), base_name)
+            registry = importlib.import_module(registry_module).MODELS
+        except ImportError:
+            continue
+        cls = _with_img_shapes(base, name)
+        globals()[name] = cls
+        registry.register_module(name=name, module=cls, force=True)
+        done.append(name)
     return done
