@@ -339,7 +339,7 @@ class SwinBackbone(BaseModule):
             dropout=self.training and self.drop_rate > 0, drop_path=self.training and self.drop_path_rate > 0,
             valid_sizes=valid,
         )
-        x = self.patch_embed(ops.mask_input(x, plan))  # (B, H0, W0, C)
+        x = self.patch_embed(ops.mask_input(x, plan, self.patch_size))  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
             x = x + self._position_embeddings(x.shape[1], x.shape[2], plan)
         x = self.drop_after_pos(x)

@@ -118,8 +118,8 @@ class PatchMerging(nn.Module):
     official order ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as timm
     and torchvision); mmdet's nn.Unfold order is converted when its weights are loaded.
     ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``. With the plan's per-image
-    ``valid_sizes``, tokens beyond each image's valid size are zeroed first, so the
-    neighbourhoods across an image's edge read the zeros they read for the image alone.
+    ``valid_sizes``, the neighbourhoods across an image's edge read the zeros they read
+    for the image alone (:func:`swin_backbone.ops.merge_patches`).
     """
 
     def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
@@ -130,13 +130,7 @@ class PatchMerging(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        x = ops.mask_map(x, plan)
-        b, h, w, c = x.shape
-        h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
-        x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
-        # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
-        x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-        return ops.norm_linear(x, self.norm, self.reduction, plan)
+        return ops.norm_linear(ops.merge_patches(x, plan), self.norm, self.reduction, plan)
 
 
 class SwinStage(nn.Module):

@@ -26,13 +26,14 @@ from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp
-from .windows import WindowLayout, window_partition, zero_beyond_valid
+from .windows import WindowLayout, merge_2x2, straddles, window_partition, zero_beyond_valid, zero_straddles_
 
 __all__ = [
     "Plan",
     "attention_kernel",
     "mask_input",
     "mask_map",
+    "merge_patches",
     "mlp_residual",
     "norm_linear",
     "norm_qkv",
@@ -158,13 +159,19 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
     return zero_beyond_valid(out, plan.valid_sizes, 2, inplace=not plan.grad)
 
 
-def mask_input(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """``(B, C, H, W)`` input with zeros beyond each image's valid size (the plan's
-    ``valid_sizes``, in pixels): a patch straddling an image's edge then sees the zeros it
-    sees alone. A new tensor (the caller's input is never written); ``x`` itself without."""
+def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:
+    """``(B, C, H, W)`` input as the patch embedding reads it with the plan's per-image
+    ``valid_sizes`` (pixels): zeros beyond an image where a patch straddles its edge, as alone
+    (patches wholly beyond an image only feed tokens the image never reads). The caller's
+    tensor is never written: a copy where something is zeroed (all of the region beyond the
+    images where ``x`` requires grad, so that no gradient leaves them); ``x`` itself without."""
     if plan.valid_sizes is None:
         return x
-    return zero_beyond_valid(x, plan.valid_sizes, 2, inplace=False)
+    if x.requires_grad:
+        return zero_beyond_valid(x, plan.valid_sizes, 2, inplace=False)
+    if not straddles(plan.valid_sizes, x.shape[2], x.shape[3], patch_size):
+        return x
+    return zero_straddles_(x.clone(), plan.valid_sizes, 2, patch_size)
 
 
 def mask_map(x: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -173,6 +180,13 @@ def mask_map(x: torch.Tensor, plan: Plan) -> torch.Tensor:
     if plan.valid_sizes is None:
         return x
     return zero_beyond_valid(x, plan.valid_sizes, 1, inplace=not plan.grad)
+
+
+def merge_patches(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """Patch merging's gather: each 2x2 cell of a ``(B, H, W, C)`` map concatenated,
+    ``(B, ceil(H / 2), ceil(W / 2), 4C)``, reading zeros beyond each image of the plan's
+    ``valid_sizes`` where a cell straddles its edge (:func:`~.windows.merge_2x2`)."""
+    return merge_2x2(x, plan.valid_sizes)
 
 
 def stage_layouts(

@@ -128,28 +128,40 @@ def attention_in_windows(
     num_windows = layout.num_windows
     n = tokens // num_windows
     head_dim = three_c // (3 * num_heads)
-    # (B, nW, N, 3, nH, d) -> (3, B, nW, nH, N, d): a view, no copy.
-    qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)
+    rows = qkv.view(batch, num_windows, n, three_c)  # contiguous window rows: cheap to gather from
+    qkv = _heads_first(rows, num_heads)  # (3, B, nW, nH, N, d), a view
     mask, masked = layout.mask, layout.masked_windows
     if mask is None or (fixup and masked is not None):
         out = run(qkv, sdpa_ready(bias, qkv.dtype, align).unsqueeze(0), False, scale, dropout_p)  # (B, nW, N, nH, d)
         if mask is not None and masked.numel():
             fix = sdpa_ready(layout.window_masks.to(qkv.dtype).unsqueeze(1) + bias.to(qkv.dtype), qkv.dtype, align)
-            fixed = run(qkv.index_select(2, masked), fix, True, scale, dropout_p)
+            fixed = run(_heads_first(rows.index_select(1, masked), num_heads), fix, True, scale, dropout_p)
             # In place when nothing needs the old values (SDPA keeps its output for backward).
             out = out.index_copy(1, masked, fixed) if out.requires_grad else out.index_copy_(1, masked, fixed)
     else:
         out = run(qkv, per_window_bias(mask, bias, qkv.dtype, align), True, scale, dropout_p)
     if layout.images is not None:
-        out = _redo_image_windows(out, qkv, bias, layout, scale, dropout_p, run, align)
+        out = _redo_image_windows(out, rows, bias, layout, num_heads, scale, dropout_p, run, align)
     return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+def _heads_first(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, W, N, 3C)`` window rows -> the ``(3, B, W, nH, N, d)`` view the kernels read.
+
+    Windows are picked (``index_select``) on the rows before this view: gathering whole
+    contiguous rows is a copy of the picked windows only, where gathering from the strided
+    view would first copy all of ``qkv``.
+    """
+    batch, num_windows, n, three_c = rows.shape
+    return rows.view(batch, num_windows, n, 3, num_heads, three_c // (3 * num_heads)).permute(3, 0, 1, 4, 2, 5)
 
 
 def _redo_image_windows(
     out: torch.Tensor,
-    qkv: torch.Tensor,
+    rows: torch.Tensor,
     bias: torch.Tensor,
     layout: WindowLayout,
+    num_heads: int,
     scale: float,
     dropout_p: float,
     run: Kernel,
@@ -159,15 +171,17 @@ def _redo_image_windows(
 
     Args:
         out: ``(B, nW, N, nH, d)`` attention of every window with the shared masks.
-        qkv: ``(3, B, nW, nH, N, d)`` view.
+        rows: ``(B, nW, N, 3C)`` window rows of ``qkv``.
     Returns:
         ``out`` with the ``K`` windows of ``layout.images`` replaced, as ``(B * nW, N, nH, d)``.
     """
     images = layout.images
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    batch, num_windows, n, three_c = rows.shape
+    head_dim = three_c // (3 * num_heads)
     # The K windows, flat over the batch, go into the windows dimension of one "image".
-    picked = qkv.flatten(1, 2).index_select(1, images.windows).unsqueeze(1)  # (3, 1, K, nH, N, d)
-    fixed = run(picked, per_window_bias(images.masks, bias, qkv.dtype, align), True, scale, dropout_p)[0]
+    picked = rows.view(1, batch * num_windows, n, three_c).index_select(1, images.windows)
+    fixed = run(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, rows.dtype, align), True,
+                scale, dropout_p)[0]
     flat = out.reshape(batch * num_windows, n, num_heads, head_dim)
     if flat.requires_grad or fixed.requires_grad:
         return flat.index_copy(0, images.windows, fixed)
@@ -180,7 +194,8 @@ def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: f
     One bias for all windows: windows go into SDPA's batch dimension and the kernels read
     q/k/v through their strides (no copies). Per-window biases ``(nW, nH, N, N)``: windows go
     into the heads dimension, ``(B, nW * nH, N, d)``, so one bias broadcasts over the batch
-    (one copy of q/k/v; no loop over images, no batch-sized bias).
+    (one copy of q/k/v; no loop over images, no batch-sized bias); for one image (and the
+    windows that images' edges cut, gathered as one) they are SDPA's batch, with no copy.
     """
     _, batch, num_windows, num_heads, n, head_dim = qkv.shape
     if not torch.is_grad_enabled():
@@ -192,6 +207,10 @@ def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: f
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
         # The kernels allocate the output as (B*nW, N, nH, d): this reshape is then a view.
         return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
+    if batch == 1:  # windows are SDPA's batch, each with its bias: q/k/v read through strides
+        q, k, v = qkv[:, 0].unbind(0)  # (nW, nH, N, d) views
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        return out.transpose(1, 2).reshape(1, num_windows, n, num_heads, head_dim)
     q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
     attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)

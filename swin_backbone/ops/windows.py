@@ -20,6 +20,7 @@ from functools import lru_cache, wraps
 from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 T = TypeVar("T")
 
@@ -477,6 +478,66 @@ def zero_beyond_valid(
     return x
 
 
+def straddles(
+    valid_sizes: Tuple[Tuple[int, int], ...], height: int, width: int, cell: int
+) -> Tuple[Tuple[int, int, int, int, int], ...]:
+    """What ``cell x cell`` cells straddling an image's edge read beyond the image.
+
+    A cell holding both pixels (tokens) of image ``b`` and pixels beyond it reads, alone,
+    zero padding there; every other cell beyond the image only feeds tokens that the image
+    never attends to (its own region) and that are zeroed in the outputs. So zeroing these
+    boxes is all that makes the batch read what the image alone reads.
+
+    Returns:
+        ``(b, row0, row1, col0, col1)`` boxes (non-empty, inside the ``height x width`` map):
+        rows ``h .. ceil(h / cell) * cell`` under the image's cells, and columns
+        ``w .. ceil(w / cell) * cell`` beside its rows.
+    """
+    boxes = []
+    for b, (h, w) in enumerate(valid_sizes):
+        h_end, w_end = min(ceil_div(h, cell) * cell, height), min(ceil_div(w, cell) * cell, width)
+        if h < h_end:
+            boxes.append((b, h, h_end, 0, w_end))
+        if w < w_end:
+            boxes.append((b, 0, h, w, w_end))
+    return tuple(boxes)
+
+
+def zero_straddles_(
+    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, cell: int
+) -> torch.Tensor:
+    """Zero, in place, the :func:`straddles` boxes of a batch-first map whose height and
+    width are dims ``height_dim`` and ``height_dim + 1``. Returns ``x``."""
+    height, width = x.shape[height_dim], x.shape[height_dim + 1]
+    for b, r0, r1, c0, c1 in straddles(valid_sizes, height, width, cell):
+        x[b].narrow(height_dim - 1, r0, r1 - r0).narrow(height_dim, c0, c1 - c0).zero_()
+    return x
+
+
+def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor:
+    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``.
+
+    Odd sizes are zero-padded bottom / right. Channel block ``k = 2 * dw + dh`` holds the
+    cell's token ``(dh, dw)``: ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]``
+    (the official order). With per-image ``valid_sizes`` (on this map), the tokens beyond an
+    image that a cell straddling its edge reads are zero in the result (:func:`straddles`),
+    as they are alone; ``x`` itself is never written.
+    """
+    b, h, w, c = x.shape
+    h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+    x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
+    # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
+    merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
+    if valid_sizes is not None:
+        cells = merged.view(b, h2, w2, 2, 2, c)
+        for i, r0, r1, c0, c1 in straddles(valid_sizes, h, w, 2):
+            if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
+                cells[i, r0 // 2, : ceil_div(c1, 2), :, 1].zero_()
+            else:  # column c0 right of an odd width: dw = 1 of the cells in its column
+                cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
+    return merged
+
+
 def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """``lru_cache`` for size-only helpers that steps aside while tracing.
 
@@ -619,6 +680,9 @@ __all__ = [
     "stage_valid_sizes",
     "valid_token_mask",
     "zero_beyond_valid",
+    "zero_straddles_",
+    "straddles",
+    "merge_2x2",
     "WindowLayout",
     "build_window_layout",
     "ceil_div",

@@ -36,13 +36,14 @@ def _attend(attn, x, layout, kernel, fixup, chunk):
 
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
 @pytest.mark.parametrize("fixup", [False, True], ids=["per-window-bias", "masked-fixup"])
-def test_kernels_agree_forward_and_backward(size, shift, fixup, backward_mode):
+@pytest.mark.parametrize("batch", [1, 2])  # SDPA puts per-window biases in its batch (1) or heads (2) dim
+def test_kernels_agree_forward_and_backward(size, shift, fixup, batch, backward_mode):
     chunk = backward_mode(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
     torch.nn.init.normal_(attn.relative_position_bias_table, std=0.5)
     layout = _layout(*size, shift)
-    x = torch.randn(2, size[0] * size[1], 32, dtype=torch.float64)
+    x = torch.randn(batch, size[0] * size[1], 32, dtype=torch.float64)
     grads, outs = {}, {}
     for kernel in KERNELS:
         attn.zero_grad()

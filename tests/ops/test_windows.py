@@ -145,3 +145,41 @@ def test_output_size():
     for h, w in itertools.product([1, 5, 63, 64, 65], [3, 800]):
         sizes = W.output_size(h, w, 4, 4)
         assert sizes[0] == (-(-h // 4), -(-w // 4))
+
+
+# ---------------------------------------------------------------- per-image edges
+@pytest.mark.parametrize("size", [(9, 11), (8, 8), (5, 12), (1, 1)])
+def test_merge_reads_what_each_image_reads_alone(size):
+    """merge_2x2 with valid sizes == zeroing everything beyond each image, then the
+    official 2x2 gather, over every cell that holds a token of the image."""
+    h, w = size
+    valid = tuple((vh, vw) for vh in {1, max(h - 1, 1), h} for vw in {1, max(w - 2, 1), w})
+    x = torch.randn(len(valid), h, w, 3) + 5  # non-zero everywhere beyond the images
+    got = W.merge_2x2(x.clone(), valid)
+    ref = W.zero_beyond_valid(x.clone(), valid, 1, inplace=True)
+    ref = F.pad(ref, (0, 0, 0, w % 2, 0, h % 2))
+    ref = torch.cat([ref[:, 0::2, 0::2], ref[:, 1::2, 0::2], ref[:, 0::2, 1::2], ref[:, 1::2, 1::2]], -1)
+    for b, (vh, vw) in enumerate(valid):
+        ch, cw = W.ceil_div(vh, 2), W.ceil_div(vw, 2)
+        torch.testing.assert_close(got[b, :ch, :cw], ref[b, :ch, :cw], rtol=0, atol=0)
+    full = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))  # without valid sizes: the plain official gather
+    full = torch.cat([full[:, 0::2, 0::2], full[:, 1::2, 0::2], full[:, 0::2, 1::2], full[:, 1::2, 1::2]], -1)
+    torch.testing.assert_close(W.merge_2x2(x), full, rtol=0, atol=0)
+
+
+def test_straddle_boxes_and_input_masking():
+    from swin_backbone import ops
+
+    assert W.straddles(((8, 12), (4, 4)), 8, 12, 4) == ()  # multiples of the cell: nothing to zero
+    assert W.straddles(((6, 12),), 8, 12, 4) == ((0, 6, 8, 0, 12),)
+    assert W.straddles(((8, 9),), 8, 11, 4) == ((0, 0, 8, 9, 11),)  # capped at the map
+    x = torch.randn(2, 3, 8, 12) + 3
+    plan = ops.plan_for(x, valid_sizes=((8, 12), (4, 4)))
+    assert ops.mask_input(x, plan, 4) is x  # no patch straddles an edge: no copy
+    plan = ops.plan_for(x, valid_sizes=((6, 10), (8, 12)))
+    before = x.clone()
+    out = ops.mask_input(x, plan, 4)
+    torch.testing.assert_close(x, before, rtol=0, atol=0)  # the caller's tensor is never written
+    assert out[0, :, 6:8, :12].abs().max() == 0 and out[0, :, :6, 10:12].abs().max() == 0
+    torch.testing.assert_close(out[0, :, :6, :10], x[0, :, :6, :10])
+    torch.testing.assert_close(out[1], x[1])
