@@ -54,8 +54,7 @@ def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads:
         return plan.attention
     from .triton_attention import supports
 
-    # Per-image boundary windows (valid_sizes) are not in the fused kernel yet.
-    if layout.window > TRITON_MAX_WINDOW or layout.images is not None:
+    if layout.window > TRITON_MAX_WINDOW:
         return "sdpa"
     probe = torch.empty((0, 0, 3 * channels), dtype=plan.mask_dtype, device=device)  # dtype, device, width only
     ok = supports(probe, layout.window, num_heads, height=layout.height, width=layout.width,
@@ -114,9 +113,14 @@ def window_attention(
     if kernel == "triton":
         from .triton_attention import triton_window_attention
 
-        return triton_window_attention(
+        out = triton_window_attention(
             qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads, scale
         )
+        if layout.images is None:
+            return out
+        # Windows that images' boundaries cut: their own masks, with SDPA (few windows).
+        bias = _attention.relative_position_bias(table, layout.window, table_window)
+        return _attention.redo_image_windows_in_tokens(out, qkv, bias, layout, num_heads, scale, plan.align_masks)
     bias = _attention.relative_position_bias(table, layout.window, table_window)
     fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
     return _attention.window_attention(

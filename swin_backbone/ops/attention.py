@@ -188,6 +188,33 @@ def _redo_image_windows(
     return flat.index_copy_(0, images.windows, fixed)
 
 
+def redo_image_windows_in_tokens(
+    out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float,
+    align: bool,
+) -> torch.Tensor:
+    """:func:`_redo_image_windows` for kernels that work on row-major tokens (the fused
+    Triton one, whose region masks know nothing of per-image sizes): SDPA on the windows
+    that images' boundaries cut, gathered from ``qkv``, written over ``out``.
+
+    Args:
+        out: ``(B, H * W, C)`` attention of every window with the shared masks.
+        qkv: ``(B, H * W, 3C)`` row-major qkv it was computed from.
+    Returns:
+        ``(B, H * W, C)``: ``out`` with the real tokens of those windows replaced (a new
+        tensor, so that autograd gives the replaced results no gradient).
+    """
+    images = layout.images
+    batch, tokens, three_c = qkv.shape
+    n = layout.window * layout.window
+    k = images.windows.numel()
+    picked = qkv.reshape(batch * tokens, three_c).index_select(0, images.rows).view(1, k, n, three_c)
+    fixed = _sdpa(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, qkv.dtype, align), True,
+                  scale, 0.0)
+    fixed = fixed.reshape(k * n, -1).index_select(0, images.real)
+    flat = out.reshape(batch * tokens, -1)
+    return flat.index_copy(0, images.rows.index_select(0, images.real), fixed).view_as(out)
+
+
 def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
     """SDPA of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view). Returns ``(B, nW, N, nH, d)``.
 

@@ -366,10 +366,16 @@ class ImageWindows:
         windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
         masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
             (8-aligned rows with ``align``, as :func:`window_attention_mask`).
+        rows: ``(K * N,)`` the row of the batch's flat ``(B * H * W)`` row-major tokens that
+            each position of those windows holds (the image's token 0 for window padding),
+            for kernels that read and write row-major tokens (the fused Triton one).
+        real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
     """
 
     windows: torch.Tensor
     masks: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+    real: Optional[torch.Tensor] = None
 
 
 def image_window_masks(
@@ -432,7 +438,15 @@ def image_windows(
     if align and n % 8 and len(windows) > 1:  # cat made the rows dense: re-align them
         buffer = torch.zeros(masks.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
         masks = buffer.narrow(-1, 0, n).copy_(masks)
-    return ImageWindows(windows=torch.cat(windows), masks=masks)
+    windows = torch.cat(windows)
+    # Row-major rows of the windows' positions (window_token_index marks padding H * W).
+    tokens = height * width
+    slots = ((windows % num_windows)[:, None] * n + torch.arange(n, device=device)).reshape(-1)
+    source = window_token_index(height, width, window, shift, device).index_select(0, slots)
+    real = source < tokens
+    first = (windows // num_windows).repeat_interleave(n) * tokens
+    rows = first + torch.where(real, source, torch.zeros_like(source))
+    return ImageWindows(windows=windows, masks=masks, rows=rows, real=real.nonzero().squeeze(1))
 
 
 def stage_valid_sizes(
