@@ -139,7 +139,7 @@ class WindowAttentionV2(nn.Module):
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = ops.norm_qkv(x, _IDENTITY, self.qkv_projection(), layout, self.num_heads, plan)  # type: ignore[arg-type]
-        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads)
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, inplace=not (plan.grad or plan.tracing))  # fresh: ours
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
         )
@@ -198,7 +198,7 @@ class SwinBlockV2(nn.Module):
         # The residual goes into the branch's fresh output (LayerNorm's backward does not
         # need its output, so adding into it in place is safe).
         x = self.drop_path(self.norm1(self.attn(x, layout, plan))).add_(x)
-        x = self.drop_path(self.norm2(self.mlp(x))).add_(x)
+        x = ops.mlp_post_norm_residual(x, self.mlp, self.norm2, self.drop_path, plan)
         return x if self.norm3 is None else self.norm3(x)
 
     def reset_post_norms(self) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "attention_kernel",
     "mask_input",
     "mask_map",
+    "mlp_post_norm_residual",
     "mlp_residual",
     "norm_linear",
     "norm_qkv",
@@ -141,6 +142,23 @@ def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn
     if plan.save_memory and not plan.dropout:
         return drop_path(_norm_mlp(x, norm, mlp.fc1, mlp.fc2, plan.chunk_bytes)).add_(x)
     return drop_path(mlp(norm(x))).add_(x)
+
+
+def mlp_post_norm_residual(x: torch.Tensor, mlp: nn.Module, norm: nn.Module, drop_path: nn.Module, plan: Plan) -> torch.Tensor:
+    """``x + drop_path(norm(mlp(x)))`` (Swin V2's post-norm MLP residual) for ``(B, L, C)``
+    tokens that the caller owns: :func:`mlp_residual` with the norm after the MLP.
+
+    ``mlp`` has ``fc1``, ``act`` (GELU), ``fc2`` and ``drop``. CPU inference adds into ``x``
+    in place, a row chunk at a time; training keeps only the inputs for backward
+    (:func:`~swin_backbone.ops.recompute.mlp_norm`).
+    """
+    from . import chunked as _chunked, recompute as _recompute
+
+    if plan.chunk_bytes and not plan.grad and not plan.stochastic:
+        return _chunked.mlp_post_norm_residual_(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)
+    if plan.save_memory and not plan.dropout:
+        return drop_path(_recompute.mlp_norm(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)).add_(x)
+    return drop_path(norm(mlp(x))).add_(x)
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:

@@ -36,6 +36,9 @@ LOGIT_SCALE_MAX = math.log(100.0)
 #: Coordinates are normalised to ``[-COORD_RANGE, COORD_RANGE]`` before the log spacing.
 COORD_RANGE = 8.0
 
+#: ``F.normalize``'s default epsilon: q and k are divided by ``max(|q|, eps)``.
+NORMALIZE_EPS = 1e-12
+
 #: Output scale of the position bias: ``16 * sigmoid(...)`` lies in ``(0, 16)``.
 BIAS_SCALE = 16.0
 
@@ -81,7 +84,7 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
 
-def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> torch.Tensor:
+def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int, inplace: bool = False) -> torch.Tensor:
     """Prepare ``qkv`` so that plain dot-product attention with ``scale=1.0`` computes
     Swin V2's scaled cosine logits.
 
@@ -90,25 +93,42 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> 
             channels (any token order: the operation is per token).
         logit_scale: ``(nH, 1, 1)`` (or ``nH`` elements) learnable log scale.
         num_heads: ``nH``.
+        inplace: write the result into ``qkv`` (which the caller owns) where nothing records
+            a gradient: no copy at all (fp32 / fp64).
     Returns:
         ``(..., 3C)`` in ``qkv``'s dtype: ``[normalize(q) * exp(min(logit_scale, log 100)),
-        normalize(k), v]`` per head.
+        normalize(k), v]`` per head. The same values (bit for bit) on every path.
 
     q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
     head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
     an all-zero key (a padding token: the qkv projection of a zero token has a zero k bias)
     into ``0 / 0``. In fp32 a zero key stays zero and its logits are exactly 0.
+
+    In fp32 / fp64 the division by the norms (``F.normalize``'s ``q / max(|q|, eps)``) and
+    the multiplication by the scale run on ``qkv`` itself (``inplace``), or on one new tensor
+    (v divided by 1: unchanged) instead of a normalised copy of q and k, a scaled copy of q
+    and a stacked copy of all three.
     """
     *lead, width = qkv.shape
     channels = width // 3
     heads = qkv.reshape(*lead, 3, num_heads, channels // num_heads)
     acc = torch.promote_types(qkv.dtype, torch.float32)  # fp16 / bf16 -> fp32; fp64 stays
-    qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
     scale = torch.clamp(logit_scale.reshape(num_heads, 1).to(acc), max=LOGIT_SCALE_MAX).exp()
-    q = qk[..., 0, :, :] * scale
-    k = qk[..., 1, :, :]
-    v = heads[..., 2, :, :]
-    return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
+    if acc != qkv.dtype:
+        qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
+        q = qk[..., 0, :, :] * scale
+        k = qk[..., 1, :, :]
+        v = heads[..., 2, :, :]
+        return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
+    norms = torch.linalg.vector_norm(heads[..., :2, :, :], dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)
+    if inplace:
+        heads[..., :2, :, :].div_(norms)
+        out = heads
+    else:
+        ones = norms.new_ones(()).expand(*norms.shape[:-3], 1, num_heads, 1)
+        out = heads / torch.cat((norms, ones), dim=-3)
+    out[..., 0, :, :].mul_(scale)
+    return out.reshape(qkv.shape)
 
 
 def clear_caches() -> None:
