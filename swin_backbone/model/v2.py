@@ -139,7 +139,7 @@ class WindowAttentionV2(nn.Module):
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = ops.norm_qkv(x, _IDENTITY, self.qkv_projection(), layout, self.num_heads, plan)  # type: ignore[arg-type]
-        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, inplace=not (plan.grad or plan.tracing))  # fresh: ours
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
         )

@@ -149,6 +149,16 @@ def _reference_cosine_qkv(qkv, logit_scale, num_heads):
     return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), heads[..., 2, :, :]), dim=-3).reshape(qkv.shape)
 
 
+def _cosine_plans(qkv):
+    """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), training
+    (memory-saving function), training without memory-saving functions (plain ops)."""
+    inference = ops.plan_for(qkv, grad=False)
+    training = ops.plan_for(qkv, grad=True)
+    assert not inference.grad and training.grad and training.save_memory
+    return {"none": None, "inference": inference, "training": training,
+            "training_plain": ops.plan_for(qkv, grad=True, save_memory=False)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_cosine_qkv_paths_are_bit_identical_to_the_plain_expression(dtype):
     from swin_backbone.ops.cosine import cosine_qkv
@@ -158,26 +168,64 @@ def test_cosine_qkv_paths_are_bit_identical_to_the_plain_expression(dtype):
     qkv[0, 3] = 0  # a zero token (padding): zero q and k stay zero
     scale = torch.tensor([1.0, 5.0, 3.0]).log().view(3, 1, 1)  # one above the clamp
     ref = _reference_cosine_qkv(qkv, scale, 3)
-    assert torch.equal(cosine_qkv(qkv, scale, 3), ref)
-    inplace = qkv.clone()
-    with torch.no_grad():
-        out = cosine_qkv(inplace, scale, 3, inplace=True)
-    assert torch.equal(out, ref)
-    if dtype != torch.bfloat16:  # written into qkv itself (fp32 / fp64)
-        assert out.data_ptr() == inplace.data_ptr() and torch.equal(inplace, ref)
+    for name, plan in _cosine_plans(qkv).items():
+        mine = qkv.clone()
+        with torch.set_grad_enabled(name.startswith("training")):
+            out = cosine_qkv(mine, scale, 3, plan)
+        assert torch.equal(out, ref), name
+        if name == "inference" and dtype != torch.bfloat16:  # written into qkv itself (fp32 / fp64)
+            assert out.data_ptr() == mine.data_ptr() and torch.equal(mine, ref)
+        else:
+            assert torch.equal(mine, qkv), name  # the input untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cosine_qkv_gradients_equal_the_plain_expression(dtype):
+@pytest.mark.parametrize("plan_name", ["none", "training", "training_plain"])
+def test_cosine_qkv_gradients_equal_the_plain_expression(dtype, plan_name):
     from swin_backbone.ops.cosine import cosine_qkv
 
     torch.manual_seed(0)
-    qkv = torch.randn(2, 7, 3 * 12, dtype=dtype, requires_grad=True)
-    scale = torch.rand(3, 1, 1, dtype=dtype).mul(5).requires_grad_()
+    qkv = torch.randn(2, 7, 3 * 12, dtype=dtype)
+    qkv[1, 2, :24] = 0  # a zero q and k (padding): F.normalize's gradient there is g / eps
+    qkv.requires_grad_()
+    scale = torch.tensor([1.0, 5.0, 3.0], dtype=dtype).log().view(3, 1, 1).requires_grad_()  # one above the clamp
+    plan = _cosine_plans(qkv)[plan_name]
     probe = torch.randn(2, 7, 36, dtype=dtype)
-    got = torch.autograd.grad(cosine_qkv(qkv, scale, 3), (qkv, scale), probe)
+    out = cosine_qkv(qkv, scale, 3, plan)
+    if plan_name == "training":
+        assert out.grad_fn.next_functions[0][0].name() == "_CosineQKVBackward"
+    got = torch.autograd.grad(out, (qkv, scale), probe)
     ref = torch.autograd.grad(_reference_cosine_qkv(qkv, scale, 3), (qkv, scale), probe)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0 if dtype == torch.float64 else 1e-6)
-    if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda t, s: cosine_qkv(t, s, 3), (qkv, scale))
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float64:  # (away from the zero token, where F.normalize has a kink)
+        x = torch.randn(2, 5, 36, dtype=dtype, requires_grad=True)
+        s = torch.rand(3, 1, 1, dtype=dtype).mul(5).requires_grad_()  # some above the clamp
+        assert torch.autograd.gradcheck(lambda t, u: cosine_qkv(t, u, 3, plan), (x, s))
+
+
+def test_memory_saving_cosine_qkv_keeps_only_its_output():
+    """Autograd's graph keeps the input and normalised copies; the memory-saving function keeps
+    its output (which the attention kernels keep anyway) and per-head norms."""
+    from swin_backbone.ops.cosine import cosine_qkv
+
+    qkv = torch.randn(1, 64, 3 * 32, requires_grad=True) * 1
+    scale = torch.rand(2, 1, 1, requires_grad=True)
+    plans = _cosine_plans(qkv)
+
+    def saved_storages(plan):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = cosine_qkv(qkv, scale, 2, plan)
+        return out, seen
+
+    out, seen = saved_storages(plans["training"])
+    assert out.untyped_storage().data_ptr() in seen and sum(seen.values()) < 1.1 * out.untyped_storage().nbytes()
+    _, plain = saved_storages(plans["training_plain"])
+    assert sum(plain.values()) > 1.3 * out.untyped_storage().nbytes()
