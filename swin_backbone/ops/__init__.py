@@ -144,7 +144,9 @@ def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn
     return drop_path(mlp(norm(x))).add_(x)
 
 
-def mlp_post_norm_residual(x: torch.Tensor, mlp: nn.Module, norm: nn.Module, drop_path: nn.Module, plan: Plan) -> torch.Tensor:
+def mlp_post_norm_residual(
+    x: torch.Tensor, mlp: nn.Module, norm: nn.Module, drop_path: nn.Module, plan: Plan
+) -> torch.Tensor:
     """``x + drop_path(norm(mlp(x)))`` (Swin V2's post-norm MLP residual) for ``(B, L, C)``
     tokens that the caller owns: :func:`mlp_residual` with the norm after the MLP.
 

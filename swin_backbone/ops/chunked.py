@@ -67,7 +67,9 @@ def norm_nchw_by_rows(x: torch.Tensor, norm: nn.Module, chunk_bytes: int) -> tor
     return out
 
 
-def mlp_post_norm_residual_(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int) -> torch.Tensor:
+def mlp_post_norm_residual_(
+    x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int
+) -> torch.Tensor:
     """``x += norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP residual) in row chunks, in
     place, without autograd: the V2 counterpart of :func:`mlp_residual_`.
 

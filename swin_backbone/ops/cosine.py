@@ -85,7 +85,9 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
 
-def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int, plan: Optional[Plan] = None) -> torch.Tensor:
+def cosine_qkv(
+    qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int, plan: Optional[Plan] = None
+) -> torch.Tensor:
     """Prepare ``qkv`` so that plain dot-product attention with ``scale=1.0`` computes
     Swin V2's scaled cosine logits.
 

@@ -330,5 +330,7 @@ def mlp_norm(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, c
         ``(..., C_out)``, a tensor of its own (a residual may be added into it in place).
     """
     if _fusable(norm, x):
-        return _MlpNorm.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm.weight, norm.bias, norm.eps, chunk_bytes)
+        return _MlpNorm.apply(
+            x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm.weight, norm.bias, norm.eps, chunk_bytes
+        )
     return norm(fc2(F.gelu(fc1(x))))

@@ -415,7 +415,8 @@ def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_siz
             m.eval()
         tag = _dtype_tag(dtype)
         times = interleave({k: eval_step(m, x, dtype) for k, m in models.items()}, device, args.iters, args.warmup)
-        results[f"v2_eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"Swin V2 eval {tag} {batch}x3x{h}x{w}", times, reference)
+        results[f"v2_eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"Swin V2 eval {tag} {batch}x3x{h}x{w}", times,
+                                                                reference)
     th, tw = train_size
     x = torch.randn(2, 3, th, tw, device=device)
     for dtype in trains:

@@ -114,7 +114,8 @@ def test_mlp_norm_in_pure_bf16():
     ref = norm(mlp(x))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
-    for a, b in zip(torch.autograd.grad(out.float().sum(), [x, norm.weight]), torch.autograd.grad(ref.float().sum(), [x, norm.weight])):
+    params = [x, norm.weight]
+    for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
 
 
