@@ -3,6 +3,7 @@ tools/extract_features.py, and usable from notebooks).
 
 >>> from swin_backbone.features import FeatureExtractor
 >>> fx = FeatureExtractor.from_arch('tiny', checkpoint='swin_tiny_patch4_window7_224.pth')
+>>> fx = FeatureExtractor.from_arch('v2-tiny', checkpoint='swinv2_tiny_patch4_window8_256.pth')  # Swin V2
 >>> feats = fx([image_hwc_uint8])          # list (one per image) of {stage: (C, h, w) tensor}
 
 An image's features never depend on what else is in its batch. On GPUs, with a SwinBackbone
@@ -28,6 +29,54 @@ IMAGENET_STD = (58.395, 57.12, 57.375)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 ImageLike = Union[np.ndarray, torch.Tensor]
+
+#: Prefix of the Swin V2 presets among :meth:`FeatureExtractor.from_arch`'s (and
+#: ``swin-extract-features --arch``'s) names: ``v2-tiny`` ... ``v2-giant`` (or ``v2-t`` ...).
+V2_PREFIX = "v2-"
+#: The window of a Swin V1 preset unless one is given (the published models').
+V1_DEFAULT_WINDOW = 7
+
+
+def split_arch(arch: Optional[str]) -> Tuple[int, Optional[str]]:
+    """``(Swin version, the backbone's own arch name)`` of a :meth:`FeatureExtractor.from_arch` name.
+
+    ``'tiny'`` ... ``'large'`` (or ``'t'`` ...; or ``None`` with explicit sizes): Swin V1
+    (:class:`~swin_backbone.SwinBackbone`). ``'v2-tiny'`` ... ``'v2-giant'`` (or ``'v2-t'`` ...),
+    or a published Swin V2 name such as ``'swinv2_tiny_window8_256'`` (which also sets the
+    window and the pre-training windows): Swin V2 (:class:`~swin_backbone.SwinV2Backbone`).
+    Case does not matter; unknown names are left for the backbone to refuse.
+    """
+    from .model.v2 import PUBLISHED_V2
+
+    if isinstance(arch, str):
+        name = arch.lower()
+        if name.startswith(V2_PREFIX):
+            return 2, name[len(V2_PREFIX):]
+        if name in PUBLISHED_V2:
+            return 2, name
+    return 1, arch
+
+
+def default_window_size(arch: Optional[str]) -> int:
+    """The window a :meth:`FeatureExtractor.from_arch` name runs with unless one is given:
+    7 for Swin V1, 8 for a V2 preset, a published V2 model's own (e.g. 16 for
+    ``swinv2_tiny_window16_256``)."""
+    from .model.v2 import PUBLISHED_V2
+
+    version, name = split_arch(arch)
+    if version == 1:
+        return V1_DEFAULT_WINDOW
+    return PUBLISHED_V2.get(name, {}).get("window_size", 8)
+
+
+def arch_names() -> str:
+    """Every name :meth:`FeatureExtractor.from_arch` takes, for help texts."""
+    from .model.backbone import ARCH_SETTINGS
+    from .model.v2 import PUBLISHED_V2, V2_ARCH_SETTINGS
+
+    return (f"Swin V1: {', '.join(ARCH_SETTINGS)} (window 7); Swin V2: "
+            f"{', '.join(V2_PREFIX + a for a in V2_ARCH_SETTINGS)} (window 8), or a published V2 model "
+            f"(its window and pre-training windows): {', '.join(PUBLISHED_V2)}")
 
 
 def to_tensor(image: ImageLike) -> torch.Tensor:
@@ -105,25 +154,42 @@ class FeatureExtractor:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arch(cls, arch: Optional[str] = "tiny", checkpoint: Optional[str] = None, window_size: int = 7,
-                  out_indices: Sequence[int] = (0, 1, 2, 3), embed_dims: Optional[int] = None,
-                  depths: Optional[Sequence[int]] = None, num_heads: Optional[Sequence[int]] = None,
-                  seed: Optional[int] = None, **kwargs) -> "FeatureExtractor":
-        """A SwinBackbone preset (+ a checkpoint of any supported format).
+    def from_arch(cls, arch: Optional[str] = "tiny", checkpoint: Optional[str] = None,
+                  window_size: Optional[int] = None, out_indices: Sequence[int] = (0, 1, 2, 3),
+                  embed_dims: Optional[int] = None, depths: Optional[Sequence[int]] = None,
+                  num_heads: Optional[Sequence[int]] = None, seed: Optional[int] = None,
+                  pretrained_window_sizes: Optional[Union[int, Sequence[int]]] = None,
+                  **kwargs) -> "FeatureExtractor":
+        """A Swin V1 or V2 preset (+ a checkpoint of any supported format of that version).
 
-        ``embed_dims`` / ``depths`` / ``num_heads`` override the preset (``arch=None``: give all
-        three). Without a checkpoint the weights are random: ``seed`` makes them reproducible
+        ``arch``: a V1 preset (``'tiny'`` ... ``'large'``), a V2 preset (``'v2-tiny'`` ...
+        ``'v2-giant'``) or a published V2 model name (``'swinv2_tiny_window8_256'``, ...):
+        :func:`split_arch`, :func:`arch_names`. ``window_size``: default
+        :func:`default_window_size` (7, 8, or the published model's). ``embed_dims`` /
+        ``depths`` / ``num_heads`` override the preset (``arch=None``: V1, give all three).
+        ``pretrained_window_sizes`` (V2 only): the window(s) the checkpoint was pre-trained
+        with, for a larger ``window_size`` (see :class:`~swin_backbone.SwinV2Backbone`).
+        Without a checkpoint the weights are random: ``seed`` makes them reproducible
         (every process of a sharded run must build the same model).
         """
         from .model.backbone import SwinBackbone
-        from .checkpoint import load_checkpoint
+        from .model.v2 import SwinV2Backbone
 
+        version, name = split_arch(arch)
+        window = default_window_size(arch) if window_size is None else window_size
         if seed is not None:
             torch.manual_seed(seed)
-        backbone = SwinBackbone(arch=arch, embed_dims=embed_dims, depths=depths, num_heads=num_heads,
-                                window_size=window_size, out_indices=out_indices, drop_path_rate=0.0)
+        common = dict(arch=name, embed_dims=embed_dims, depths=depths, num_heads=num_heads, window_size=window,
+                      out_indices=out_indices, drop_path_rate=0.0)
+        if version == 2:
+            backbone = SwinV2Backbone(pretrained_window_sizes=pretrained_window_sizes, **common)
+        elif pretrained_window_sizes is not None:
+            raise ValueError(f"pretrained_window_sizes: only for Swin V2 presets ({V2_PREFIX}tiny, ...), "
+                             f"got arch={arch!r}")
+        else:
+            backbone = SwinBackbone(**common)
         if checkpoint:
-            load_checkpoint(backbone, checkpoint)
+            _load_for_arch(backbone, checkpoint, arch)
         else:
             backbone.init_weights()
         return cls(backbone, **kwargs)
@@ -244,9 +310,30 @@ class FeatureExtractor:
         return results  # type: ignore[return-value]
 
 
+def _load_for_arch(backbone: nn.Module, checkpoint: str, arch: Optional[str]) -> None:
+    """Load ``checkpoint`` (any format; V1 or V2 detected from its keys); a checkpoint of the
+    other Swin version is refused with the ``arch`` names that would take it."""
+    from .checkpoint import CheckpointError, detect_format, load_checkpoint, read_checkpoint, unwrap_state_dict
+    from .checkpoint.formats_v2 import swin_version
+
+    try:
+        load_checkpoint(backbone, checkpoint)
+    except CheckpointError as err:
+        try:
+            have = swin_version(detect_format(unwrap_state_dict(read_checkpoint(checkpoint))[0]))
+        except Exception:
+            raise err from None
+        if have == getattr(backbone, "swin_version", 1):
+            raise
+        hint = (f"a Swin V2 preset ({V2_PREFIX}tiny, {V2_PREFIX}small, ...) or a published V2 name "
+                f"(swinv2_tiny_window8_256, ...)" if have == 2 else "a Swin V1 preset (tiny, small, base, large)")
+        raise CheckpointError(f"{err}\n(arch={arch!r} builds Swin V{3 - have}; for this checkpoint pass {hint})") from None
+
+
 def extract_features(images: Sequence[ImageLike], arch: str = "tiny", checkpoint: Optional[str] = None,
                      **kwargs) -> List[Dict[int, torch.Tensor]]:
-    """One-call API: features of ``images`` from a SwinBackbone preset (+ checkpoint)."""
+    """One-call API: features of ``images`` from a Swin V1 / V2 preset (+ checkpoint):
+    :meth:`FeatureExtractor.from_arch`'s names."""
     return FeatureExtractor.from_arch(arch, checkpoint, **kwargs)(images)
 
 

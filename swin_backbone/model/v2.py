@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.windows import WindowLayout, ceil_div
+from ..ops.windows import WindowLayout
 from .backbone import SwinBackbone
 from .blocks import DropPath, Mlp
 from .validation import fail
@@ -139,7 +139,7 @@ class WindowAttentionV2(nn.Module):
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = ops.norm_qkv(x, _IDENTITY, self.qkv_projection(), layout, self.num_heads, plan)  # type: ignore[arg-type]
-        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads)
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
         )
@@ -198,7 +198,7 @@ class SwinBlockV2(nn.Module):
         # The residual goes into the branch's fresh output (LayerNorm's backward does not
         # need its output, so adding into it in place is safe).
         x = self.drop_path(self.norm1(self.attn(x, layout, plan))).add_(x)
-        x = self.drop_path(self.norm2(self.mlp(x))).add_(x)
+        x = ops.mlp_post_norm_residual(x, self.mlp, self.norm2, self.drop_path, plan)
         return x if self.norm3 is None else self.norm3(x)
 
     def reset_post_norms(self) -> None:
@@ -226,13 +226,8 @@ class PatchMergingV2(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        x = ops.mask_map(x, plan)  # per-image valid sizes: zeros beyond each image, as alone
-        b, h, w, c = x.shape
-        h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
-        x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
-        # (B, h, dh, w, dw, C) -> (B, h, w, dw, dh, C): channel block k = 2 * dw + dh.
-        x = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-        return self.norm(self.reduction(x))
+        # Per-image valid sizes: cells across an image's edge read zeros beyond it, as alone.
+        return self.norm(self.reduction(ops.merge_patches(x, plan)))
 
 
 def _per_stage(name: str, value: Union[int, Sequence[int]], num_stages: int, minimum: int) -> Tuple[int, ...]:

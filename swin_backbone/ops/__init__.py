@@ -32,8 +32,8 @@ __all__ = [
     "Plan",
     "attention_kernel",
     "mask_input",
-    "mask_map",
     "merge_patches",
+    "mlp_post_norm_residual",
     "mlp_residual",
     "norm_linear",
     "norm_qkv",
@@ -148,6 +148,25 @@ def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn
     return drop_path(mlp(norm(x))).add_(x)
 
 
+def mlp_post_norm_residual(
+    x: torch.Tensor, mlp: nn.Module, norm: nn.Module, drop_path: nn.Module, plan: Plan
+) -> torch.Tensor:
+    """``x + drop_path(norm(mlp(x)))`` (Swin V2's post-norm MLP residual) for ``(B, L, C)``
+    tokens that the caller owns: :func:`mlp_residual` with the norm after the MLP.
+
+    ``mlp`` has ``fc1``, ``act`` (GELU), ``fc2`` and ``drop``. CPU inference adds into ``x``
+    in place, a row chunk at a time; training keeps only the inputs for backward
+    (:func:`~swin_backbone.ops.recompute.mlp_norm`).
+    """
+    from . import chunked as _chunked, recompute as _recompute
+
+    if plan.chunk_bytes and not plan.grad and not plan.stochastic:
+        return _chunked.mlp_post_norm_residual_(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)
+    if plan.save_memory and not plan.dropout:
+        return drop_path(_recompute.mlp_norm(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)).add_(x)
+    return drop_path(norm(mlp(x))).add_(x)
+
+
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:
     """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)``: a view of channels-last
     memory if ``channels_last``, else contiguous NCHW (by map rows in CPU inference).
@@ -176,14 +195,6 @@ def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:
     if not straddles(plan.valid_sizes, x.shape[2], x.shape[3], patch_size):
         return x
     return zero_straddles_(x.clone(), plan.valid_sizes, 2, patch_size)
-
-
-def mask_map(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """``(B, H, W, C)`` map of a stage with zeros beyond each image's valid size (the plan's
-    ``valid_sizes``), as before patch merging; in place where nothing records a gradient."""
-    if plan.valid_sizes is None:
-        return x
-    return zero_beyond_valid(x, plan.valid_sizes, 1, inplace=not plan.grad)
 
 
 def merge_patches(x: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -65,3 +65,22 @@ def norm_nchw_by_rows(x: torch.Tensor, norm: nn.Module, chunk_bytes: int) -> tor
             out = part.new_empty(batch, channels, height, width)
         out[:, :, rows] = part
     return out
+
+
+def mlp_post_norm_residual_(
+    x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int
+) -> torch.Tensor:
+    """``x += norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP residual) in row chunks, in
+    place, without autograd: the V2 counterpart of :func:`mlp_residual_`.
+
+    Args:
+        x: ``(..., C)`` contiguous tokens, modified in place.
+    Returns:
+        ``x``.
+    """
+    rows = x.view(-1, x.shape[-1])
+    for part in chunk_slices(rows.shape[0], chunk_rows(fc1.out_features, x.element_size(), chunk_bytes)):
+        chunk = rows[part]
+        chunk.add_(norm(fc2(F.gelu(fc1(chunk)))))
+    return x
+

@@ -21,12 +21,13 @@ The coordinate arithmetic is pure (:func:`log_spaced_coords`) and cached per
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .planner import Plan
 from .windows import size_cache
 
 #: Upper clamp of ``logit_scale`` (the official ``log(1 / 0.01)``), a Python float so that
@@ -35,6 +36,9 @@ LOGIT_SCALE_MAX = math.log(100.0)
 
 #: Coordinates are normalised to ``[-COORD_RANGE, COORD_RANGE]`` before the log spacing.
 COORD_RANGE = 8.0
+
+#: ``F.normalize``'s default epsilon: q and k are divided by ``max(|q|, eps)``.
+NORMALIZE_EPS = 1e-12
 
 #: Output scale of the position bias: ``16 * sigmoid(...)`` lies in ``(0, 16)``.
 BIAS_SCALE = 16.0
@@ -81,34 +85,100 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
 
-def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int) -> torch.Tensor:
+def cosine_qkv(
+    qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int, plan: Optional[Plan] = None
+) -> torch.Tensor:
     """Prepare ``qkv`` so that plain dot-product attention with ``scale=1.0`` computes
     Swin V2's scaled cosine logits.
 
     Args:
         qkv: ``(..., 3C)`` projected tokens, q / k / v each ``nH`` heads of ``C / nH``
-            channels (any token order: the operation is per token).
+            channels (any token order: the operation is per token). With a ``plan``, a
+            tensor the caller owns: where nothing records a gradient it is overwritten.
         logit_scale: ``(nH, 1, 1)`` (or ``nH`` elements) learnable log scale.
         num_heads: ``nH``.
+        plan: the forward's plan (``None``: plain autograd ops on a new tensor).
     Returns:
         ``(..., 3C)`` in ``qkv``'s dtype: ``[normalize(q) * exp(min(logit_scale, log 100)),
-        normalize(k), v]`` per head.
+        normalize(k), v]`` per head; the same values, bit for bit, on every path.
 
     q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
     head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
     an all-zero key (a padding token: the qkv projection of a zero token has a zero k bias)
     into ``0 / 0``. In fp32 a zero key stays zero and its logits are exactly 0.
+
+    fp32 / fp64 need no normalised copy: the division by the norms (``F.normalize``'s
+    ``q / max(|q|, eps)``) and the multiplication by the scale run on ``qkv`` itself where
+    nothing records a gradient, else on one new tensor (v divided by 1: unchanged), which the
+    memory-saving path (``plan.save_memory``: :class:`_CosineQKV`) keeps as the only tensor for
+    backward: the attention kernels keep it anyway.
     """
     *lead, width = qkv.shape
     channels = width // 3
     heads = qkv.reshape(*lead, 3, num_heads, channels // num_heads)
     acc = torch.promote_types(qkv.dtype, torch.float32)  # fp16 / bf16 -> fp32; fp64 stays
-    qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
     scale = torch.clamp(logit_scale.reshape(num_heads, 1).to(acc), max=LOGIT_SCALE_MAX).exp()
-    q = qk[..., 0, :, :] * scale
-    k = qk[..., 1, :, :]
-    v = heads[..., 2, :, :]
-    return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
+    if acc != qkv.dtype:
+        qk = F.normalize(heads[..., :2, :, :].to(acc), dim=-1)
+        q = qk[..., 0, :, :] * scale
+        k = qk[..., 1, :, :]
+        v = heads[..., 2, :, :]
+        return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
+    if plan is not None and not plan.grad and not plan.tracing:
+        with torch.no_grad():
+            return _normalize_and_scale(heads, scale, inplace=True)[0].reshape(qkv.shape)
+    if plan is not None and plan.save_memory:
+        return _CosineQKV.apply(heads, scale).reshape(qkv.shape)
+    return _normalize_and_scale(heads, scale, inplace=False)[0].reshape(qkv.shape)
+
+
+def _normalize_and_scale(heads: torch.Tensor, scale: torch.Tensor, inplace: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(..., 3, nH, d)`` heads -> ``[q / |q| * scale, k / |k|, v]`` (norms clamped at
+    :data:`NORMALIZE_EPS`), in ``heads`` itself or in one new tensor; and the clamped norms
+    ``(..., 2, nH, 1)``."""
+    norms = torch.linalg.vector_norm(heads[..., :2, :, :], dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)
+    if inplace:
+        heads[..., :2, :, :].div_(norms)
+        out = heads
+    else:
+        ones = norms.new_ones(()).expand(*norms.shape[:-3], 1, norms.shape[-2], 1)
+        out = heads / torch.cat((norms, ones), dim=-3)
+    out[..., 0, :, :].mul_(scale)
+    return out, norms
+
+
+class _CosineQKV(torch.autograd.Function):
+    """:func:`cosine_qkv` in fp32 / fp64 that keeps its output (which the attention keeps
+    anyway), the norms and the scale for backward, instead of autograd's input and normalised
+    copies.
+
+    With ``y = x / n`` (``n = max(|x|, eps)``) and the output ``o = a y`` (``a``: the scale
+    for q, 1 for k), the gradient of ``x`` is ``(a g - o <g, o> [|x| > eps] / a) / n`` per
+    head and token (``F.normalize``'s, written with ``o``), and that of the scale
+    ``sum <g_q, o_q> / a``; v passes its gradient through.
+    """
+
+    @staticmethod
+    def forward(ctx, heads, scale):
+        out, norms = _normalize_and_scale(heads, scale, inplace=False)
+        ctx.save_for_backward(out, norms, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, norms, scale = ctx.saved_tensors
+        grad_qk, out_qk = grad[..., :2, :, :], out[..., :2, :, :]
+        a = torch.stack((scale, torch.ones_like(scale)))  # (2, nH, 1): q's scale, k's 1
+        dot = (grad_qk * out_qk).sum(-1, keepdim=True)  # <g, o> per token, q / k and head
+        unclamped = norms > NORMALIZE_EPS  # (clamp_min passes no gradient to the norm at eps)
+        grad_heads = torch.empty_like(grad)
+        torch.mul(grad_qk, a / norms, out=grad_heads[..., :2, :, :])
+        grad_heads[..., :2, :, :].addcmul_(out_qk, dot * unclamped / (a * norms), value=-1)
+        grad_heads[..., 2, :, :] = grad[..., 2, :, :]
+        grad_scale = None
+        if ctx.needs_input_grad[1]:
+            grad_scale = dot[..., 0, :, :].reshape(-1, scale.shape[0]).sum(0).unsqueeze(-1) / scale
+        return grad_heads, grad_scale
 
 
 def clear_caches() -> None:

@@ -218,3 +218,119 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Opt
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias, layout)
     normed = norm(x)
     return linear(normed if layout is None else window_partition(normed, layout))
+
+
+class _MlpNorm(torch.autograd.Function):
+    """``layer_norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP branch) that saves ``x``,
+    ``h = fc1(x)``, the LayerNorm's input ``y`` and statistics for backward, not the GELU
+    output (which fc2's backward needs: recomputed from ``h``).
+
+    As :class:`_NormMlp`, the GELU -> fc2 forward and the whole backward (here including the
+    LayerNorm's) run in row chunks; fp16 / bf16 run as one chunk. Under autocast the
+    LayerNorm runs in the dtype ``nn.LayerNorm`` would (fp32 on CUDA, the input's on the CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, norm_weight, norm_bias, eps: float, chunk_bytes: int):
+        rows = x.reshape(-1, x.shape[-1])
+        h = F.linear(rows, w1, b1)  # autocast applies here as for nn.Linear
+        w2c = w2.to(h.dtype)
+        y = h.new_empty(*x.shape[:-1], w2.shape[0])
+        y_rows = y.view(-1, w2.shape[0])
+        for part in _row_parts(h, chunk_bytes):
+            torch.matmul(F.gelu(h[part]), w2c.t(), out=y_rows[part])
+        if b2 is not None:
+            y.add_(b2.to(h.dtype))
+        ln_dtype = _layer_norm_dtype(y, norm_weight, norm_bias, eps)
+        out, mean, rstd = torch.native_layer_norm(y.to(ln_dtype), (y.shape[-1],), norm_weight, norm_bias, eps)
+        ctx.save_for_backward(x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias)
+        ctx.chunk_bytes, ctx.ln_dtype = chunk_bytes, ln_dtype
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # x, w1, b1, w2, b2, norm_weight, norm_bias, eps, chunk_bytes
+        dtype, channels, width = h.dtype, x.shape[-1], y.shape[-1]
+        acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
+        w1c, w2c = w1.to(dtype), w2.to(dtype)
+        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, width)
+        y_rows, mean, rstd = y.view(-1, width), mean.reshape(-1, 1), rstd.reshape(-1, 1)
+
+        def zeros(shape, needed, like=acc):
+            return rows.new_zeros(shape, dtype=like) if needed else None
+
+        def empty(shape, needed):  # written by the first chunk's matmul: no zero-fill pass
+            return rows.new_empty(shape, dtype=acc) if needed else None
+
+        ln_acc = torch.promote_types(ctx.ln_dtype, torch.float32)
+        grad_nw, grad_nb = zeros(width, needs[5], ln_acc), zeros(width, needs[6], ln_acc)
+        grad_x = torch.empty_like(rows) if needs[0] else None
+        grad_w1, grad_b1 = empty(w1.shape, needs[1]), zeros(w1.shape[0], needs[2])
+        grad_w2, grad_b2 = empty(w2.shape, needs[3]), zeros(w2.shape[0], needs[4])
+        below_norm = any(needs[:5])
+        below_fc2 = any(needs[:3])
+        for i, part in enumerate(_row_parts(h, ctx.chunk_bytes)):
+            dy, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
+                grad_rows[part].to(ctx.ln_dtype), y_rows[part].to(ctx.ln_dtype), (width,), mean[part], rstd[part],
+                norm_weight, norm_bias, [below_norm, needs[5], needs[6]],
+            )
+            if grad_nw is not None:
+                grad_nw += dnw
+            if grad_nb is not None:
+                grad_nb += dnb
+            if not below_norm:
+                continue
+            dy = dy.to(dtype)
+            if grad_b2 is not None:
+                grad_b2 += dy.sum(0, dtype=acc)
+            if grad_w2 is not None:
+                _accumulate_mm(grad_w2, dy.t(), F.gelu(h[part]), first=i == 0)
+            if not below_fc2:
+                continue
+            grad_h = torch.ops.aten.gelu_backward(dy @ w2c, h[part])
+            if grad_b1 is not None:
+                grad_b1 += grad_h.sum(0, dtype=acc)
+            if grad_w1 is not None:
+                _accumulate_mm(grad_w1, grad_h.t(), rows[part].to(dtype), first=i == 0)
+            if grad_x is not None:
+                grad_x[part] = grad_h @ w1c
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+        return (
+            None if grad_x is None else grad_x.view(x.shape),
+            None if grad_w1 is None else grad_w1.to(w1.dtype),
+            None if grad_b1 is None else grad_b1.to(b1_dtype),
+            None if grad_w2 is None else grad_w2.to(w2.dtype),
+            None if grad_b2 is None else grad_b2.to(b2_dtype),
+            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
+            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
+            None,
+            None,
+        )
+
+
+def _layer_norm_dtype(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.dtype:
+    """The dtype ``nn.LayerNorm`` computes ``y`` in: autocast may cast it (to fp32 on CUDA,
+    not on the CPU), so an empty input asks autocast's own rule."""
+    if not torch.is_autocast_enabled(y.device.type):
+        return y.dtype
+    return F.layer_norm(y.new_empty(0, y.shape[-1]), (y.shape[-1],), weight, bias, eps).dtype
+
+
+def mlp_norm(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int = 0) -> torch.Tensor:
+    """``norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP branch) keeping only ``x``,
+    ``fc1``'s output and the LayerNorm's input and statistics for backward (:class:`_MlpNorm`).
+
+    Args:
+        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` over ``fc2``'s output (anything
+            else runs unfused).
+        chunk_bytes: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
+    Returns:
+        ``(..., C_out)``, a tensor of its own (a residual may be added into it in place).
+    """
+    if _fusable(norm, x):
+        return _MlpNorm.apply(
+            x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm.weight, norm.bias, norm.eps, chunk_bytes
+        )
+    return norm(fc2(F.gelu(fc1(x))))

@@ -19,7 +19,16 @@ eval and training, which SDPA kernels ran, and a UPerNet (mmseg) training step.
 rounds, one process; memory in subprocesses) and prints its effect on eval time, training time
 and training peak memory.
 
-    python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--ablate]
+``--v2`` adds Swin V2 rows (``--v2 only``: just those): SwinV2Backbone tiny, window 8, against
+timm's ``swinv2_tiny_window8_256`` (features_only, built for the eval size with
+``strict_img_size=False``) and torchvision's ``swin_v2_t`` (its ``features``), all three with the
+same weights (timm's random initialisation, loaded into ours by the checkpoint loader and
+written for torchvision by our converter) and stochastic depth off: eval and training timings
+as ratios from the same interleaved rounds, and peak training memory, on the CPU at the
+sizes above and on CUDA with the V1 rows' dtypes and sizes. They take a few minutes on a
+2-core CPU, so they are not part of the default run.
+
+    python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--ablate] [--v2 [only]]
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from swin_backbone import SwinBackbone, load_checkpoint, ops
+from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint, ops
 
 ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7)
 
@@ -97,6 +106,57 @@ def build_peers(device: str, size: Sequence[int]) -> Dict[str, torch.nn.Module]:
     except ImportError:
         pass
     return {k: m.to(device).eval() for k, m in peers.items()}
+
+
+#: timm's Swin V2 model that the V2 rows compare with (ours: ``SwinV2Backbone('tiny', window_size=8)``).
+V2_TIMM = "swinv2_tiny_window8_256"
+
+
+def build_v2(device: str, size: Sequence[int], peers: bool = True, seed: int = 0) -> Dict[str, torch.nn.Module]:
+    """Swin V2-T window 8: ours, timm's (features_only, built for ``size``) and torchvision's
+    ``swin_v2_t`` features, where installed, all with the same weights and no stochastic depth.
+
+    The weights are timm's random initialisation: loaded into ours through the checkpoint
+    loader (timm-v2 format; our stage 1-3 output norms, which a classification model lacks,
+    stay unit LayerNorms) and into torchvision through our torchvision-v2 writer.
+    """
+    from swin_backbone.checkpoint.formats_v2 import ours_v2_to_torchvision
+
+    torch.manual_seed(seed)
+    ours = SwinV2Backbone("tiny", window_size=8, drop_path_rate=0.0)
+    models: Dict[str, torch.nn.Module] = {"ours": ours}
+    try:
+        import timm
+    except ImportError:
+        timm = None
+    if timm is not None:
+        full = timm.create_model(V2_TIMM, pretrained=False, drop_path_rate=0.0)
+        load_checkpoint(ours, full.state_dict(), logger=None)
+        if peers:
+            feats = timm.create_model(V2_TIMM, pretrained=False, features_only=True, img_size=tuple(size),
+                                      strict_img_size=False, drop_path_rate=0.0)
+            state = {k.replace("layers.", "layers_", 1): v for k, v in full.state_dict().items()
+                     if k.startswith(("patch_embed.", "layers."))}
+            feats.load_state_dict(state, strict=True)
+            models["timm"] = feats
+    else:
+        ours.init_weights()
+    if peers:
+        try:
+            from torchvision.models import swin_v2_t
+            from torchvision.ops import StochasticDepth
+        except ImportError:
+            swin_v2_t = None
+        if swin_v2_t is not None:
+            tv = swin_v2_t(weights=None)
+            _, unexpected = tv.load_state_dict(ours_v2_to_torchvision(ours.state_dict()), strict=False)
+            if unexpected:
+                raise RuntimeError(f"torchvision swin_v2_t: unexpected keys from our converter: {unexpected[:5]}")
+            for m in tv.modules():
+                if isinstance(m, StochasticDepth):
+                    m.p = 0.0
+            models["torchvision"] = tv.features
+    return {k: m.to(device) for k, m in models.items()}
 
 
 def sync(device: str) -> None:
@@ -179,7 +239,11 @@ def matmul_step(device: str, n: int = 2048) -> Callable[[], None]:
 def memory_child(name: str, device: str, batch: int, size: Sequence[int], variant: Optional[str],
                  dtype: Optional[str]) -> None:
     """Run in a fresh process: peak memory of one fwd+bwd beyond the model and input."""
-    models = build_pair(device)
+    if name.startswith("v2:"):  # a Swin V2 row's model
+        name = name[3:]
+        models = build_v2(device, size, peers=name != "ours")
+    else:
+        models = build_pair(device)
     model = models[name]
     model.train()  # (mmdet's train() returns None: no chaining)
     del models
@@ -255,7 +319,7 @@ def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet
         ours_over = {k: statistics.median(p / o for p, o in zip(times[k], times["ours"])) for k in peers}
         print(f"{label}: ours faster than " + ", ".join(f"{k} {r:.2f}x" for k, r in ours_over.items()))
         result["ours_speedup_over"] = ours_over
-    if "ours" in times and reference in times:  # the keys earlier runs and the tests read
+    if "ours" in times and reference in times and reference != "ours":  # the keys earlier runs and the tests read
         result.update(ours_s=med["ours"], mmdet_s=med[reference], speedup=speedups["ours"])
     return result
 
@@ -306,6 +370,12 @@ def run_cpu(args, results: dict) -> None:
         results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup, args.upernet_size)
 
 
+def run_cpu_v2(args, results: dict) -> None:
+    """The Swin V2 rows on the CPU: eval 1x3xHxW and training 2x3xSxS in fp32 (the V1 rows' sizes)."""
+    ts = args.train_size
+    run_v2(args, results, "cpu", args.eval_size, (ts, ts), evals=[(1, None)], trains=[None])
+
+
 def run_valid_sizes_overhead(model: torch.nn.Module, args, results: dict) -> None:
     """Eval cost of per-image valid sizes: a batch of 2 images of different sizes at detection
     resolution, padded to one input, with ``valid_sizes`` against the same batch without."""
@@ -325,6 +395,49 @@ def run_valid_sizes_overhead(model: torch.nn.Module, args, results: dict) -> Non
     print(f"valid_sizes overhead, eval 2x3x{eh}x{ew} (images {sizes[0][0]}x{sizes[0][1]}, {sizes[1][0]}x{sizes[1][1]}): "
           f"without {med['without'] * 1e3:.1f} ms, with {med['valid_sizes'] * 1e3:.1f} ms, {100 * overhead:+.1f}%")
     results["valid_sizes_overhead"] = {"samples": times, "median_s": med, "overhead": overhead, "sizes": sizes}
+
+
+def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_size: Sequence[int],
+           evals: Sequence[tuple], trains: Sequence[Optional[torch.dtype]],
+           memory_dtype: Optional[str] = None) -> None:
+    """The Swin V2 rows (:func:`build_v2`): eval at ``eval_size`` for every ``(batch, autocast
+    dtype or None)`` of ``evals``, training fwd+bwd of 2 images at ``train_size`` for every
+    autocast dtype (or None) of ``trains``, and peak training memory (``memory_dtype``), each
+    as ratios of the same interleaved rounds. Keys ``v2_eval_{dtype}_{B}x3x{H}x{W}``,
+    ``v2_train_{dtype}_2x3x{H}x{W}`` and ``v2_peak_memory``. The CPU run and the CUDA run
+    differ only in the arguments."""
+    models = build_v2(device, eval_size, peers=not args.no_peers)
+    reference = "timm" if "timm" in models else "ours"
+    h, w = eval_size
+    for batch, dtype in evals:
+        x = torch.randn(batch, 3, h, w, device=device)
+        for m in models.values():
+            m.eval()
+        tag = _dtype_tag(dtype)
+        times = interleave({k: eval_step(m, x, dtype) for k, m in models.items()}, device, args.iters, args.warmup)
+        results[f"v2_eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"Swin V2 eval {tag} {batch}x3x{h}x{w}", times,
+                                                                reference)
+    th, tw = train_size
+    x = torch.randn(2, 3, th, tw, device=device)
+    for dtype in trains:
+        for m in models.values():
+            m.train()
+        tag = _dtype_tag(dtype)
+        times = interleave({k: train_step(m, x, dtype) for k, m in models.items()}, device, args.iters, args.warmup)
+        results[f"v2_train_{tag}_2x3x{th}x{tw}"] = summarize(f"Swin V2 train fwd+bwd {tag} 2x3x{th}x{tw}", times,
+                                                             reference)
+    if not args.skip_memory:
+        mem = {k: peak_memory("v2:" + k, device, 2, (th, tw), dtype=memory_dtype) for k in models}
+        ratios = {k: mem["ours"] / v for k, v in mem.items() if k != "ours"}
+        print(f"Swin V2 peak training memory {memory_dtype or 'fp32'} 2x3x{th}x{tw}: "
+              + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in mem.items())
+              + "".join(f"; ours / {k} {r:.2f}x" for k, r in ratios.items()))
+        results["v2_peak_memory"] = {**{f"{k}_bytes": v for k, v in mem.items()},
+                                     **{f"ratio_over_{k}": r for k, r in ratios.items()}}
+
+
+def _dtype_tag(dtype: Optional[torch.dtype]) -> str:
+    return "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def run_ablation(args, results: dict) -> None:
@@ -384,12 +497,16 @@ def sdpa_kernels(model, x, autocast_dtype, train: bool) -> List[str]:
     return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention" in e.key.lower()})
 
 
+#: Input size of the CUDA rows.
+CUDA_SIZE = (800, 1344)
+
+
 def run_cuda(args, results: dict) -> None:
     device = "cuda"
     results["gpu"] = torch.cuda.get_device_name()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    h, w = 800, 1344
+    h, w = CUDA_SIZE
     models = build_pair(device)
     peers = {} if args.no_peers else build_peers(device, (h, w))
     everyone = {**models, **peers}
@@ -434,6 +551,18 @@ def run_cuda(args, results: dict) -> None:
         results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
     if args.upernet:
         results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup)
+
+
+def run_cuda_v2(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
+    """The Swin V2 rows on CUDA, as the V1 rows of :func:`run_cuda`: eval bf16 1x and 8x and fp32
+    (TF32 off) 1x, training 2x in bf16 and fp32, peak training memory in bf16."""
+    if torch.cuda.is_available():
+        results.setdefault("gpu", torch.cuda.get_device_name())
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    bf16 = torch.bfloat16
+    run_v2(args, results, args.device, size, size, evals=[(1, bf16), (8, bf16), (1, None)], trains=[bf16, None],
+           memory_dtype="bfloat16")
 
 
 def upernet_step(config: str, device: str, iters: int, warmup: int, size: int = 512, batch: int = 2) -> dict:
@@ -497,6 +626,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")
     parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
+    parser.add_argument("--v2", nargs="?", const="also", choices=("also", "only"),
+                        help="add the Swin V2 rows (ours vs timm / torchvision, same weights; minutes on a "
+                        "2-core CPU); '--v2 only': just those")
     parser.add_argument("--upernet-size", type=int, default=512, help="CPU: its input is 2 x 3 x S x S")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--ablate-variant", help=argparse.SUPPRESS)
@@ -515,10 +647,12 @@ def main(argv=None) -> dict:
         f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
     if args.ablate:
         run_ablation(args, results)
-    elif args.device == "cuda":
-        run_cuda(args, results)
     else:
-        run_cpu(args, results)
+        cuda = args.device == "cuda"
+        if args.v2 != "only":
+            (run_cuda if cuda else run_cpu)(args, results)
+        if args.v2:
+            (run_cuda_v2 if cuda else run_cpu_v2)(args, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,8 +1,14 @@
 """Turn images into multi-scale Swin feature maps, from a folder of ten to a whole dataset.
 
     swin-extract-features INPUT OUT_DIR --arch tiny --checkpoint swin_t.pth
+    swin-extract-features INPUT OUT_DIR --arch v2-tiny --checkpoint swinv2_tiny_patch4_window8_256.pth
     python -m swin_backbone.tools.extract_features 'photos/*.jpg' feats --config configs/mmdet/X.py --checkpoint det.pth
     torchrun --nproc-per-node 8 -m swin_backbone.tools.extract_features coco/train2017 feats --checkpoint swin_t.pth --device cuda --pool avg
+
+``--arch`` names a Swin V1 preset (tiny, small, base, large; window 7), a Swin V2 preset
+(v2-tiny ... v2-giant; window 8) or a published Swin V2 model (swinv2_tiny_window8_256, ...:
+its window and pre-training windows); ``--checkpoint`` may be in any format of that version
+(detected from its keys: official, timm, torchvision, mmdet / mmpretrain, ours).
 
 INPUT is an image file, a folder (searched recursively) or a glob. For each image, OUT_DIR
 gets, at the image's relative path: ``NAME.npz`` (all stages) or ``NAME.stage{i}.npy|.pt``,
@@ -50,7 +56,8 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ..features import DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, mean_pool, pca_rgb, resize_to, side_by_side
+from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size,
+                        mean_pool, pca_rgb, resize_to, side_by_side, split_arch)
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
 POOL_DIR = "pooled"
@@ -578,9 +585,11 @@ def _settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
             for chunk in iter(lambda: f.read(1 << 23), b""):
                 digest.update(chunk)
         ckpt = dict(file=os.path.basename(args.checkpoint), sha256=digest.hexdigest())
-    return dict(model=dict(config=os.path.abspath(args.config)) if args.config else
-                dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
-                     window_size=args.window_size),
+    model = dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
+                 window_size=args.window_size)
+    if args.pretrained_window_sizes is not None:  # (V2 only; absent otherwise, as before V2 existed)
+        model["pretrained_window_sizes"] = args.pretrained_window_sizes
+    return dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
                 checkpoint=ckpt, random_weights_seed=args.seed if args.random_weights else None,
                 stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=list(args.mean),
                 std=list(args.std), dtype=args.dtype)
@@ -606,7 +615,8 @@ def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
     if args.config:
         return FeatureExtractor.from_config(args.config, args.checkpoint, **common)
     return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
-                                      embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads, **common)
+                                      embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
+                                      pretrained_window_sizes=args.pretrained_window_sizes, **common)
 
 
 def _device(args: argparse.Namespace, ctx: DistContext) -> str:
@@ -742,7 +752,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("input", help="image file, folder or glob")
     p.add_argument("out_dir")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--arch", default="tiny", help="SwinBackbone preset (default: tiny)")
+    src.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
     src.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
     p.add_argument("--embed-dims", type=int, help="override the preset's embed_dims (with --arch)")
     p.add_argument("--depths", type=int, nargs="+", help="override the preset's depths (with --arch)")
@@ -751,7 +761,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--random-weights", action="store_true",
                    help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
-    p.add_argument("--window-size", type=int, default=7)
+    p.add_argument("--window-size", type=int, help="attention window (with --arch; default: 7 for Swin V1, 8 for "
+                   "a V2 preset, a published V2 model's own)")
+    p.add_argument("--pretrained-window-sizes", type=int, nargs="+", metavar="W",
+                   help="Swin V2: the window(s) the checkpoint was pre-trained with (one, or one per stage), "
+                   "for a larger --window-size (default: a published model's, else the window itself)")
     p.add_argument("--stages", type=int, nargs="+", help="output stages to keep (default: all)")
     p.add_argument("--resize", type=int, nargs=2, metavar=("H", "W"), help="resize every image (default: keep size)")
     p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
@@ -781,6 +795,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--checkpoint: no such file {args.checkpoint!r}")
     if args.config and (args.embed_dims or args.depths or args.num_heads):
         p.error("--embed-dims/--depths/--num-heads: only with --arch, not --config")
+    if args.config and (args.window_size is not None or args.pretrained_window_sizes is not None):
+        p.error("--window-size/--pretrained-window-sizes: only with --arch, not --config (the config sets them)")
+    if not args.config:
+        version, _ = split_arch(args.arch)
+        if args.pretrained_window_sizes is not None and version != 2:
+            p.error(f"--pretrained-window-sizes: only for Swin V2 presets (v2-tiny, ...), got --arch {args.arch}")
+        if args.pretrained_window_sizes is not None and len(args.pretrained_window_sizes) == 1:
+            args.pretrained_window_sizes = args.pretrained_window_sizes[0]
+        if args.window_size is None:
+            args.window_size = default_window_size(args.arch)
     if args.batch_size < 1:
         p.error(f"--batch-size: expected >= 1, got {args.batch_size}")
     if args.workers is not None and args.workers < 0:

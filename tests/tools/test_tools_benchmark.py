@@ -1,7 +1,11 @@
 """The benchmark runs end to end (tiny sizes) and writes every measure it promises."""
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
+import torch
 
 from swin_backbone.tools.benchmark import ABLATIONS
 
@@ -47,3 +51,62 @@ def test_benchmark_ablation(tmp_path):
 def test_benchmark_ablation_only_some_variants(tmp_path):
     results, _ = _run(tmp_path, "--ablate", "--only", "share 0.5", "--skip-memory")
     assert set(results["ablation"]["rows"]) == {"defaults", "fixup share 0.5"}
+
+
+def _check_rows(results, keys, models):
+    for key in keys:
+        row = results[key]
+        assert set(row["samples"]) == set(models), key
+        assert all(len(v) >= 1 and all(t > 0 for t in v) for v in row["samples"].values())
+        if "timm" in models:
+            assert set(row["speedup_over_timm"]) == set(models) - {"timm"}
+            assert all(r > 0 for r in row["speedup_over_timm"].values())
+            assert row["speedup"] > 0 and row["ours_s"] > 0
+        if "torchvision" in models:
+            assert set(row["ours_speedup_over"]) == {"torchvision"} and row["ours_speedup_over"]["torchvision"] > 0
+
+
+def test_benchmark_v2_rows(tmp_path):
+    pytest.importorskip("timm")
+    results, stdout = _run(tmp_path, "--v2", "only")
+    models = {"ours", "timm", "torchvision"}
+    _check_rows(results, ["v2_eval_fp32_1x3x64x96", "v2_train_fp32_2x3x64x64"], models)
+    assert "forward_eval" not in results  # 'only': no V1 rows
+    memory = results["v2_peak_memory"]
+    assert all(memory[f"{k}_bytes"] > 0 for k in models)
+    assert memory["ratio_over_timm"] > 0 and memory["ratio_over_torchvision"] > 0
+    for line in ("Swin V2 eval fp32 1x3x64x96", "Swin V2 train fwd+bwd fp32 2x3x64x64", "Swin V2 peak training memory"):
+        assert line in stdout
+
+
+def test_benchmark_v2_cuda_rows_run_on_the_cpu():
+    """The CUDA run's V2 rows (bf16 autocast and fp32, batches 1 and 8) through the same code on
+    the CPU, tiny: every row exists with positive ratios."""
+    pytest.importorskip("timm")
+    from swin_backbone.tools.benchmark import run_cuda_v2
+
+    args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=False, skip_memory=True)
+    results = {}
+    run_cuda_v2(args, results, size=(32, 32))
+    keys = [f"v2_eval_{t}_{b}x3x32x32" for t, b in (("bf16", 1), ("bf16", 8), ("fp32", 1))]
+    keys += ["v2_train_bf16_2x3x32x32", "v2_train_fp32_2x3x32x32"]
+    _check_rows(results, keys, {"ours", "timm", "torchvision"})
+
+
+def test_v2_rows_share_their_weights():
+    """ours, timm's and torchvision's V2-T of the V2 rows compute the same features from the same
+    weights (at 256x256, where all three place the same windows in stages 1-3)."""
+    pytest.importorskip("timm")
+    from swin_backbone.tools.benchmark import build_v2
+
+    models = build_v2("cpu", (256, 256))
+    assert set(models) == {"ours", "timm", "torchvision"}
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        ours = models["ours"].eval()(x)
+        theirs = models["timm"].eval()(x)
+        tv = models["torchvision"].eval()(x)
+    for i in range(3):  # our stage 1-3 output norms are unit LayerNorms (not in timm's classifier)
+        ref = torch.nn.functional.layer_norm(theirs[i], theirs[i].shape[-1:]).permute(0, 3, 1, 2)
+        torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tv, theirs[3], rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from swin_backbone import SwinBackbone
-from swin_backbone.features import FeatureExtractor, extract_features, pca_rgb
+from swin_backbone.features import IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, extract_features, pca_rgb
 from tools import extract_features as tool
 
 from ..conftest import small_arch
@@ -133,3 +133,106 @@ def test_tool_from_config_and_glob(tmp_path, photos):
     summary = tool.main([str(src / "astro*.jpg"), str(tmp_path / "f"), "--config",
                          "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py", "--no-progress", "--random-weights"])
     assert summary["images"] == 1 and not summary["failed"]
+
+
+# ---------------------------------------------------------------- Swin V2 presets
+def test_from_arch_names_pick_the_swin_version_and_window():
+    from swin_backbone import SwinV2Backbone
+    from swin_backbone.features import default_window_size, split_arch
+
+    assert split_arch("tiny") == (1, "tiny") and split_arch(None) == (1, None)
+    assert split_arch("V2-Tiny") == (2, "tiny") and split_arch("v2-t") == (2, "t")
+    assert split_arch("SwinV2_Tiny_Window16_256") == (2, "swinv2_tiny_window16_256")
+    assert [default_window_size(a) for a in ("tiny", "v2-small", "swinv2_tiny_window16_256")] == [7, 8, 16]
+    small = dict(embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8))
+    v1 = FeatureExtractor.from_arch("tiny", **small).backbone
+    assert type(v1) is SwinBackbone and v1.window_size == 7
+    v2 = FeatureExtractor.from_arch("v2-tiny", **small).backbone
+    assert isinstance(v2, SwinV2Backbone) and v2.window_size == 8 and v2.embed_dims == 16
+    published = FeatureExtractor.from_arch("swinv2_base_window12to16_192to256", **small).backbone
+    assert published.window_size == 16 and published.pretrained_window_sizes == (12, 12, 12, 6)
+    fine_tune = FeatureExtractor.from_arch("v2-t", window_size=16, pretrained_window_sizes=8, **small).backbone
+    assert fine_tune.window_size == 16 and fine_tune.pretrained_window_sizes == (8, 8, 8, 8)
+    with pytest.raises(ValueError, match="pretrained_window_sizes"):
+        FeatureExtractor.from_arch("tiny", pretrained_window_sizes=8, **small)
+    with pytest.raises(ValueError, match="arch"):
+        FeatureExtractor.from_arch("v2-tinyy", **small)
+
+
+def test_help_lists_the_v2_names(capsys):
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("v2-tiny", "v2-giant", "swinv2_tiny_window8_256", "swinv2_large_window12to24_192to384",
+                 "--pretrained-window-sizes"):
+        assert name in text
+
+
+@pytest.fixture(scope="module")
+def timm_v2_checkpoint(tmp_path_factory):
+    """A timm ``swinv2_tiny_window8_256`` checkpoint file (random weights with non-trivial
+    norms and biases) and the timm model it came from."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("swinv2_tiny_window8_256", pretrained=False).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("ckpt") / "swinv2_tiny_patch4_window8_256.pth"
+    torch.save(model.state_dict(), path)
+    return path, model
+
+
+def test_tool_v2_preset_with_a_timm_checkpoint(tmp_path, timm_v2_checkpoint):
+    ckpt, ref = timm_v2_checkpoint
+    src = tmp_path / "images"
+    src.mkdir()
+    rng = np.random.RandomState(0)
+    square = rng.randint(0, 255, (256, 256, 3), dtype=np.uint8)
+    Image.fromarray(square).save(src / "square.png")
+    Image.fromarray(rng.randint(0, 255, (75, 130, 3), dtype=np.uint8)).save(src / "odd.png")
+    out = tmp_path / "features"
+    summary = tool.main([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
+    assert summary["images"] == 2 and not summary["failed"]
+    settings = json.load(open(out / "settings.json"))
+    assert settings["model"]["arch"] == "v2-tiny" and settings["model"]["window_size"] == 8
+    odd = np.load(out / "odd.npz")
+    assert [odd[f"stage{s}"].shape for s in range(4)] == [(96, 19, 33), (192, 10, 17), (384, 5, 9), (768, 3, 5)]
+    # The checkpoint's weights: stages 1-3 are timm's stage outputs (through our output norms,
+    # which a classification checkpoint lacks: unit LayerNorms), at 256x256 where timm's
+    # windows are ours.
+    got = np.load(out / "square.npz")
+    x = (torch.from_numpy(square).permute(2, 0, 1)[None].float() - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1))
+    x = x / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        y = ref.patch_embed(x)
+        for s, layer in enumerate(ref.layers[:3]):
+            y = layer(y)
+            want = torch.nn.functional.layer_norm(y, y.shape[-1:]).permute(0, 3, 1, 2)[0]
+            torch.testing.assert_close(torch.from_numpy(got[f"stage{s}"]), want, rtol=1e-4, atol=1e-4)
+    # a rerun with the same settings resumes; a V1 arch on the V2 checkpoint is refused with the V2 names
+    again = tool.main([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
+    assert again["resumed"] == 2 and again["new"] == 0
+    from swin_backbone import CheckpointError
+
+    with pytest.raises(CheckpointError, match="v2-tiny"):
+        tool.main([str(src), str(tmp_path / "v1"), "--arch", "tiny", "--checkpoint", str(ckpt), "--no-progress"])
+
+
+def test_v2_published_name_and_fine_tune_windows_in_the_tool(tmp_path, timm_v2_checkpoint):
+    ckpt, _ = timm_v2_checkpoint
+    src = tmp_path / "images"
+    src.mkdir()
+    Image.fromarray(np.random.RandomState(2).randint(0, 255, (96, 64, 3), dtype=np.uint8)).save(src / "a.png")
+    out = tmp_path / "f"
+    tool.main([str(src), str(out), "--arch", "swinv2_tiny_window16_256", "--checkpoint", str(ckpt),
+               "--pretrained-window-sizes", "8", "--stages", "3", "--no-progress"])
+    settings = json.load(open(out / "settings.json"))["model"]
+    assert settings["window_size"] == 16 and settings["pretrained_window_sizes"] == 8
+    # the same as the API with the same model
+    fx = FeatureExtractor.from_arch("v2-tiny", str(ckpt), window_size=16, pretrained_window_sizes=8, stages=[3])
+    (want,) = fx([np.array(Image.open(src / "a.png"))])
+    torch.testing.assert_close(torch.from_numpy(np.load(out / "a.npz")["stage3"]), want[3])
+    with pytest.raises(SystemExit):
+        tool.parse_args([str(src), str(out), "--arch", "tiny", "--pretrained-window-sizes", "8", "--random-weights"])
