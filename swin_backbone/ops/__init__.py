@@ -186,13 +186,17 @@ def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:
     """``(B, C, H, W)`` input as the patch embedding reads it with the plan's per-image
     ``valid_sizes`` (pixels): zeros beyond an image where a patch straddles its edge, as alone
     (patches wholly beyond an image only feed tokens the image never reads). The caller's
-    tensor is never written: a copy where something is zeroed (all of the region beyond the
-    images where ``x`` requires grad, so that no gradient leaves them); ``x`` itself without."""
+    tensor is never written: a copy where something must be zeroed (all of the region beyond
+    the images where ``x`` requires grad, so that no gradient leaves them); ``x`` itself
+    where nothing must (no straddling patch, or zeros there already)."""
     if plan.valid_sizes is None:
         return x
     if x.requires_grad:
         return zero_beyond_valid(x, plan.valid_sizes, 2, inplace=False)
-    if not straddles(plan.valid_sizes, x.shape[2], x.shape[3], patch_size):
+    boxes = straddles(plan.valid_sizes, x.shape[2], x.shape[3], patch_size)
+    # Batches padded with zeros (mmdet's and mmseg's preprocessors) need no copy; the check
+    # reads only the boxes (on CUDA it would wait for the device: copy there instead).
+    if not boxes or (plan.device == "cpu" and not any(x[b, :, r0:r1, c0:c1].any() for b, r0, r1, c0, c1 in boxes)):
         return x
     return zero_straddles_(x.clone(), plan.valid_sizes, 2, patch_size)
 

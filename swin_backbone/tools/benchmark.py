@@ -383,6 +383,9 @@ def run_valid_sizes_overhead(model: torch.nn.Module, args, results: dict) -> Non
     device = next(model.parameters()).device.type
     x = torch.randn(2, 3, eh, ew, device=device)
     sizes = [(eh, ew - 17), (eh - 50, ew)]  # one short on width, one on height: both cut windows
+    for b, (h, w) in enumerate(sizes):  # zeros beyond each image, as mmdet's / mmseg's padding
+        x[b, :, h:] = 0
+        x[b, :, :, w:] = 0
     model.eval()
 
     def with_sizes():
