@@ -45,10 +45,15 @@ def mlp_residual_(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Line
     Returns:
         ``x``.
     """
+    return _add_by_rows_(x, lambda rows: fc2(F.gelu(fc1(norm(rows)))), fc1.out_features, chunk_bytes)
+
+
+def _add_by_rows_(x: torch.Tensor, branch, hidden: int, chunk_bytes: int) -> torch.Tensor:
+    """``x += branch(x)`` a row chunk at a time (chunks sized for ``hidden`` channels)."""
     rows = x.view(-1, x.shape[-1])
-    for part in chunk_slices(rows.shape[0], chunk_rows(fc1.out_features, x.element_size(), chunk_bytes)):
+    for part in chunk_slices(rows.shape[0], chunk_rows(hidden, x.element_size(), chunk_bytes)):
         chunk = rows[part]
-        chunk.add_(fc2(F.gelu(fc1(norm(chunk)))))
+        chunk.add_(branch(chunk))
     return x
 
 
@@ -78,9 +83,5 @@ def mlp_post_norm_residual_(
     Returns:
         ``x``.
     """
-    rows = x.view(-1, x.shape[-1])
-    for part in chunk_slices(rows.shape[0], chunk_rows(fc1.out_features, x.element_size(), chunk_bytes)):
-        chunk = rows[part]
-        chunk.add_(norm(fc2(F.gelu(fc1(chunk)))))
-    return x
+    return _add_by_rows_(x, lambda rows: norm(fc2(F.gelu(fc1(rows)))), fc1.out_features, chunk_bytes)
 
