@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .chunked import chunk_rows, chunk_slices
-from .windows import WindowLayout, get_relative_position_index, window_reverse
+from .windows import ImageWindows, WindowLayout, get_relative_position_index, window_reverse
 
 
 def relative_position_bias(table: torch.Tensor, window: int, table_window: int) -> torch.Tensor:
@@ -180,8 +180,7 @@ def _redo_image_windows(
     head_dim = three_c // (3 * num_heads)
     # The K windows, flat over the batch, go into the windows dimension of one "image".
     picked = rows.view(1, batch * num_windows, n, three_c).index_select(1, images.windows)
-    fixed = run(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, rows.dtype, align), True,
-                scale, dropout_p)[0]
+    fixed = _attend_image_windows(picked, images, bias, num_heads, scale, dropout_p, run, align)
     flat = out.reshape(batch * num_windows, n, num_heads, head_dim)
     if flat.requires_grad or fixed.requires_grad:
         return flat.index_copy(0, images.windows, fixed)
@@ -208,11 +207,25 @@ def redo_image_windows_in_tokens(
     n = layout.window * layout.window
     k = images.windows.numel()
     picked = qkv.reshape(batch * tokens, three_c).index_select(0, images.rows).view(1, k, n, three_c)
-    fixed = _sdpa(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, qkv.dtype, align), True,
-                  scale, 0.0)
+    fixed = _attend_image_windows(picked, images, bias, num_heads, scale, 0.0, _sdpa, align)
     fixed = fixed.reshape(k * n, -1).index_select(0, images.real)
     flat = out.reshape(batch * tokens, -1)
-    return flat.index_copy(0, images.rows.index_select(0, images.real), fixed).view_as(out)
+    return flat.index_copy(0, images.real_rows, fixed).view_as(out)
+
+
+def _attend_image_windows(
+    picked: torch.Tensor, images: ImageWindows, bias: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
+    run: Kernel, align: bool,
+) -> torch.Tensor:
+    """Attention of the ``K`` windows that images' edges cut, each with its own mask.
+
+    Args:
+        picked: ``(1, K, N, 3C)`` their qkv rows, in window order.
+    Returns:
+        ``(K, N, nH, d)``.
+    """
+    return run(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, picked.dtype, align), True,
+               scale, dropout_p)[0]
 
 
 def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:

@@ -59,15 +59,9 @@ class _NormMlp(torch.autograd.Function):
         if norm_weight is not None:
             normed, mean, rstd = torch.native_layer_norm(rows, (rows.shape[-1],), norm_weight, norm_bias, eps)
         h = F.linear(normed, w1, b1)  # autocast applies here as for nn.Linear
-        w2c = w2.to(h.dtype)
-        # Allocated in the output's shape, so that what is returned is no view (a caller may
-        # add a residual into it in place, which autograd forbids on views made in here).
-        result = h.new_empty(*x.shape[:-1], w2.shape[0])
-        out = result.view(-1, w2.shape[0])
-        for part in _row_parts(h, chunk_bytes):
-            torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
-        if b2 is not None:
-            out.add_(b2.to(h.dtype))
+        # In the output's shape, so that what is returned is no view (a caller may add a
+        # residual into it in place, which autograd forbids on views made in here).
+        result = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
         ctx.eps, ctx.chunk_bytes = eps, chunk_bytes
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
@@ -134,6 +128,20 @@ class _NormMlp(torch.autograd.Function):
             grad_rows.sum(0, dtype=acc).to(b2_dtype) if needs[7] else None,
             None,
         )
+
+
+def _gelu_linear(h: torch.Tensor, w2: torch.Tensor, b2, lead_shape, chunk_bytes: int) -> torch.Tensor:
+    """``fc2(gelu(h))`` for ``(R, hidden)`` rows ``h``, a row chunk at a time (the GELU output
+    of one chunk stays in cache and is never kept), as a new ``(*lead_shape, C_out)`` tensor in
+    ``h``'s dtype."""
+    w2c = w2.to(h.dtype)
+    result = h.new_empty(*lead_shape, w2.shape[0])
+    out = result.view(-1, w2.shape[0])
+    for part in _row_parts(h, chunk_bytes):
+        torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
+    if b2 is not None:
+        out.add_(b2.to(h.dtype))
+    return result
 
 
 def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -234,13 +242,7 @@ class _MlpNorm(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, norm_weight, norm_bias, eps: float, chunk_bytes: int):
         rows = x.reshape(-1, x.shape[-1])
         h = F.linear(rows, w1, b1)  # autocast applies here as for nn.Linear
-        w2c = w2.to(h.dtype)
-        y = h.new_empty(*x.shape[:-1], w2.shape[0])
-        y_rows = y.view(-1, w2.shape[0])
-        for part in _row_parts(h, chunk_bytes):
-            torch.matmul(F.gelu(h[part]), w2c.t(), out=y_rows[part])
-        if b2 is not None:
-            y.add_(b2.to(h.dtype))
+        y = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
         ln_dtype = _layer_norm_dtype(y, norm_weight, norm_bias, eps)
         out, mean, rstd = torch.native_layer_norm(y.to(ln_dtype), (y.shape[-1],), norm_weight, norm_bias, eps)
         ctx.save_for_backward(x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias)

@@ -370,12 +370,14 @@ class ImageWindows:
             each position of those windows holds (the image's token 0 for window padding),
             for kernels that read and write row-major tokens (the fused Triton one).
         real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
+        real_rows: ``(R,)`` their rows, ``rows[real]`` (where results are written back).
     """
 
     windows: torch.Tensor
     masks: torch.Tensor
     rows: Optional[torch.Tensor] = None
     real: Optional[torch.Tensor] = None
+    real_rows: Optional[torch.Tensor] = None
 
 
 def image_window_masks(
@@ -446,7 +448,8 @@ def image_windows(
     real = source < tokens
     first = (windows // num_windows).repeat_interleave(n) * tokens
     rows = first + torch.where(real, source, torch.zeros_like(source))
-    return ImageWindows(windows=windows, masks=masks, rows=rows, real=real.nonzero().squeeze(1))
+    real = real.nonzero().squeeze(1)
+    return ImageWindows(windows=windows, masks=masks, rows=rows, real=real, real_rows=rows.index_select(0, real))
 
 
 def stage_valid_sizes(
