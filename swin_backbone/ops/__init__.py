@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import attention as _attention
+from . import triton_ops as _triton_ops  # noqa: F401  (registers the kernel's torch operators)
 from .chunked import mlp_residual_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
@@ -52,14 +53,26 @@ def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads:
     does not apply (:func:`norm_qkv` and :func:`window_attention` both ask)."""
     if plan.attention != "triton":
         return plan.attention
+    sizes = (None, None) if plan.tracing else (layout.height, layout.width)  # symbolic while tracing
+    if _triton_applies(plan.mask_dtype, device, layout.window, num_heads, channels, *sizes, layout.padding_masked):
+        return "triton"
+    # Memory-efficient SDPA takes the bias and computes its gradient; a traced training graph
+    # gets the plain ops it would get without the kernel.
+    return "plain" if plan.tracing and plan.grad else "sdpa"
+
+
+@torch.compiler.assume_constant_result  # a constant of the graph while tracing
+def _triton_applies(
+    dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
+    height: Optional[int], width: Optional[int], mask_padding: bool,
+) -> bool:
+    """Whether the fused Triton kernel runs a layout (``height`` / ``width``: ``None`` if unknown)."""
     from .triton_attention import supports
 
-    if layout.window > TRITON_MAX_WINDOW:
-        return "sdpa"
-    probe = torch.empty((0, 0, 3 * channels), dtype=plan.mask_dtype, device=device)  # dtype, device, width only
-    ok = supports(probe, layout.window, num_heads, height=layout.height, width=layout.width,
-                  mask_padding=layout.padding_masked, dropout_p=0.0)
-    return "triton" if ok else "sdpa"
+    if window > TRITON_MAX_WINDOW:
+        return False
+    probe = torch.empty((0, 0, 3 * channels), dtype=dtype, device=device)  # dtype, device, width only
+    return supports(probe, window, num_heads, height=height, width=width, mask_padding=mask_padding)
 
 
 #: Largest window the fused Triton kernel is used for: larger windows spill registers in its
@@ -80,7 +93,7 @@ def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLay
     Returns ``(B, nW * N, 3C)`` in ``layout``'s window order, or ``(B, H * W, 3C)`` row-major
     tokens for the fused Triton kernel (which gathers its windows itself).
     """
-    channels = x.shape[-1]
+    channels = qkv.weight.shape[0] // 3  # static while tracing (x's width may be symbolic)
     if attention_kernel(plan, layout, channels, num_heads, x.device) == "triton":
         return norm_linear(x, norm, qkv, plan)
     if plan.save_memory:

@@ -84,7 +84,8 @@ class Plan:
         align_masks: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy
             misaligned ones on every call).
         grad: autograd records this forward (some input or parameter requires grad).
-        tracing: ``torch.compile`` / ``torch.export`` is tracing: plain ops only.
+        tracing: ``torch.compile`` / ``torch.export`` is tracing: plain ops only (and on
+            CUDA, under ``torch.compile``, the fused Triton kernel as a custom operator).
         dropout: dropout after the position embedding, projection and MLP is active.
         stochastic: any dropout or stochastic depth is active (training mode, rate > 0).
         attn_dropout: attention dropout is active.
@@ -210,8 +211,13 @@ def _decide(
     s: Switches,
 ) -> Plan:
     cpu = device == "cpu"
-    if tracing:
+    if tracing and device == "cuda" and s.triton and not attn_dropout and not _exporting() and _triton_ready():
+        # torch.compile on CUDA: the fused kernel as one opaque operator in the graph
+        # (ops.triton_ops): partition, shift, masks, bias and reverse in one pass, as in eager.
+        attention = "triton"
+    elif tracing:
         # The tracer sees plain torch ops (inductor fuses them itself); SDPA is one op too.
+        # Exported programs stay plain torch (portable: ONNX, other runtimes).
         attention = "plain" if grad or attn_dropout or not s.sdpa else "sdpa"
     elif attn_dropout or not s.sdpa:
         attention = "plain"
@@ -244,6 +250,12 @@ def _decide(
 
 
 _decide_cached = lru_cache(maxsize=64)(_decide)
+
+
+def _exporting() -> bool:
+    """Whether ``torch.export`` (or an exporter built on it) is tracing."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
 
 
 def _triton_ready() -> bool:

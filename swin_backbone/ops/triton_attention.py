@@ -284,8 +284,6 @@ def unsupported_reason(
     """
     if triton is None:
         return "triton is not installed"
-    if torch.compiler.is_compiling():
-        return "not traceable by torch.compile (use the plain kernel there)"
     interpret = _interpreting()
     if qkv.device.type == "cuda":
         if not torch.cuda.is_available():
@@ -332,8 +330,8 @@ def supports(
 
     True for fp32 / fp16 / bf16 ``qkv`` on CUDA (bf16 on compute capability >= 8), or on CPU
     while ``TRITON_INTERPRET=1`` (fp32 and fp16 there), with ``window ** 2 <= 256``,
-    ``head_dim <= 128``, no dropout, outside ``torch.compile``, and ``mask_padding=True``
-    unless the map needs no padding.
+    ``head_dim <= 128``, no dropout, and ``mask_padding=True`` unless the map needs no
+    padding. Under ``torch.compile`` the kernel runs as a custom operator (:mod:`.triton_ops`).
     """
     return unsupported_reason(
         qkv, window, num_heads, height=height, width=width, mask_padding=mask_padding, dropout_p=dropout_p
@@ -512,36 +510,46 @@ def _relative_position_index(window: int, table_window: int, device: torch.devic
     return _INDEX_CACHE[key]
 
 
+def _forward(qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The forward launch: ``(B, H * W, C)`` output for contiguous ``qkv`` and ``table``."""
+    out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.num_heads * plan.head_dim)
+    _launch(plan, qkv, table, out, None, None, backward=False)
+    return out
+
+
+def _backward(
+    grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan, need_table: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The backward launch: gradients of ``qkv`` and (if ``need_table``) of ``table``."""
+    grad_qkv = torch.empty_like(qkv)  # every element is written: each real token once
+    n = plan.seq_len
+    dbias = None
+    if need_table:
+        dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
+    _launch(plan, qkv, table, grad_out.contiguous(), grad_qkv, dbias, backward=True)
+    if not need_table:
+        return grad_qkv, None
+    per_pair = dbias.sum(0).permute(1, 2, 0).reshape(n * n, plan.num_heads)  # fixed order
+    index = _relative_position_index(plan.window, plan.table_window, qkv.device)
+    grad_table = torch.zeros(table.shape, device=table.device, dtype=torch.float32)
+    grad_table.index_put_((index,), per_pair, accumulate=True)
+    return grad_qkv, grad_table.to(table.dtype)
+
+
 class _TritonWindowAttention(torch.autograd.Function):
-    """Fused window attention; saves only ``qkv`` and ``table`` for backward."""
+    """Fused window attention in eager mode; saves only ``qkv`` and ``table`` for backward."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
         qkv, table = qkv.contiguous(), table.contiguous()
-        out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.num_heads * plan.head_dim)
-        _launch(plan, qkv, table, out, None, None, backward=False)
         ctx.save_for_backward(qkv, table)
         ctx.plan = plan
-        return out
+        return _forward(qkv, table, plan)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         qkv, table = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        need_table = ctx.needs_input_grad[1]
-        grad_qkv = torch.empty_like(qkv)  # every element is written: each real token once
-        n = plan.seq_len
-        dbias = None
-        if need_table:
-            dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
-        _launch(plan, qkv, table, grad_out.contiguous(), grad_qkv, dbias, backward=True)
-        grad_table = None
-        if need_table:
-            per_pair = dbias.sum(0).permute(1, 2, 0).reshape(n * n, plan.num_heads)  # fixed order
-            index = _relative_position_index(plan.window, plan.table_window, qkv.device)
-            grad_table = torch.zeros(table.shape, device=table.device, dtype=torch.float32)
-            grad_table.index_put_((index,), per_pair, accumulate=True)
-            grad_table = grad_table.to(table.dtype)
+        grad_qkv, grad_table = _backward(grad_out, qkv, table, ctx.plan, ctx.needs_input_grad[1])
         return grad_qkv, grad_table, None
 
 
@@ -576,12 +584,17 @@ def triton_window_attention(
         num_heads: ``nH``; must divide ``C``.
         scale: query scale (``head_dim ** -0.5`` by default in Swin).
         windows_per_program: windows each program handles (default: grouped so that a
-            launch has about :data:`TARGET_PROGRAMS` programs).
+            launch has about :data:`TARGET_PROGRAMS` programs; ignored while tracing).
     Returns:
         ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype, before the
         output projection.
     Raises:
         ValueError: on inconsistent arguments, or inputs :func:`supports` rejects.
     """
+    if torch.compiler.is_compiling():
+        # Checked and sized inside the operator, on the real sizes of each call.
+        from .triton_ops import window_attention_op
+
+        return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale))
     plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
     return _TritonWindowAttention.apply(qkv, table, plan)

@@ -109,6 +109,34 @@ def test_tracing_sees_only_plain_ops(train):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_compiling_on_cuda_keeps_the_fused_kernel(grad, monkeypatch):
+    # torch.compile on CUDA: the Triton kernel (as a custom operator) where triton is there;
+    # torch.export / ONNX and attention dropout: plain ops as on any device.
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(planner, "_triton_ready", lambda: True)
+    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches())
+    assert compiled.attention == "triton" and compiled.tracing and not compiled.save_memory
+    plain = "plain" if grad else "sdpa"
+    assert planner._decide("cuda", bf16, grad, True, False, True, True, planner.Switches()).attention == "plain"
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches(triton=False)).attention == plain
+    monkeypatch.setattr(planner, "_exporting", lambda: True)
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches()).attention == plain
+    monkeypatch.setattr(planner, "_exporting", lambda: False)
+    monkeypatch.setattr(planner, "_triton_ready", lambda: False)
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches()).attention == plain
+
+
+def test_kernel_choice_falls_back_where_the_kernel_does_not_apply():
+    # Layouts the kernel does not take (here: a 12 x 12 window) get what the same situation
+    # gets without the kernel: SDPA, or while tracing a training graph, plain ops.
+    x = torch.zeros(1, 24, 24, 64)
+    big = W.build_window_layout(24, 24, 12, 6, True, x.device, x.dtype)
+    for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
+        plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
+        assert ops.attention_kernel(plan, big, 64, 2, x.device) == expected
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("train", [False, True])
 def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monkeypatch):

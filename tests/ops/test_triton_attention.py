@@ -371,3 +371,81 @@ def test_per_image_windows_go_through_the_kernel(interpreter):
         results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _stage_with_tables(seed=0):
+    """A one-stage Swin with non-trivial bias tables (window 4, 2 heads of 8 channels)."""
+    from swin_backbone import SwinBackbone
+
+    torch.manual_seed(seed)
+    model = SwinBackbone(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, drop_path_rate=0.0,
+                         out_indices=(0,))
+    with torch.no_grad():
+        for table in (b.attn.relative_position_bias_table for b in model.stages[0].blocks):
+            table.normal_(0, 0.5)
+    return model.stages[0]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_stage_runs_the_kernel_as_one_operator(interpreter, backend):
+    # Under torch.compile the plan's "triton" puts the kernel into the graph as the custom
+    # operators swin_backbone::window_attention (+ _backward): no attention ops of torch's
+    # own in either graph, one graph for maps of 3 sizes (dynamic shapes, padded and shifted
+    # windows), and values and gradients equal to the eager plain path's.
+    import torch._dynamo.testing
+    from swin_backbone import ops
+
+    stage = _stage_with_tables()
+    probe = torch.zeros(1, 1, 1, 16, requires_grad=True)
+    compiled_plan = ops.plan_for(probe, grad=True, attention="triton", save_memory=False, chunk_bytes=0, tracing=True)
+    eager_plan = ops.plan_for(probe, grad=True, attention="plain", save_memory=False, chunk_bytes=0)
+    torch._dynamo.reset()
+    if backend == "aot_eager":
+        recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+        counter = torch._dynamo.testing.CompileCounterWithBackend(recorder)
+    else:
+        recorder, counter = None, torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda x: stage(x, compiled_plan), backend=counter, dynamic=True, fullgraph=True)
+    sizes = [(6, 7), (9, 10), (5, 9)] if backend == "aot_eager" else [(6, 7), (5, 9)]
+    frames = []
+    for size in sizes:
+        x = torch.randn(2, *size, 16)
+        results = []
+        for run in (compiled, lambda x: stage(x, eager_plan)):
+            stage.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = run(xi)
+            out.square().sum().backward()
+            results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and len(set(frames)) == 1, f"recompiled for another size: frames compiled {frames}"
+    if recorder is not None:
+        def targets(graphs):
+            return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+        forward, backward = targets(recorder.fw_graphs), targets(recorder.bw_graphs)
+        assert "swin_backbone.window_attention.default" in forward, sorted(forward)
+        assert "swin_backbone.window_attention_backward.default" in backward, sorted(backward)
+        assert not any(op in t for t in forward | backward for op in ("softmax", "bmm", "scaled_dot_product"))
+    torch._dynamo.reset()
+
+
+def test_exported_programs_never_hold_the_kernel(interpreter, monkeypatch):
+    # torch.export on a CUDA plan would otherwise record the custom operator: exported
+    # programs must stay plain torch (ONNX, other runtimes). The planner is asked as on CUDA.
+    from swin_backbone import SwinBackbone
+    from swin_backbone.ops import planner
+
+    real = planner._decide
+
+    def as_on_cuda(device, *args):
+        return real("cuda", *args)
+
+    monkeypatch.setattr(planner, "_decide", as_on_cuda)
+    model = SwinBackbone(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4,
+                         drop_path_rate=0.0, out_indices=(0,)).eval()
+    program = torch.export.export(model, (torch.randn(1, 3, 24, 28),))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("swin_backbone" in t for t in targets), sorted(targets)

@@ -1,0 +1,66 @@
+"""The fused Triton window attention as torch custom operators, for ``torch.compile`` and
+``torch.export``.
+
+The tracer records one opaque call per attention (output shapes from the fake
+implementations) instead of tracing into Triton's launcher, so a compiled graph keeps the
+fused kernel, with dynamic sizes: each call checks its arguments and sizes its launch from
+the real sizes at run time (:func:`~swin_backbone.ops.triton_attention._plan`). Eager calls
+use :class:`~swin_backbone.ops.triton_attention._TritonWindowAttention` instead, which skips
+the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a name can be
+registered only once per process, so this lives apart from the kernel's module).
+"""
+from typing import Tuple
+
+import torch
+
+from .triton_attention import _backward, _forward, _plan
+
+__all__ = ["window_attention_op", "window_attention_backward_op"]
+
+
+@torch.library.custom_op("swin_backbone::window_attention", mutates_args=())
+def window_attention_op(
+    qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+    table_window: int, num_heads: int, scale: float,
+) -> torch.Tensor:
+    """:func:`~swin_backbone.ops.triton_attention.triton_window_attention` as an operator:
+    ``(B, H * W, 3C)`` row-major ``qkv`` -> ``(B, H * W, C)``."""
+    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+    return _forward(qkv.contiguous(), table.contiguous(), plan)
+
+
+@window_attention_op.register_fake
+def _(qkv, table, height, width, window, shift, table_window, num_heads, scale):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
+
+
+@torch.library.custom_op("swin_backbone::window_attention_backward", mutates_args=())
+def window_attention_backward_op(
+    grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int,
+    shift: int, table_window: int, num_heads: int, scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
+    (always computed: a compiled graph cannot skip an operator's output)."""
+    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+    grad_qkv, grad_table = _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
+    return grad_qkv, grad_table
+
+
+@window_attention_backward_op.register_fake
+def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
+    return torch.empty_like(qkv), torch.empty_like(table)
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    qkv, table, *sizes = inputs
+    ctx.save_for_backward(qkv, table)
+    ctx.sizes = sizes
+
+
+def _op_backward(ctx, grad_out: torch.Tensor):
+    qkv, table = ctx.saved_tensors
+    grad_qkv, grad_table = window_attention_backward_op(grad_out, qkv, table, *ctx.sizes)
+    return (grad_qkv, grad_table) + (None,) * len(ctx.sizes)
+
+
+window_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
