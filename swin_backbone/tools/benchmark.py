@@ -17,7 +17,9 @@ fwd+bwd 2x3x800x1344 in bf16 and fp32, peak training memory, ``torch.compile`` (
 eval and training, which SDPA kernels ran, and a UPerNet (mmseg) training step.
 ``--ablate`` turns each of SwinBackbone's optimisations off in turn (same weights, interleaved
 rounds, one process; memory in subprocesses) and prints its effect on eval time, training time
-and training peak memory.
+and training peak memory; ``--ablate --v2`` then does the same for SwinV2Backbone (the V2
+rows' model: tiny, window 8), ``--ablate --v2 only`` just that; ``--only WORD...`` picks
+variants of both.
 
 ``--v2`` adds Swin V2 rows (``--v2 only``: just those): SwinV2Backbone tiny, window 8, against
 timm's ``swinv2_tiny_window8_256`` (features_only, built for the eval size with
@@ -28,7 +30,8 @@ as ratios from the same interleaved rounds, and peak training memory, on the CPU
 sizes above and on CUDA with the V1 rows' dtypes and sizes. They take a few minutes on a
 2-core CPU, so they are not part of the default run.
 
-    python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--ablate] [--v2 [only]]
+    python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--v2 [only]]
+    python -m swin_backbone.tools.benchmark --ablate [--v2 [only]] [--only WORD...] [--iters 9] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +63,14 @@ ABLATIONS: Dict[str, Dict[str, object]] = {
     "fixup share 0.1 (default 0.25)": dict(fixup_share=0.1),
     "fixup share 0.5": dict(fixup_share=0.5),
 }
+
+#: ``--ablate --v2`` variants (names of :data:`ABLATIONS`): every one reaches SwinV2Backbone
+#: through the same ``ops`` functions as V1. sdpa, recompute_attention and fixup_share:
+#: ``WindowAttentionV2`` runs ``ops.window_attention`` (kernel and masked-window strategy of
+#: the plan) on V1's stage layouts; save_memory: ``ops.norm_qkv`` (identity norm),
+#: ``ops.cosine_qkv`` and ``ops.mlp_post_norm_residual``; chunk_bytes: the latter's inference
+#: and training paths, the recompute attention's backward and ``ops.output_nchw``.
+V2_ABLATIONS: Tuple[str, ...] = tuple(ABLATIONS)
 
 
 def switches(name: Optional[str]) -> Dict[str, object]:
@@ -443,29 +454,51 @@ def _dtype_tag(dtype: Optional[torch.dtype]) -> str:
     return "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-def run_ablation(args, results: dict) -> None:
-    """Each optimisation off in turn against the defaults: eval, training and memory effects."""
+def ablation_variants(names: Sequence[str], only: Optional[Sequence[str]]) -> List[str]:
+    """The variants of ``names`` whose name contains a word of ``--only`` (all of them without it)."""
+    chosen = list(names) if not only else [name for name in names if any(o in name for o in only)]
+    if only and not chosen:
+        raise ValueError(f"--only: expected words of the variant names {sorted(names)}, got {only}")
+    return chosen
+
+
+def run_ablations(args, results: dict) -> None:
+    """``--ablate``: the ablation of SwinBackbone (Swin-T, key ``ablation``), and with ``--v2``
+    that of SwinV2Backbone (:func:`build_v2`'s "ours", key ``v2_ablation``; ``--v2 only``: just
+    that), each with the variants ``--only`` chose."""
     device = args.device
-    ours = build_pair(device)["ours"]
+    v1 = ablation_variants(ABLATIONS, args.only) if args.v2 != "only" else None
+    v2 = ablation_variants(V2_ABLATIONS, args.only) if args.v2 else None  # (checked before anything runs)
+    if v1 is not None:
+        run_ablation(args, results, build_pair(device)["ours"], v1)
+    if v2 is not None:
+        run_ablation(args, results, build_v2(device, args.eval_size, peers=False)["ours"], v2, memory_name="v2:ours",
+                     key="v2_ablation", title="Swin V2 ablation of SwinV2Backbone tiny, window 8")
+
+
+def run_ablation(args, results: dict, model: torch.nn.Module, chosen: Sequence[str], memory_name: str = "ours",
+                 key: str = "ablation", title: str = "ablation") -> None:
+    """Each optimisation of ``chosen`` (names of :data:`ABLATIONS`) off in turn against the
+    defaults, for ``model``: eval, training and memory effects (memory: of ``memory_name``'s
+    model in :func:`memory_child`), printed under ``title`` and stored as ``results[key]``."""
+    device = args.device
     eh, ew = args.eval_size
     ts = args.train_size
     x_eval = torch.randn(1, 3, eh, ew, device=device)
     x_train = torch.randn(2, 3, ts, ts, device=device)
-    chosen = list(ABLATIONS) if not args.only else [name for name in ABLATIONS if any(o in name for o in args.only)]
-    if args.only and not chosen:
-        raise ValueError(f"--only: expected words of the variant names {sorted(ABLATIONS)}, got {args.only}")
-    variants: List[Optional[str]] = [None] + chosen
+    variants: List[Optional[str]] = [None, *chosen]
     label = {v: v or "defaults" for v in variants}
-    ours.eval()
-    eval_times = interleave({label[v]: with_switches(eval_step(ours, x_eval), switches(v)) for v in variants},
+    model.eval()
+    eval_times = interleave({label[v]: with_switches(eval_step(model, x_eval), switches(v)) for v in variants},
                             device, args.iters, args.warmup)
-    ours.train()
-    train_times = interleave({label[v]: with_switches(train_step(ours, x_train), switches(v)) for v in variants},
+    model.train()
+    train_times = interleave({label[v]: with_switches(train_step(model, x_train), switches(v)) for v in variants},
                              device, args.iters, args.warmup)
-    memory = {} if args.skip_memory else {label[v]: peak_memory("ours", device, 2, (ts, ts), v) for v in variants}
+    memory = {} if args.skip_memory else {label[v]: peak_memory(memory_name, device, 2, (ts, ts), v)
+                                           for v in variants}
     base = "defaults"
     rows = {}
-    print(f"\nablation (each optimisation off; effect = time or memory without it / with it - 1; "
+    print(f"\n{title} (each optimisation off; effect = time or memory without it / with it - 1; "
           f"eval 1x3x{eh}x{ew}, train 2x3x{ts}x{ts}, {args.iters} interleaved rounds)")
     print(f"{'variant':40s} {'eval':>9s} {'train':>9s} {'memory':>9s}")
     for v in variants:
@@ -486,8 +519,8 @@ def run_ablation(args, results: dict) -> None:
             print(f"{name:40s} {row['eval_s'] * 1e3:7.0f}ms {row['train_s'] * 1e3:7.0f}ms {mem}")
         else:
             print(f"{name:40s} {100 * row['eval_effect']:+8.1f}% {100 * row['train_effect']:+8.1f}% {mem}")
-    results["ablation"] = {"eval_size": [eh, ew], "train_size": ts, "rows": rows,
-                           "samples": {"eval": eval_times, "train": train_times}}
+    results[key] = {"eval_size": [eh, ew], "train_size": ts, "rows": rows,
+                    "samples": {"eval": eval_times, "train": train_times}}
 
 
 def sdpa_kernels(model, x, autocast_dtype, train: bool) -> List[str]:
@@ -623,15 +656,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the numbers here")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--no-peers", action="store_true", help="skip the timm / torchvision rows")
-    parser.add_argument("--ablate", action="store_true", help="only the ablation of SwinBackbone's optimisations")
-    parser.add_argument("--only", nargs="+", metavar="WORD", help="--ablate: only the variants whose name contains a WORD")
+    parser.add_argument("--ablate", action="store_true",
+                        help="only the ablation of SwinBackbone's optimisations (with --v2: then SwinV2Backbone's; "
+                        "--v2 only: just SwinV2Backbone's)")
+    parser.add_argument("--only", nargs="+", metavar="WORD",
+                        help="--ablate: only the variants whose name contains a WORD (V1 and V2)")
     parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")
     parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
     parser.add_argument("--v2", nargs="?", const="also", choices=("also", "only"),
                         help="add the Swin V2 rows (ours vs timm / torchvision, same weights; minutes on a "
-                        "2-core CPU); '--v2 only': just those")
+                        "2-core CPU); '--v2 only': just those; with --ablate: SwinV2Backbone's ablation too (or only)")
     parser.add_argument("--upernet-size", type=int, default=512, help="CPU: its input is 2 x 3 x S x S")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--ablate-variant", help=argparse.SUPPRESS)
@@ -649,7 +685,7 @@ def main(argv=None) -> dict:
     print(f"device {args.device}, torch {torch.__version__}" + (
         f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
     if args.ablate:
-        run_ablation(args, results)
+        run_ablations(args, results)
     else:
         cuda = args.device == "cuda"
         if args.v2 != "only":

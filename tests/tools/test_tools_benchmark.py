@@ -1,13 +1,15 @@
 """The benchmark runs end to end (tiny sizes) and writes every measure it promises."""
 import argparse
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from swin_backbone.tools.benchmark import ABLATIONS
+from swin_backbone.tools.benchmark import ABLATIONS, V2_ABLATIONS
 
 
 def _run(tmp_path, *extra):
@@ -46,11 +48,115 @@ def test_benchmark_ablation(tmp_path):
         assert name in stdout
     # Turning the memory-saving functions off keeps more activations for backward.
     assert rows["no memory-saving norm->linear/MLP"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
+    assert "v2_ablation" not in results and "Swin V2" not in stdout  # V2 only with --v2
 
 
 def test_benchmark_ablation_only_some_variants(tmp_path):
     results, _ = _run(tmp_path, "--ablate", "--only", "share 0.5", "--skip-memory")
     assert set(results["ablation"]["rows"]) == {"defaults", "fixup share 0.5"}
+    assert "v2_ablation" not in results
+
+
+def _check_ablation(ablation, variants, memory):
+    """Every variant has a row of finite, positive times (and peak memory), finite effects."""
+    assert set(ablation) == {"eval_size", "train_size", "rows", "samples"}
+    assert ablation["eval_size"] == [64, 96] and ablation["train_size"] == 64
+    rows = ablation["rows"]
+    assert set(rows) == {"defaults", *variants}
+    for name, row in rows.items():
+        assert 0 < row["eval_s"] < math.inf and 0 < row["train_s"] < math.inf, name
+        assert -1 < row["eval_effect"] < math.inf and -1 < row["train_effect"] < math.inf, name
+        if memory:
+            assert 0 < row["peak_bytes"] < math.inf and -1 < row["memory_effect"] < math.inf, name
+        else:
+            assert "peak_bytes" not in row and "memory_effect" not in row, name
+    for kind in ("eval", "train"):
+        assert set(ablation["samples"][kind]) == set(rows)
+    return rows
+
+
+def test_benchmark_v2_ablation(tmp_path):
+    """--ablate --v2 only: SwinV2Backbone's ablation alone, every variant with memory measured by
+    the V2 memory child (``--memory-child v2:ours --ablate-variant V``)."""
+    results, stdout = _run(tmp_path, "--ablate", "--v2", "only")
+    assert "ablation" not in results  # 'only': no V1 ablation
+    rows = _check_ablation(results["v2_ablation"], V2_ABLATIONS, memory=True)
+    assert "Swin V2 ablation of SwinV2Backbone tiny, window 8" in stdout
+    for name in rows:
+        assert name in stdout
+    # The switch reaches V2's children too: its norm -> qkv / cosine / MLP -> norm functions
+    # off keep more activations for backward.
+    assert rows["no memory-saving norm->linear/MLP"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
+
+
+def test_benchmark_ablation_v1_then_v2_only_some_variants(tmp_path):
+    """--ablate --v2: V1's ablation, then V2's; --only picks the variants of both."""
+    results, stdout = _run(tmp_path, "--ablate", "--v2", "--only", "share 0.5", "SDPA", "--skip-memory")
+    chosen = {"fixup share 0.5", "no SDPA (matmul attention)"}
+    _check_ablation(results["ablation"], chosen, memory=False)
+    _check_ablation(results["v2_ablation"], chosen, memory=False)
+    assert 0 <= stdout.index("\nablation (") < stdout.index("\nSwin V2 ablation of SwinV2Backbone")
+
+
+def test_v2_ablation_runs_each_variant_on_the_v2_model(monkeypatch):
+    """In process: every forward of the V2 ablation runs SwinV2Backbone (never V1's model) under
+    its variant's planner switches, in eval and in training."""
+    from swin_backbone import SwinV2Backbone, ops
+    from swin_backbone.tools import benchmark
+
+    seen = []
+
+    def build_v2(*args, **kwargs):
+        models = real_build_v2(*args, **kwargs)
+        assert isinstance(models["ours"], SwinV2Backbone)
+
+        def record(module, inputs):
+            with ops.override() as current:  # (no changes: the switches in effect)
+                seen.append((module.training, current))
+
+        models["ours"].register_forward_pre_hook(record)
+        return models
+
+    def build_pair(*args, **kwargs):
+        raise AssertionError("--v2 only built the V1 model")
+
+    children = []
+
+    def peak_memory(name, device, batch, size, variant=None, dtype=None):
+        children.append((name, tuple(size), variant))
+        return 2**20
+
+    real_build_v2 = benchmark.build_v2
+    monkeypatch.setattr(benchmark, "build_v2", build_v2)
+    monkeypatch.setattr(benchmark, "build_pair", build_pair)
+    monkeypatch.setattr(benchmark, "peak_memory", peak_memory)
+    args = argparse.Namespace(device="cpu", iters=1, warmup=0, skip_memory=False, eval_size=(32, 48), train_size=32,
+                              v2="only", only=None)
+    results = {}
+    benchmark.run_ablations(args, results)
+    with ops.override() as defaults:
+        pass
+    variants = [None, *V2_ABLATIONS]
+    expected = [dataclasses.replace(defaults, **benchmark.switches(v)) for v in variants]
+    assert seen == [(False, s) for s in expected] + [(True, s) for s in expected]
+    # Memory: V2's model in the child, under each variant.
+    assert children == [("v2:ours", (32, 32), v) for v in variants]
+    assert set(results) == {"v2_ablation"}
+    assert set(results["v2_ablation"]["rows"]) == {"defaults", *V2_ABLATIONS}
+
+
+def test_ablation_only_matching_nothing_fails_before_anything_runs(monkeypatch):
+    from swin_backbone.tools import benchmark
+
+    def build(*args, **kwargs):
+        raise AssertionError("built a model for an --only that matches no variant")
+
+    monkeypatch.setattr(benchmark, "build_pair", build)
+    monkeypatch.setattr(benchmark, "build_v2", build)
+    for v2 in (None, "also", "only"):
+        args = argparse.Namespace(device="cpu", v2=v2, only=["no such variant"])
+        with pytest.raises(ValueError, match="--only"):
+            benchmark.run_ablations(args, {})
 
 
 def _check_rows(results, keys, models):
