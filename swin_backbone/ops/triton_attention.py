@@ -58,6 +58,7 @@ needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -253,8 +254,17 @@ def _kernel():
     """The kernel, jit-decorated for the current mode (compiled or interpreted) on first use."""
     interpret = _interpreting()
     if interpret not in _JITTED:
-        _JITTED[interpret] = triton.jit(_window_attention_kernel)
+        # Triton specializes integer arguments on their values (== 1, divisible by 16): the
+        # size-dependent ones would compile a new kernel for many input sizes.
+        _JITTED[interpret] = triton.jit(_window_attention_kernel, do_not_specialize=_SIZE_ARGUMENTS)
     return _JITTED[interpret]
+
+
+#: The kernel's arguments that vary with the input size.
+_SIZE_ARGUMENTS = (
+    "height", "width", "padded_h", "padded_w", "shift", "windows_per_image", "windows_per_row",
+    "total_windows", "windows_per_program",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,9 +455,18 @@ def _plan(
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
     """``tl.dot`` precision for fp32 inputs: TF32 only where torch itself allows it for
     matmuls (fp16 / bf16 inputs ignore the setting)."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    if dtype != torch.float32 or device.type != "cuda":
+        return "ieee"
+    return "tf32" if _matmul_allows_tf32() else "ieee"
+
+
+def _matmul_allows_tf32() -> bool:
+    """torch's fp32 matmul setting. Read through ``fp32_precision`` where torch has it: reading
+    ``allow_tf32`` raises once a program has set the newer ``fp32_precision`` API."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def _launch(
@@ -465,36 +484,40 @@ def _launch(
     # uses 255 registers with no spills in the forward and a little stack in the backward at
     # 8 warps, but spills at 4. Larger blocks spill either way (see the module docstring).
     num_warps = 8 if plan.block_n >= 64 else 4
-    _kernel()[(plan.num_heads, plan.groups)](
-        qkv,
-        table,
-        io,
-        grad_qkv if grad_qkv is not None else qkv,  # unused in the forward
-        dbias if dbias is not None else table,  # unused unless BIAS_GRAD
-        plan.height,
-        plan.width,
-        plan.padded_h,
-        plan.padded_w,
-        plan.window,
-        plan.shift,
-        plan.table_window,
-        plan.windows_per_image,
-        plan.windows_per_row,
-        plan.total_windows,
-        plan.windows_per_program,
-        plan.num_heads,
-        plan.head_dim,
-        plan.seq_len,
-        plan.scale * 1.4426950408889634,
-        plan.scale,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-        INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
-        BACKWARD=backward,
-        BIAS_GRAD=dbias is not None,
-        num_warps=num_warps,
-        num_stages=2,
-    )
+    # Triton launches on the current CUDA device: make it qkv's (a model on cuda:1 while
+    # cuda:0 is current would otherwise read another GPU's addresses).
+    device = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
+    with device:
+        _kernel()[(plan.num_heads, plan.groups)](
+            qkv,
+            table,
+            io,
+            grad_qkv if grad_qkv is not None else qkv,  # unused in the forward
+            dbias if dbias is not None else table,  # unused unless BIAS_GRAD
+            plan.height,
+            plan.width,
+            plan.padded_h,
+            plan.padded_w,
+            plan.window,
+            plan.shift,
+            plan.table_window,
+            plan.windows_per_image,
+            plan.windows_per_row,
+            plan.total_windows,
+            plan.windows_per_program,
+            plan.num_heads,
+            plan.head_dim,
+            plan.seq_len,
+            plan.scale * 1.4426950408889634,
+            plan.scale,
+            BLOCK_N=plan.block_n,
+            BLOCK_D=plan.block_d,
+            INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
+            BACKWARD=backward,
+            BIAS_GRAD=dbias is not None,
+            num_warps=num_warps,
+            num_stages=2,
+        )
 
 
 _INDEX_CACHE: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}

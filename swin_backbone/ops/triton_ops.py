@@ -48,7 +48,8 @@ def window_attention_backward_op(
 
 @window_attention_backward_op.register_fake
 def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
-    return torch.empty_like(qkv), torch.empty_like(table)
+    # Contiguous, as the real ones (whatever qkv's and table's strides).
+    return qkv.new_empty(qkv.shape), table.new_empty(table.shape)
 
 
 def _op_setup_context(ctx, inputs, output) -> None:

@@ -449,3 +449,31 @@ def test_exported_programs_never_hold_the_kernel(interpreter, monkeypatch):
     program = torch.export.export(model, (torch.randn(1, 3, 24, 28),))
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert not any("swin_backbone" in t for t in targets), sorted(targets)
+
+
+def test_fp32_precision_follows_either_tf32_api():
+    # torch >= 2.9 programs may set matmul precision through fp32_precision; reading the
+    # legacy allow_tf32 then raises, so the kernel reads whichever API torch has.
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has only allow_tf32")
+    cuda = torch.device("cuda")
+    old = matmul.fp32_precision
+    try:
+        for setting, expected in (("tf32", "tf32"), ("ieee", "ieee")):
+            matmul.fp32_precision = setting
+            assert triton_attention._input_precision(torch.float32, cuda) == expected
+            assert triton_attention._input_precision(torch.float16, cuda) == "ieee"
+    finally:
+        matmul.fp32_precision = old
+
+
+def test_size_arguments_are_not_specialized(no_interpreter):
+    # Triton compiles a kernel per value class of a specialized integer (== 1, multiple of
+    # 16): every argument that varies with the input size is exempt, so new sizes reuse it.
+    kernel = triton_attention._kernel()
+    exempt = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    sizes = {"height", "width", "padded_h", "padded_w", "shift", "windows_per_image", "windows_per_row",
+             "total_windows", "windows_per_program"}
+    assert sizes <= exempt, sorted(sizes - exempt)
+    assert not exempt & {"num_heads", "head_dim", "seq_len", "window"}  # fixed per model: keep the hints
