@@ -24,8 +24,12 @@ from .windows import WindowLayout, window_partition
 
 
 def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
-    """Whether the hand-written LayerNorm backward applies: an affine LayerNorm in x's dtype."""
-    return isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.weight.dtype == x.dtype
+    """Whether the hand-written LayerNorm backward applies: an affine LayerNorm in x's dtype,
+    or any affine LayerNorm under autocast (which runs it in :func:`_layer_norm_dtype`: the
+    residual stream is in the autocast dtype there while the norm's parameters are fp32)."""
+    if not (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine):
+        return False
+    return norm.weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)
 
 
 def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, needs: tuple):
@@ -48,22 +52,24 @@ class _NormMlp(torch.autograd.Function):
     The GELU -> fc2 forward and the whole backward run in row chunks (chunked.py): GELU, the
     recomputed LayerNorm output and every gradient exist a chunk at a time, and each bias /
     weight gradient is accumulated while its chunk is in cache. fp16 / bf16 run as one chunk,
-    so their weight gradients come from single fp32-accumulating matmuls.
+    so their weight gradients come from single fp32-accumulating matmuls. Under autocast the
+    LayerNorm runs in the dtype ``nn.LayerNorm`` would, as in :class:`_NormLinear`.
     """
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps: float, w1, b1, w2, b2, chunk_bytes: int):
         rows = x.reshape(-1, x.shape[-1])
         mean = rstd = None
-        normed = rows
+        normed, ln_dtype = rows, rows.dtype
         if norm_weight is not None:
-            normed, mean, rstd = torch.native_layer_norm(rows, (rows.shape[-1],), norm_weight, norm_bias, eps)
+            ln_dtype = _layer_norm_dtype(rows, norm_weight, norm_bias, eps)
+            normed, mean, rstd = torch.native_layer_norm(rows.to(ln_dtype), (rows.shape[-1],), norm_weight, norm_bias, eps)
         h = F.linear(normed, w1, b1)  # autocast applies here as for nn.Linear
         # In the output's shape, so that what is returned is no view (a caller may add a
         # residual into it in place, which autograd forbids on views made in here).
         result = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
-        ctx.eps, ctx.chunk_bytes = eps, chunk_bytes
+        ctx.eps, ctx.chunk_bytes, ctx.ln_dtype = eps, chunk_bytes, ln_dtype
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return result
 
@@ -99,16 +105,18 @@ class _NormMlp(torch.autograd.Function):
             if grad_w1 is not None:
                 normed = rows[part]
                 if norm_weight is not None:
-                    normed = torch.native_layer_norm(normed, (channels,), norm_weight, norm_bias, ctx.eps)[0]
+                    normed = torch.native_layer_norm(
+                        normed.to(ctx.ln_dtype), (channels,), norm_weight, norm_bias, ctx.eps)[0]
                 _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype), first=i == 0)
             if not below_fc1:
                 continue
-            grad_normed = (grad_h @ w1c).to(x.dtype)
+            grad_normed = (grad_h @ w1c).to(ctx.ln_dtype)
             if norm_weight is None:
                 grad_x[part] = grad_normed
                 continue
             dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-                grad_normed, rows[part], (channels,), mean[part], rstd[part], norm_weight, norm_bias, list(needs[:3])
+                grad_normed, rows[part].to(ctx.ln_dtype), (channels,), mean[part], rstd[part], norm_weight, norm_bias,
+                list(needs[:3]),
             )
             if grad_x is not None:
                 grad_x[part] = dx
@@ -169,32 +177,37 @@ class _NormLinear(torch.autograd.Function):
     """``F.linear(partition(layer_norm(x)), weight, bias)`` that saves ``x`` and its statistics.
 
     The normalised tokens (the linear's input) are recomputed in backward from ``x``, the
-    per-token mean and reciprocal std; ``layout`` (optional) gathers them into windows.
+    per-token mean and reciprocal std; ``layout`` (optional) gathers them into windows. Under
+    autocast the LayerNorm runs in the dtype ``nn.LayerNorm`` would (fp32 on CUDA, the
+    input's on the CPU); ``x`` is kept in its own dtype.
     """
 
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps: float, weight, bias, layout: Optional[WindowLayout]):
-        normed, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
+        ln_dtype = _layer_norm_dtype(x, norm_weight, norm_bias, eps)
+        normed, mean, rstd = torch.native_layer_norm(x.to(ln_dtype), (x.shape[-1],), norm_weight, norm_bias, eps)
         tokens = normed if layout is None else layout.to_windows(normed)
         out = F.linear(tokens, weight, bias)  # autocast applies here as for nn.Linear
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
-        ctx.eps, ctx.layout = eps, layout
+        ctx.eps, ctx.layout, ctx.ln_dtype = eps, layout, ln_dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        channels = (x.shape[-1],)
-        normed = torch.native_layer_norm(x, channels, norm_weight, norm_bias, ctx.eps)[0]
+        channels, x_ln = (x.shape[-1],), x.to(ctx.ln_dtype)
+        normed = torch.native_layer_norm(x_ln, channels, norm_weight, norm_bias, ctx.eps)[0]
         tokens = normed if ctx.layout is None else ctx.layout.to_windows(normed)
         grad_tokens, grad_w, grad_b = _linear_backward(grad, tokens, weight, (any(needs[:3]), needs[4], needs[5]))
         if grad_tokens is None:
             return None, None, None, None, grad_w, grad_b, None
         grad_normed = grad_tokens if ctx.layout is None else ctx.layout.to_tokens(grad_tokens)
         grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
-            grad_normed.to(x.dtype), x, channels, mean, rstd, norm_weight, norm_bias, list(needs[:3])
+            grad_normed.to(ctx.ln_dtype), x_ln, channels, mean, rstd, norm_weight, norm_bias, list(needs[:3])
         )
+        grad_x, grad_nw, grad_nb = (g if g is None else g.to(like.dtype) for g, like in
+                                    ((grad_x, x), (grad_nw, norm_weight), (grad_nb, norm_bias)))
         return grad_x, grad_nw, grad_nb, None, grad_w, grad_b, None
 
 

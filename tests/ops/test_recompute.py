@@ -186,3 +186,84 @@ def test_chunk_slices_cover_evenly(total, step):
     sizes = [len(range(total)[p]) for p in parts]
     assert max(sizes) <= step
     assert max(sizes) - min(sizes) <= 1
+
+
+def _graph_nodes(tensor):
+    """Names of every node of ``tensor``'s autograd graph."""
+    seen, stack, names = set(), [tensor.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def _layer_norm_in_fp32_under_autocast(monkeypatch):
+    """CUDA's autocast rule on the CPU: LayerNorm computes in fp32 and returns fp32."""
+    import torch.nn.functional as F
+
+    real = F.layer_norm
+
+    def layer_norm(x, *args, **kwargs):
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return real(x.float(), *args, **kwargs)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(F, "layer_norm", layer_norm)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("rule", ["cpu", "cuda"])
+def test_memory_saving_functions_serve_autocast_training(rule, version, monkeypatch):
+    # Under bf16 autocast the residual stream is bf16 while the norms' parameters are fp32:
+    # every norm -> qkv / norm -> MLP / merging site still uses the memory-saving functions
+    # (with the LayerNorm in the dtype autocast gives it: the input's on the CPU, fp32 on
+    # CUDA), and values and gradients equal those of the plain modules.
+    from swin_backbone import SwinBackbone, SwinV2Backbone, ops
+
+    if rule == "cuda":
+        _layer_norm_in_fp32_under_autocast(monkeypatch)
+    torch.manual_seed(0)
+    model = (SwinBackbone if version == "v1" else SwinV2Backbone)(
+        arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
+        out_indices=(0, 1))
+    # V1: per block norm -> qkv and norm -> MLP (4 blocks), and stage 1's patch merging;
+    # V2: per block the post-norm MLP (its qkv has no norm before it, its merging a norm after).
+    expected = {"v1": 9, "v2": 4}[version]
+    functions = ("_NormLinearBackward", "_NormMlpBackward", "_MlpNormBackward")
+    x = torch.randn(2, 3, 40, 36)
+    results = []
+    for save_memory in (True, False):
+        model.zero_grad()
+        with ops.override(save_memory=save_memory), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = model(x)
+        loss = sum(o.float().square().mean() for o in outs)
+        nodes = _graph_nodes(loss)
+        fused = sum(n in functions for n in nodes)
+        assert fused == (expected if save_memory else 0), (save_memory, fused)
+        loss.backward()
+        results.append([o.float() for o in outs] + [p.grad.float() for p in model.parameters()])
+    # bf16 rounding flips (each path is ~0.1 from fp32 at V2's largest outputs, ~3).
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-2)
+
+
+def test_norm_linear_with_fp32_norm_on_bf16_tokens_under_autocast(monkeypatch):
+    # The mixed case itself (bf16 tokens, fp32 LayerNorm, CUDA's fp32 LayerNorm rule): x is
+    # kept in bf16, its gradient comes back in bf16, the parameters' in fp32.
+    _layer_norm_in_fp32_under_autocast(monkeypatch)
+    norm, linear = _modules(dtype=torch.float32)
+    x = torch.randn(2, 5, 8).bfloat16().requires_grad_()
+    params = [x, norm.weight, norm.bias, linear.weight, linear.bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm_linear(x, norm, linear)
+        ref = linear(norm(x))
+    assert out.grad_fn.name() == "_NormLinearBackward"
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
