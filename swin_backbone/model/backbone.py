@@ -73,7 +73,9 @@ class SwinBackbone(BaseModule):
             ``S``, ``(S,)`` or ``(H, W)``.
         patch_norm: LayerNorm after patch embedding and inside patch merging.
         out_indices: stages whose outputs are returned, each after its own LayerNorm.
-            Stages after the last one listed are not run.
+            Stages after the last one listed (and its patch merging) are built, so that
+            checkpoints load as into the full model, but never run: their parameters get
+            ``requires_grad=False`` (DDP requires a gradient for every trainable parameter).
         frozen_stages: ``-1`` freezes nothing; ``k >= 0`` freezes the patch embedding (and
             the absolute position embedding) and stages ``0 .. k-1`` with their output norms:
             their parameters get ``requires_grad=False`` at construction (DDP never sees
@@ -256,11 +258,22 @@ class SwinBackbone(BaseModule):
                 modules.append(getattr(self, f"norm{i}"))
         return modules
 
+    def unused_modules(self) -> List[nn.Module]:
+        """Modules the forward never runs: stages after the last of ``out_indices`` and the
+        patch merging after it."""
+        last = self.out_indices[-1]
+        modules: List[nn.Module] = list(self.stages[last + 1 :])
+        if self.stages[last].downsample is not None:
+            modules.append(self.stages[last].downsample)
+        return modules
+
     def _freeze_stages(self) -> None:
         if self.frozen_stages >= 0 and self.absolute_pos_embed is not None:
             self.absolute_pos_embed.requires_grad_(False)
         for module in self.frozen_modules():
             module.eval()
+            module.requires_grad_(False)
+        for module in self.unused_modules():
             module.requires_grad_(False)
 
     def train(self, mode: bool = True) -> "SwinBackbone":

@@ -68,6 +68,35 @@ def test_out_indices_subset_and_order():
     assert not hasattr(model, "norm0") and hasattr(model, "norm2")
 
 
+@pytest.mark.parametrize("arch", ["v1", "v2"])
+def test_stages_after_the_last_output_train_under_ddp(arch, tmp_path):
+    # Stages after the last of out_indices never run: their parameters are not trainable,
+    # so DDP with find_unused_parameters=False (mmengine's default) trains for several
+    # iterations; every trainable parameter gets a gradient; checkpoints of the full model
+    # still load (the stages exist).
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from swin_backbone import SwinV2Backbone, load_checkpoint
+
+    cls = SwinBackbone if arch == "v1" else SwinV2Backbone
+    model = cls(**small_arch(out_indices=(0, 1, 2)))
+    unused = ["stages.2.downsample.", "stages.3."]
+    for name, p in model.named_parameters():
+        assert p.requires_grad != any(name.startswith(u) for u in unused), name
+    full = {k: v for k, v in cls(**small_arch()).state_dict().items() if not k.startswith("norm3.")}
+    load_checkpoint(model, full, strict=True, logger=None)  # every stage's weights load
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model, find_unused_parameters=False)
+        for _ in range(3):
+            model.zero_grad()
+            sum(o.square().mean() for o in ddp(torch.randn(1, 3, 64, 64))).backward()
+    finally:
+        dist.destroy_process_group()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 # ---------------------------------------------------------------- parity with mmdet / mmseg
 def _reference(lib, **kw):
     if lib == "mmdet":
