@@ -11,10 +11,34 @@ CPU (default on a machine without CUDA):
   2. forward + backward, train mode, 2x3x512x512: ours, mmdet;
   3. peak memory of (2) (peak RSS growth in a fresh subprocess per model);
   4. the backbone's FLOPs and achieved GFLOP/s of (1) against this machine's dense fp32 matmul
-     rate (2048x2048 matmuls measured in the same rounds as (1)).
-CUDA (``--device cuda``): eval bf16 1x and 8x 3x800x1344 and fp32 (TF32 off) 1x, training
-fwd+bwd 2x3x800x1344 in bf16 and fp32, peak training memory, ``torch.compile`` (dynamic) of
-eval and training, which SDPA kernels ran, and a UPerNet (mmseg) training step.
+     rate (2048x2048 matmuls measured in the same rounds as (1));
+  5. the eval cost of image-exact batches: 2 zero-padded images of different sizes with
+     ``valid_sizes`` against the same batch without.
+CUDA (``--device cuda``), input 3x800x1344, all models (ours, mmdet, timm, torchvision) in each
+row unless said otherwise:
+  1. eval: bf16 autocast 1x and 8x (torch's TF32 defaults: bf16 matmuls ignore them), fp32 1x
+     with TF32 off (``fp32-ieee``: cuBLAS matmuls and cuDNN convolutions in full fp32) and
+     with TF32 on (``fp32-tf32``, what most users run; set and restored through
+     ``fp32_precision`` where torch has it, else ``allow_tf32``);
+  2. training fwd+bwd 2x: bf16, fp32-ieee and fp32-tf32;
+  3. peak training memory bf16 2x: ours, mmdet (a fresh process each, after the parent
+     returned its cached CUDA memory);
+  4. the cost of image-exact batches: SwinBackbone eval and training, bf16, on 2 zero-padded
+     images (HxW-17 and H-50xW) with ``valid_sizes`` against the same batch without;
+  5. which attention ran (one profiled step each: eval bf16 with and without ``valid_sizes``,
+     training bf16 and fp32-ieee): SDPA's kernels, SDPA calls, launches of the fused Triton
+     window-attention kernel, and the ``constant_pad_nd`` / ``copy_`` ops (all, and inside
+     SDPA calls: the fused CUDA kernels' copies of masks whose rows are not 8-aligned);
+  6. ``--compile``: ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of mmdet,
+     ours, and ours with the fused Triton kernel switched off (``ours_no_triton``: a copy
+     with the same weights, compiled and run under ``ops.override(triton=False)``: inductor's
+     own attention against the kernel kept in the graph), with (5) for both of ours; eval
+     bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of mmdet and ours against both
+     eager in the same rounds;
+  7. ``--upernet CONFIG``: a UPerNet (mmseg) training step, bf16.
+Each timed row is ``--warmup`` + ``--iters`` rounds of one step of each of its models (the
+CUDA-graph row: at least 3 warm-up rounds); ``--json`` is rewritten as each row finishes, so a
+run cut short keeps the rows it finished.
 ``--ablate`` turns each of SwinBackbone's optimisations off in turn (same weights, interleaved
 rounds, one process; memory in subprocesses) and prints its effect on eval time, training time
 and training peak memory; ``--ablate --v2`` then does the same for SwinV2Backbone (the V2
@@ -27,7 +51,7 @@ timm's ``swinv2_tiny_window8_256`` (features_only, built for the eval size with
 same weights (timm's random initialisation, loaded into ours by the checkpoint loader and
 written for torchvision by our converter) and stochastic depth off: eval and training timings
 as ratios from the same interleaved rounds, and peak training memory, on the CPU at the
-sizes above and on CUDA with the V1 rows' dtypes and sizes. They take a few minutes on a
+sizes above and on CUDA with the V1 rows' sizes, in bf16 and fp32-ieee. They take a few minutes on a
 2-core CPU, so they are not part of the default run.
 
     python -m swin_backbone.tools.benchmark [--iters 9] [--json out.json] [--device cpu|cuda] [--v2 [only]]
@@ -36,13 +60,15 @@ sizes above and on CUDA with the V1 rows' dtypes and sizes. They take a few minu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -195,6 +221,7 @@ def interleave(fns: Dict[str, Callable[[], None]], device: str, iters: int, warm
 
 
 def with_switches(fn: Callable[[], None], changes: Dict[str, object]) -> Callable[[], None]:
+    """``fn`` run under the planner overrides ``changes`` (see :func:`ops.override`)."""
     def run():
         with ops.override(**changes):
             fn()
@@ -202,20 +229,56 @@ def with_switches(fn: Callable[[], None], changes: Dict[str, object]) -> Callabl
     return run
 
 
-def eval_step(model, x, autocast_dtype=None):
+def _tf32_flags() -> List[Tuple[object, str, object, object]]:
+    """``(namespace, attribute, on, off)`` of torch's TF32 switches for fp32 cuBLAS matmuls and
+    cuDNN convolutions: ``fp32_precision`` ('tf32' / 'ieee') where torch has it (on torch >= 2.9
+    reading or writing the legacy ``allow_tf32`` raises once ``fp32_precision`` was set), else
+    ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    return [
+        (matmul, "fp32_precision", "tf32", "ieee") if hasattr(matmul, "fp32_precision")
+        else (matmul, "allow_tf32", True, False),
+        (conv, "fp32_precision", "tf32", "ieee") if conv is not None and hasattr(conv, "fp32_precision")
+        else (torch.backends.cudnn, "allow_tf32", True, False),
+    ]
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """TF32 for fp32 matmuls and convolutions on or off (CUDA; flags only elsewhere), restored on exit."""
+    flags = _tf32_flags()
+    saved = [getattr(ns, name) for ns, name, _, _ in flags]
+    try:
+        for ns, name, on, off in flags:
+            setattr(ns, name, on if enabled else off)
+        yield
+    finally:
+        for (ns, name, _, _), value in zip(flags, saved):
+            setattr(ns, name, value)
+
+
+def compile_model(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """``torch.compile(model, **kwargs)`` (one place, so a test can stand in for it on a CPU)."""
+    return torch.compile(model, **kwargs)
+
+
+def eval_step(model, x, autocast_dtype=None, **kwargs):
+    """One forward of ``model(x, **kwargs)`` under inference mode (and autocast)."""
     def run():
-        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with torch.inference_mode(), ctx:
-            model(x)
+            model(x, **kwargs)
 
     return run
 
 
-def train_step(model, x, autocast_dtype=None):
+def train_step(model, x, autocast_dtype=None, **kwargs):
+    """One forward of ``model(x, **kwargs)`` (autocast), the mean of its outputs' sum, backward."""
     def run():
-        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
         with ctx:
-            outs = model(x)
+            outs = model(x, **kwargs)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         loss = sum(o.float().mean() for o in outs)
         loss.backward()
@@ -299,7 +362,11 @@ def _peak_rss() -> int:
 
 def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant: Optional[str] = None,
                 dtype: Optional[str] = None) -> int:
-    """Peak memory of one training step of ``name`` on ``batch x 3 x H x W``, in a fresh process."""
+    """Peak memory of one training step of ``name`` on ``batch x 3 x H x W``, in a fresh process
+    (on CUDA after this process returned its cached blocks, which would compete for the GPU)."""
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
     cmd = [sys.executable, "-m", "swin_backbone.tools.benchmark", "--memory-child", name, "--device", device,
            "--batch", str(batch), "--memory-size", str(size[0]), str(size[1])]
     if variant:
@@ -388,38 +455,54 @@ def run_cpu_v2(args, results: dict) -> None:
 
 
 def run_valid_sizes_overhead(model: torch.nn.Module, args, results: dict) -> None:
-    """Eval cost of per-image valid sizes: a batch of 2 images of different sizes at detection
-    resolution, padded to one input, with ``valid_sizes`` against the same batch without."""
-    eh, ew = args.eval_size
+    """CPU: the eval cost of per-image valid sizes at the eval size (:func:`valid_sizes_overhead`)."""
     device = next(model.parameters()).device.type
-    x = torch.randn(2, 3, eh, ew, device=device)
-    sizes = [(eh, ew - 17), (eh - 50, ew)]  # one short on width, one on height: both cut windows
-    for b, (h, w) in enumerate(sizes):  # zeros beyond each image, as mmdet's / mmseg's padding
-        x[b, :, h:] = 0
-        x[b, :, :, w:] = 0
-    model.eval()
+    results["valid_sizes_overhead"] = valid_sizes_overhead(model, args.eval_size, device, args.iters, args.warmup)
 
-    def with_sizes():
-        with torch.inference_mode():
-            model(x, valid_sizes=sizes)
 
-    times = interleave({"without": eval_step(model, x), "valid_sizes": with_sizes}, device, args.iters, args.warmup)
+def padded_batch(size: Sequence[int], device: str) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
+    """Two images of different sizes in one ``2 x 3 x H x W`` input, zero beyond each (as
+    mmdet's / mmseg's padding), and their sizes ``(H, W - 17)``, ``(H - 50, W)``: one short on
+    width, one on height, both cutting windows."""
+    h, w = size
+    x = torch.randn(2, 3, h, w, device=device)
+    sizes = [(h, w - 17), (h - 50, w)]
+    for b, (vh, vw) in enumerate(sizes):
+        x[b, :, vh:] = 0
+        x[b, :, :, vw:] = 0
+    return x, sizes
+
+
+def valid_sizes_overhead(model: torch.nn.Module, size: Sequence[int], device: str, iters: int, warmup: int,
+                         autocast_dtype: Optional[torch.dtype] = None, train: bool = False) -> dict:
+    """Cost of per-image valid sizes: a batch of 2 images of different sizes (:func:`padded_batch`),
+    padded to one input, with ``valid_sizes`` against the same batch without, in the same
+    interleaved rounds; eval, or (``train``) a training step; under autocast if given."""
+    x, sizes = padded_batch(size, device)
+    model.train(train)
+    step = train_step if train else eval_step
+    fns = {"without": step(model, x, autocast_dtype), "valid_sizes": step(model, x, autocast_dtype, valid_sizes=sizes)}
+    times = interleave(fns, device, iters, warmup)
     overhead = statistics.median(v / w for v, w in zip(times["valid_sizes"], times["without"])) - 1
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"valid_sizes overhead, eval 2x3x{eh}x{ew} (images {sizes[0][0]}x{sizes[0][1]}, {sizes[1][0]}x{sizes[1][1]}): "
-          f"without {med['without'] * 1e3:.1f} ms, with {med['valid_sizes'] * 1e3:.1f} ms, {100 * overhead:+.1f}%")
-    results["valid_sizes_overhead"] = {"samples": times, "median_s": med, "overhead": overhead, "sizes": sizes}
+    h, w = size
+    kind = "train fwd+bwd" if train else "eval"
+    tag = f" {_dtype_tag(autocast_dtype)}" if autocast_dtype else ""
+    print(f"valid_sizes overhead, {kind}{tag} 2x3x{h}x{w} (images {sizes[0][0]}x{sizes[0][1]}, "
+          f"{sizes[1][0]}x{sizes[1][1]}): without {med['without'] * 1e3:.1f} ms, "
+          f"with {med['valid_sizes'] * 1e3:.1f} ms, {100 * overhead:+.1f}%")
+    return {"samples": times, "median_s": med, "overhead": overhead, "sizes": sizes}
 
 
 def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_size: Sequence[int],
            evals: Sequence[tuple], trains: Sequence[Optional[torch.dtype]],
-           memory_dtype: Optional[str] = None) -> None:
+           memory_dtype: Optional[str] = None, fp32_tag: str = "fp32") -> None:
     """The Swin V2 rows (:func:`build_v2`): eval at ``eval_size`` for every ``(batch, autocast
     dtype or None)`` of ``evals``, training fwd+bwd of 2 images at ``train_size`` for every
     autocast dtype (or None) of ``trains``, and peak training memory (``memory_dtype``), each
     as ratios of the same interleaved rounds. Keys ``v2_eval_{dtype}_{B}x3x{H}x{W}``,
-    ``v2_train_{dtype}_2x3x{H}x{W}`` and ``v2_peak_memory``. The CPU run and the CUDA run
-    differ only in the arguments."""
+    ``v2_train_{dtype}_2x3x{H}x{W}`` (``dtype``: ``fp32_tag`` without autocast) and
+    ``v2_peak_memory``. The CPU run and the CUDA run differ only in the arguments."""
     models = build_v2(device, eval_size, peers=not args.no_peers)
     reference = "timm" if "timm" in models else "ours"
     h, w = eval_size
@@ -427,7 +510,7 @@ def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_siz
         x = torch.randn(batch, 3, h, w, device=device)
         for m in models.values():
             m.eval()
-        tag = _dtype_tag(dtype)
+        tag = _dtype_tag(dtype, fp32_tag)
         times = interleave({k: eval_step(m, x, dtype) for k, m in models.items()}, device, args.iters, args.warmup)
         results[f"v2_eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"Swin V2 eval {tag} {batch}x3x{h}x{w}", times,
                                                                 reference)
@@ -436,7 +519,7 @@ def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_siz
     for dtype in trains:
         for m in models.values():
             m.train()
-        tag = _dtype_tag(dtype)
+        tag = _dtype_tag(dtype, fp32_tag)
         times = interleave({k: train_step(m, x, dtype) for k, m in models.items()}, device, args.iters, args.warmup)
         results[f"v2_train_{tag}_2x3x{th}x{tw}"] = summarize(f"Swin V2 train fwd+bwd {tag} 2x3x{th}x{tw}", times,
                                                              reference)
@@ -450,8 +533,9 @@ def run_v2(args, results: dict, device: str, eval_size: Sequence[int], train_siz
                                      **{f"ratio_over_{k}": r for k, r in ratios.items()}}
 
 
-def _dtype_tag(dtype: Optional[torch.dtype]) -> str:
-    return "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+def _dtype_tag(dtype: Optional[torch.dtype], fp32: str = "fp32") -> str:
+    """A row's dtype in its key and label: ``fp32`` (no autocast) or the autocast dtype's."""
+    return fp32 if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def ablation_variants(names: Sequence[str], only: Optional[Sequence[str]]) -> List[str]:
@@ -523,44 +607,103 @@ def run_ablation(args, results: dict, model: torch.nn.Module, chosen: Sequence[s
                     "samples": {"eval": eval_times, "train": train_times}}
 
 
-def sdpa_kernels(model, x, autocast_dtype, train: bool) -> List[str]:
-    """Names of the SDPA kernels one forward (and backward) runs."""
+def sdpa_kernels(model, x, autocast_dtype, train: bool, changes: Optional[Dict[str, object]] = None,
+                 **kwargs) -> dict:
+    """Which attention one forward (``train``: one forward + backward) of ``model(x, **kwargs)``
+    ran, under the planner overrides ``changes``, from one torch.profiler run:
+
+    * ``kernels``: names of the SDPA / attention ops and kernels;
+    * ``sdpa_calls``: SDPA calls (forward backend ops ``aten::_scaled_dot_product_*``: one per
+      call, also where a compiled graph calls a backend directly);
+    * ``triton_window_attention_launches``: GPU launches of the fused Triton window-attention
+      kernel; ``inductor_triton_launches``: of inductor's Triton kernels (``triton_*``);
+    * ``constant_pad_nd`` / ``copy_``: those ops in the whole step, and ``*_in_sdpa``: inside
+      SDPA calls (the fused CUDA kernels copy a mask whose non-last strides are not multiples
+      of 8 on every call; nested ops count too: a pad's own copy is also a copy).
+    """
+    from torch.autograd import DeviceType
     from torch.profiler import profile
 
+    step = with_switches((train_step if train else eval_step)(model, x, autocast_dtype, **kwargs), changes or {})
     with profile() as prof:
-        (train_step if train else eval_step)(model, x, autocast_dtype)()
-    sync(x.device.type)
-    return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention" in e.key.lower()})
+        step()
+        sync(x.device.type)
+    events = prof.events()
+    counts = {"constant_pad_nd": 0, "copy_": 0, "constant_pad_nd_in_sdpa": 0, "copy_in_sdpa": 0}
+    for e in events:
+        if e.name in ("aten::constant_pad_nd", "aten::copy_"):
+            op = e.name[len("aten::"):]
+            counts[op] += 1
+            parent = e.cpu_parent
+            while parent is not None and "scaled_dot_product" not in parent.name:
+                parent = parent.cpu_parent
+            counts[op.rstrip("_") + "_in_sdpa"] += parent is not None
+    on_device = [e.name for e in events if e.device_type != DeviceType.CPU]
+    names = {e.key for e in prof.key_averages()}
+    return {
+        "step": "forward+backward" if train else "forward",
+        "kernels": sorted(n for n in names if "scaled_dot_product" in n or "attention" in n.lower()
+                          or n.startswith(("fmha", "flash"))),
+        "sdpa_calls": sum(e.name.startswith("aten::_scaled_dot_product_") and not e.name.endswith("_backward")
+                          for e in events),
+        "triton_window_attention_launches": sum("_window_attention_kernel" in n for n in on_device),
+        "inductor_triton_launches": sum(n.startswith("triton_") for n in on_device),
+        **counts,
+    }
 
 
 #: Input size of the CUDA rows.
 CUDA_SIZE = (800, 1344)
 
 
-def run_cuda(args, results: dict) -> None:
-    device = "cuda"
-    results["gpu"] = torch.cuda.get_device_name()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    h, w = CUDA_SIZE
+def _precision_tag(dtype: Optional[torch.dtype], allow_tf32: Optional[bool]) -> str:
+    """A CUDA row's precision in its key and label: ``bf16``, ``fp32-ieee`` (TF32 off) or ``fp32-tf32``."""
+    if dtype is not None or allow_tf32 is None:
+        return _dtype_tag(dtype)
+    return "fp32-tf32" if allow_tf32 else "fp32-ieee"
+
+
+def _tf32_or_as_set(allow_tf32: Optional[bool]):
+    """:func:`tf32` on or off, or (``None``) torch's settings as they are."""
+    return contextlib.nullcontext() if allow_tf32 is None else tf32(allow_tf32)
+
+
+def run_cuda(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
+    """The CUDA rows of the module docstring on ``args.device`` at ``size`` (the tests run them
+    on the CPU at tiny sizes: the TF32 switches are flags only there). Keys
+    ``{eval,train}_{bf16,fp32-ieee,fp32-tf32}_{B}x3x{H}x{W}`` (fp32 rows: ``tf32`` says which),
+    ``peak_memory``, ``valid_sizes_overhead_{eval,train}_bf16_2x3x{H}x{W}``, ``sdpa_kernels``,
+    ``compiled_*`` (:func:`run_compiled`) and ``upernet_train_bf16``."""
+    device = args.device
+    if device == "cuda":
+        results["gpu"] = torch.cuda.get_device_name()
+    h, w = size
     models = build_pair(device)
     peers = {} if args.no_peers else build_peers(device, (h, w))
     everyone = {**models, **peers}
     bf16 = torch.bfloat16
-    for batch, dtype in ((1, bf16), (8, bf16), (1, None)):
+    # (batch, autocast dtype, TF32): None leaves torch's settings (bf16 matmuls ignore them).
+    # Each row: warmup + iters rounds of one step of every model.
+    for batch, dtype, allow in ((1, bf16, None), (8, bf16, None), (1, None, False), (1, None, True)):
         x = torch.randn(batch, 3, h, w, device=device)
         for m in everyone.values():
             m.eval()
-        tag = "bf16" if dtype else "fp32"
-        times = interleave({k: eval_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters, args.warmup)
-        results[f"eval_{tag}_{batch}x3x{h}x{w}"] = summarize(f"eval {tag} {batch}x3x{h}x{w}", times)
+        tag = _precision_tag(dtype, allow)
+        with _tf32_or_as_set(allow):
+            times = interleave({k: eval_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters,
+                               args.warmup)
+        row = summarize(f"eval {tag} {batch}x3x{h}x{w}", times)
+        results[f"eval_{tag}_{batch}x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
     x = torch.randn(2, 3, h, w, device=device)
-    for dtype in (bf16, None):
+    for dtype, allow in ((bf16, None), (None, False), (None, True)):
         for m in everyone.values():
             m.train()
-        tag = "bf16" if dtype else "fp32"
-        times = interleave({k: train_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters, args.warmup)
-        results[f"train_{tag}_2x3x{h}x{w}"] = summarize(f"train fwd+bwd {tag} 2x3x{h}x{w}", times)
+        tag = _precision_tag(dtype, allow)
+        with _tf32_or_as_set(allow):
+            times = interleave({k: train_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters,
+                               args.warmup)
+        row = summarize(f"train fwd+bwd {tag} 2x3x{h}x{w}", times)
+        results[f"train_{tag}_2x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
     if not args.skip_memory:
         mem = {k: peak_memory(k, device, 2, (h, w), dtype="bfloat16") for k in models}
         print(f"peak training memory bf16 2x3x{h}x{w}: ours {mem['ours'] / 2**20:.0f} MiB, "
@@ -568,37 +711,107 @@ def run_cuda(args, results: dict) -> None:
         results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"],
                                   "ratio": mem["ours"] / mem["mmdet"]}
     ours = models["ours"]
-    results["sdpa_kernels"] = {
-        "eval_bf16": sdpa_kernels(ours.eval(), torch.randn(1, 3, h, w, device=device), bf16, False),
-        "train_bf16": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), bf16, True),
-        "train_fp32": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), None, True),
-    }
-    print("attention kernels that ran:", json.dumps(results["sdpa_kernels"]))
+    # Image-exact batches: warmup + iters rounds of 2 steps (with and without) per row.
+    for train in (False, True):
+        kind = "train" if train else "eval"
+        results[f"valid_sizes_overhead_{kind}_bf16_2x3x{h}x{w}"] = valid_sizes_overhead(
+            ours, size, device, args.iters, args.warmup, bf16, train)
+    x_padded, sizes = padded_batch(size, device)
+    with tf32(False):
+        results["sdpa_kernels"] = {  # one profiled step each
+            "eval_bf16": sdpa_kernels(ours.eval(), torch.randn(1, 3, h, w, device=device), bf16, False),
+            "eval_bf16_valid_sizes": sdpa_kernels(ours.eval(), x_padded, bf16, False, valid_sizes=sizes),
+            "train_bf16": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), bf16, True),
+            "train_fp32-ieee": sdpa_kernels(ours.train(), torch.randn(2, 3, h, w, device=device), None, True),
+        }
     if args.compile:
-        compiled = {k: torch.compile(m, dynamic=True) for k, m in models.items()}
-        x8 = torch.randn(8, 3, h, w, device=device)
-        for m in compiled.values():
-            m.eval()
-        times = interleave({k: eval_step(m, x8, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
-        results[f"compiled_eval_bf16_8x3x{h}x{w}"] = summarize(f"torch.compile eval bf16 8x3x{h}x{w}", times)
-        for m in compiled.values():
-            m.train()
-        times = interleave({k: train_step(m, x, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
-        results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
+        run_compiled(args, results, models, size)
+    print("attention that ran:", json.dumps(results["sdpa_kernels"]))
     if args.upernet:
         results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup)
 
 
+def _allow_recompiles(limit: int = 32) -> None:
+    """Raise dynamo's recompile limit per function (default 8): :func:`run_compiled` traces
+    SwinBackbone's forward in 5 variants (eval / training, with / without the Triton kernel,
+    CUDA graphs) besides any a caller compiled; past the limit dynamo would run it eagerly."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
+def _cudagraph_skips() -> int:
+    """How often inductor has so far declined to use CUDA graphs for a compiled graph."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: Sequence[int]) -> None:
+    """``--compile`` rows of ``models`` (mmdet, ours) at ``size``, bf16 autocast:
+
+    * ``compiled_eval_bf16_8x3x{H}x{W}``, ``compiled_train_bf16_2x3x{H}x{W}``: ``torch.compile``
+      (dynamic) of mmdet, ours and ``ours_no_triton`` (a copy of ours, same weights, compiled
+      and run with the fused Triton kernel off: inductor's own attention against the kernel
+      as a custom operator in the graph), one step each per round (warmup + iters rounds);
+    * ``sdpa_kernels["compiled_{eval,train}_bf16[_no_triton]"]``: which attention ran in both;
+    * ``compiled_reduce_overhead_eval_bf16_1x3x{H}x{W}``: eval 1x with
+      ``mode="reduce-overhead"`` (CUDA graphs, one input size) of mmdet and ours, and both
+      eager (``*_eager``), in the same rounds; ``cudagraph_skips``: compiled graphs that
+      inductor ran without CUDA graphs.
+    """
+    device = args.device
+    h, w = size
+    bf16 = torch.bfloat16
+    _allow_recompiles()
+    # The planner reads the switch while tracing: the copy is compiled and always run under the
+    # override, and being a module of its own it shares no guards / caches with "ours".
+    twin = copy.deepcopy(models["ours"])
+    compiled = {k: compile_model(m, dynamic=True) for k, m in {**models, "ours_no_triton": twin}.items()}
+    changes: Dict[str, Dict[str, object]] = {k: {} for k in compiled}
+    changes["ours_no_triton"] = dict(triton=False)
+    x8 = torch.randn(8, 3, h, w, device=device)
+    x2 = torch.randn(2, 3, h, w, device=device)
+    for m in compiled.values():
+        m.eval()
+    times = interleave({k: with_switches(eval_step(m, x8, bf16), changes[k]) for k, m in compiled.items()}, device,
+                       args.iters, args.warmup)
+    results[f"compiled_eval_bf16_8x3x{h}x{w}"] = summarize(f"torch.compile eval bf16 8x3x{h}x{w}", times)
+    for m in compiled.values():
+        m.train()
+    times = interleave({k: with_switches(train_step(m, x2, bf16), changes[k]) for k, m in compiled.items()}, device,
+                       args.iters, args.warmup)
+    results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
+    for name, suffix in (("ours", ""), ("ours_no_triton", "_no_triton")):  # the timed shapes: no recompiles
+        m = compiled[name]
+        results["sdpa_kernels"][f"compiled_eval_bf16{suffix}"] = sdpa_kernels(m.eval(), x8, bf16, False, changes[name])
+        results["sdpa_kernels"][f"compiled_train_bf16{suffix}"] = sdpa_kernels(m.train(), x2, bf16, True,
+                                                                              changes[name])
+    # Batch-1 eval is launch-bound on a GPU: CUDA graphs replay a whole forward in one launch.
+    graphed = {k: compile_model(m, mode="reduce-overhead", dynamic=False) for k, m in models.items()}
+    for m in models.values():
+        m.eval()
+    x1 = torch.randn(1, 3, h, w, device=device)
+    fns = {k: eval_step(m, x1, bf16) for k, m in graphed.items()}
+    fns.update({f"{k}_eager": eval_step(m, x1, bf16) for k, m in models.items()})
+    skips = _cudagraph_skips()
+    # CUDA graph trees record on a call after the compiling one and replay from the next: 3 warm-up rounds at least.
+    times = interleave(fns, device, args.iters, max(args.warmup, 3))
+    row = summarize(f"torch.compile reduce-overhead eval bf16 1x3x{h}x{w}", times)
+    results[f"compiled_reduce_overhead_eval_bf16_1x3x{h}x{w}"] = {**row, "cudagraph_skips": _cudagraph_skips() - skips}
+    torch._dynamo.reset()  # frees the compiled graphs and CUDA graph pools before the rows that follow
+
+
 def run_cuda_v2(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
-    """The Swin V2 rows on CUDA, as the V1 rows of :func:`run_cuda`: eval bf16 1x and 8x and fp32
-    (TF32 off) 1x, training 2x in bf16 and fp32, peak training memory in bf16."""
+    """The Swin V2 rows on CUDA, as the V1 rows of :func:`run_cuda`: eval bf16 1x and 8x and
+    fp32-ieee (TF32 off, restored after) 1x, training 2x in bf16 and fp32-ieee, peak training
+    memory in bf16."""
     if torch.cuda.is_available():
         results.setdefault("gpu", torch.cuda.get_device_name())
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     bf16 = torch.bfloat16
-    run_v2(args, results, args.device, size, size, evals=[(1, bf16), (8, bf16), (1, None)], trains=[bf16, None],
-           memory_dtype="bfloat16")
+    with tf32(False):
+        run_v2(args, results, args.device, size, size, evals=[(1, bf16), (8, bf16), (1, None)], trains=[bf16, None],
+               memory_dtype="bfloat16", fp32_tag="fp32-ieee")
 
 
 def upernet_step(config: str, device: str, iters: int, warmup: int, size: int = 512, batch: int = 2) -> dict:
@@ -648,6 +861,25 @@ def upernet_step(config: str, device: str, iters: int, warmup: int, size: int = 
     return summarize(f"UPerNet training step bf16 {batch}x3x{size}x{size}", times, reference="mmseg")
 
 
+class SavedResults(dict):
+    """The results, rewritten to ``path`` (JSON) whenever a row is added: a run cut short (a
+    time limit) keeps the rows it finished."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self, f, indent=2)
+        os.replace(tmp, self.path)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -680,8 +912,9 @@ def main(argv=None) -> dict:
                      args.memory_dtype)
         return {}
 
-    results: dict = {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                     "date": time.strftime("%Y-%m-%d")}
+    results: dict = SavedResults(args.json) if args.json else {}
+    results.update(device=args.device, threads=torch.get_num_threads(), torch=torch.__version__,
+                   date=time.strftime("%Y-%m-%d"))
     print(f"device {args.device}, torch {torch.__version__}" + (
         f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
     if args.ablate:
@@ -693,10 +926,9 @@ def main(argv=None) -> dict:
         if args.v2:
             (run_cuda_v2 if cuda else run_cpu_v2)(args, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        results.save()
         print(f"wrote {args.json}")
-    return results
+    return dict(results)
 
 
 if __name__ == "__main__":

@@ -194,9 +194,175 @@ def test_benchmark_v2_cuda_rows_run_on_the_cpu():
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=False, skip_memory=True)
     results = {}
     run_cuda_v2(args, results, size=(32, 32))
-    keys = [f"v2_eval_{t}_{b}x3x32x32" for t, b in (("bf16", 1), ("bf16", 8), ("fp32", 1))]
-    keys += ["v2_train_bf16_2x3x32x32", "v2_train_fp32_2x3x32x32"]
+    keys = [f"v2_eval_{t}_{b}x3x32x32" for t, b in (("bf16", 1), ("bf16", 8), ("fp32-ieee", 1))]
+    keys += ["v2_train_bf16_2x3x32x32", "v2_train_fp32-ieee_2x3x32x32"]
     _check_rows(results, keys, {"ours", "timm", "torchvision"})
+
+
+def _tf32_state():
+    from swin_backbone.tools.benchmark import _tf32_flags
+
+    return tuple(getattr(ns, name) for ns, name, _, _ in _tf32_flags())
+
+
+def test_tf32_sets_and_restores_torch_switches():
+    """TF32 on / off for cuBLAS matmuls and cuDNN convolutions, restored on exit (also after an
+    error), through ``fp32_precision`` where torch has it (the legacy ``allow_tf32`` raises once
+    that was used)."""
+    from swin_backbone.tools.benchmark import _tf32_flags, tf32
+
+    flags = _tf32_flags()
+    before = _tf32_state()
+    for enabled in (True, False):
+        with tf32(enabled):
+            assert _tf32_state() == tuple(on if enabled else off for _, _, on, off in flags)
+        assert _tf32_state() == before
+    with pytest.raises(RuntimeError):
+        with tf32(True):
+            raise RuntimeError
+    assert _tf32_state() == before
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert [name for _, name, _, _ in flags] == ["fp32_precision", "fp32_precision"]
+        assert [on for _, _, on, _ in flags] == ["tf32", "tf32"] and [off for *_, off in flags] == ["ieee", "ieee"]
+
+
+def test_peak_memory_returns_cached_cuda_memory_before_the_child(monkeypatch):
+    """On CUDA the parent empties its allocator cache before it starts a memory child (its cached
+    blocks would compete with the child for the GPU); on the CPU there is nothing to empty."""
+    from swin_backbone.tools import benchmark
+
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd[cmd.index("--memory-child") + 1])
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"peak_bytes": 123}\n')
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(benchmark.subprocess, "run", run)
+    assert benchmark.peak_memory("ours", "cuda", 2, (64, 64), dtype="bfloat16") == 123
+    assert calls == ["empty_cache", "ours"]
+    calls.clear()
+    assert benchmark.peak_memory("mmdet", "cpu", 2, (64, 64)) == 123
+    assert calls == ["mmdet"]
+
+
+def _check_v1_row(row, models, key):
+    assert set(row["samples"]) == set(models), key
+    assert all(len(v) >= 1 and all(t > 0 for t in v) for v in row["samples"].values()), key
+    assert set(row["speedup_over_mmdet"]) == set(models) - {"mmdet"}, key
+    assert row["speedup"] > 0 and row["ours_s"] > 0 and row["mmdet_s"] > 0, key
+
+
+def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
+    """The CUDA run's V1 rows through the same code on the CPU, tiny, ``--compile`` included
+    (``torch.compile`` stood in for: compiling takes minutes on a CPU): every row and key
+    exists; the fp32 rows ran with TF32 as labelled, restored after; the compiled copy without
+    the Triton kernel has ours' weights and ran every call with the kernel switched off, the
+    other compiled models with it on; memory children for mmdet and ours."""
+    from swin_backbone import ops
+    from swin_backbone.tools import benchmark
+
+    built = {}
+    fp32_states = []  # TF32 switches at each forward of ours without autocast
+
+    def build_pair(*args, **kwargs):
+        built.update(real_build_pair(*args, **kwargs))
+
+        def record(module, inputs):
+            if not torch.is_autocast_enabled("cpu"):
+                fp32_states.append(_tf32_state())
+
+        built["ours"].register_forward_pre_hook(record)
+        return dict(built)
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, model, kwargs):
+            super().__init__()
+            self.model, self.kwargs, self.triton = model, kwargs, []
+
+        def forward(self, x, **kw):
+            with ops.override() as current:  # (no changes: the switches in effect)
+                self.triton.append(current.triton)
+            return self.model(x, **kw)
+
+    compiled = []
+
+    def compile_model(model, **kwargs):
+        compiled.append(Compiled(model, kwargs))
+        return compiled[-1]
+
+    children = []
+
+    def peak_memory(name, device, batch, size, variant=None, dtype=None):
+        children.append((name, device, batch, tuple(size), variant, dtype))
+        return 2**20
+
+    real_build_pair = benchmark.build_pair
+    monkeypatch.setattr(benchmark, "build_pair", build_pair)
+    monkeypatch.setattr(benchmark, "compile_model", compile_model)
+    monkeypatch.setattr(benchmark, "peak_memory", peak_memory)
+    before = _tf32_state()
+    args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile=True,
+                              upernet=None)
+    results = {}
+    benchmark.run_cuda(args, results, size=(64, 96))
+
+    pair = {"mmdet", "ours"}
+    for t, b in (("bf16", 1), ("bf16", 8), ("fp32-ieee", 1), ("fp32-tf32", 1)):
+        _check_v1_row(results[f"eval_{t}_{b}x3x64x96"], pair, t)
+    for t in ("bf16", "fp32-ieee", "fp32-tf32"):
+        _check_v1_row(results[f"train_{t}_2x3x64x96"], pair, t)
+    for kind in ("eval", "train"):
+        assert results[f"{kind}_fp32-ieee_{1 if kind == 'eval' else 2}x3x64x96"]["tf32"] is False
+        assert results[f"{kind}_fp32-tf32_{1 if kind == 'eval' else 2}x3x64x96"]["tf32"] is True
+        assert "tf32" not in results[f"{kind}_bf16_{1 if kind == 'eval' else 2}x3x64x96"]
+    flags = benchmark._tf32_flags()
+    ieee, on = tuple(off for *_, off in flags), tuple(on for _, _, on, _ in flags)
+    assert set(fp32_states) == {ieee, on}  # fp32 rows: explicitly off, or on
+    assert _tf32_state() == before
+
+    # Memory: each of the pair in its own child, bf16 training.
+    assert children == [(k, "cpu", 2, (64, 96), None, "bfloat16") for k in ("mmdet", "ours")]
+    assert results["peak_memory"]["ratio"] == 1.0
+
+    # Image-exact batches.
+    for kind in ("eval", "train"):
+        row = results[f"valid_sizes_overhead_{kind}_bf16_2x3x64x96"]
+        assert set(row["samples"]) == {"without", "valid_sizes"} and row["overhead"] > -1
+        assert [tuple(s) for s in row["sizes"]] == [(64, 79), (14, 96)]
+
+    # Which attention ran: every profiled step, with its counts.
+    kernels = results["sdpa_kernels"]
+    assert set(kernels) == {"eval_bf16", "eval_bf16_valid_sizes", "train_bf16", "train_fp32-ieee",
+                            "compiled_eval_bf16", "compiled_eval_bf16_no_triton", "compiled_train_bf16",
+                            "compiled_train_bf16_no_triton"}
+    counts = ("sdpa_calls", "triton_window_attention_launches", "inductor_triton_launches", "constant_pad_nd",
+              "copy_", "constant_pad_nd_in_sdpa", "copy_in_sdpa")
+    for name, row in kernels.items():
+        assert row["step"] == ("forward+backward" if "train" in name else "forward"), name
+        assert all(isinstance(row[c], int) and row[c] >= 0 for c in counts), name
+        assert row["constant_pad_nd_in_sdpa"] <= row["constant_pad_nd"] and row["copy_in_sdpa"] <= row["copy_"]
+        assert row["triton_window_attention_launches"] == 0  # no GPU, no interpreter here
+    assert kernels["eval_bf16"]["sdpa_calls"] > 0  # CPU inference: SDPA
+    assert "aten::scaled_dot_product_attention" in kernels["eval_bf16"]["kernels"]
+
+    # --compile: mmdet, ours and the copy without the kernel (dynamic), then CUDA graphs at batch 1.
+    assert [c.kwargs for c in compiled] == [dict(dynamic=True)] * 3 + [dict(mode="reduce-overhead", dynamic=False)] * 2
+    assert [c.model for c in compiled[:2]] == [built["mmdet"], built["ours"]]
+    assert [c.model for c in compiled[3:]] == [built["mmdet"], built["ours"]]
+    twin = compiled[2].model
+    assert twin is not built["ours"]
+    ours_state = built["ours"].state_dict()
+    assert all(torch.equal(v, ours_state[k]) for k, v in twin.state_dict().items())
+    assert compiled[2].triton and not any(compiled[2].triton)
+    for c in compiled[:2] + compiled[3:]:
+        assert c.triton and all(c.triton)
+    for key in ("compiled_eval_bf16_8x3x64x96", "compiled_train_bf16_2x3x64x96"):
+        _check_v1_row(results[key], {"mmdet", "ours", "ours_no_triton"}, key)
+        assert set(results[key]["ours_speedup_over"]) == {"ours_no_triton"}
+    row = results["compiled_reduce_overhead_eval_bf16_1x3x64x96"]
+    _check_v1_row(row, {"mmdet", "ours", "mmdet_eager", "ours_eager"}, "reduce-overhead")
+    assert set(row["ours_speedup_over"]) == {"mmdet_eager", "ours_eager"} and row["cudagraph_skips"] == 0
 
 
 def test_v2_rows_share_their_weights():
@@ -216,3 +382,16 @@ def test_v2_rows_share_their_weights():
         ref = torch.nn.functional.layer_norm(theirs[i], theirs[i].shape[-1:]).permute(0, 3, 1, 2)
         torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(tv, theirs[3], rtol=1e-4, atol=1e-4)
+
+
+def test_saved_results_rewrite_the_json_as_rows_finish(tmp_path):
+    """--json: every row added rewrites the file, so a run cut short (a time limit) keeps its rows."""
+    from swin_backbone.tools.benchmark import SavedResults
+
+    path = tmp_path / "b.json"
+    results = SavedResults(str(path))
+    results["a"] = {"samples": {"ours": [0.1]}}
+    assert json.loads(path.read_text()) == {"a": {"samples": {"ours": [0.1]}}}
+    results["b"] = [(64, 79), (14, 96)]
+    assert json.loads(path.read_text()) == {"a": {"samples": {"ours": [0.1]}}, "b": [[64, 79], [14, 96]]}
+    assert not (tmp_path / "b.json.tmp").exists()
