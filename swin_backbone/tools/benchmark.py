@@ -34,7 +34,7 @@ row unless said otherwise:
      with the same weights, compiled and run under ``ops.override(triton=False)``: inductor's
      own attention against the kernel kept in the graph), with (5) for both of ours; eval
      bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of mmdet and ours against both
-     eager in the same rounds;
+     eager in the same rounds; ``--compile only``: just these (a device call of its own);
   7. ``--upernet CONFIG``: a UPerNet (mmseg) training step, bf16.
 Each timed row is ``--warmup`` + ``--iters`` rounds of one step of each of its models (the
 CUDA-graph row: at least 3 warm-up rounds); ``--json`` is rewritten as each row finishes, so a
@@ -679,6 +679,10 @@ def run_cuda(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
         results["gpu"] = torch.cuda.get_device_name()
     h, w = size
     models = build_pair(device)
+    if args.compile == "only":  # a device call of its own (compiling takes minutes)
+        results["sdpa_kernels"] = {}
+        run_compiled(args, results, models, size)
+        return
     peers = {} if args.no_peers else build_peers(device, (h, w))
     everyone = {**models, **peers}
     bf16 = torch.bfloat16
@@ -895,7 +899,8 @@ def main(argv=None) -> dict:
                         help="--ablate: only the variants whose name contains a WORD (V1 and V2)")
     parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
-    parser.add_argument("--compile", action="store_true", help="CUDA: add torch.compile rows (minutes of compiling)")
+    parser.add_argument("--compile", nargs="?", const="also", choices=("also", "only"),
+                        help="CUDA: add torch.compile rows (minutes of compiling); '--compile only': just those")
     parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
     parser.add_argument("--v2", nargs="?", const="also", choices=("also", "only"),
                         help="add the Swin V2 rows (ours vs timm / torchvision, same weights; minutes on a "

@@ -395,3 +395,20 @@ def test_saved_results_rewrite_the_json_as_rows_finish(tmp_path):
     results["b"] = [(64, 79), (14, 96)]
     assert json.loads(path.read_text()) == {"a": {"samples": {"ours": [0.1]}}, "b": [[64, 79], [14, 96]]}
     assert not (tmp_path / "b.json.tmp").exists()
+
+
+def test_benchmark_cuda_compile_only_runs_just_the_compiled_rows(monkeypatch):
+    # `--compile only`: a device call of its own for the compiled rows (no eager rows, no
+    # memory children), so the GPU run can be split over calls of 10 minutes.
+    from swin_backbone.tools import benchmark
+
+    monkeypatch.setattr(benchmark, "compile_model", lambda model, **kwargs: model)
+    monkeypatch.setattr(benchmark, "peak_memory", lambda *a, **k: pytest.fail("no memory rows with --compile only"))
+    args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile="only",
+                              upernet=None)
+    results = {}
+    benchmark.run_cuda(args, results, size=(64, 96))
+    rows = {k for k in results if k not in ("sdpa_kernels", "gpu")}
+    assert rows and all(k.startswith("compiled_") for k in rows), sorted(results)
+    assert set(results["sdpa_kernels"]) == {"compiled_eval_bf16", "compiled_eval_bf16_no_triton",
+                                            "compiled_train_bf16", "compiled_train_bf16_no_triton"}
