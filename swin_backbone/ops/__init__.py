@@ -241,11 +241,14 @@ def stage_layouts(
 
 
 def _with_images(layout: WindowLayout, plan: Plan) -> WindowLayout:
-    """``layout`` with the windows the plan's per-image valid sizes cut (if any)."""
+    """``layout`` with the windows the plan's per-image valid sizes cut (if any).
+
+    The copy shares ``layout.tensors``: what either builds on first use serves both (and the
+    cached layout keeps it for the next batch of this size)."""
     from .windows import get_image_windows
 
     images = get_image_windows(
         layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes,
-        layout.index.device, plan.mask_dtype, plan.align_masks,
+        layout.device, plan.mask_dtype, plan.align_masks,
     )
     return layout if images is None else dataclasses.replace(layout, images=images)

@@ -4,6 +4,12 @@ Everything here depends only on sizes (never on weights), so it is computed once
 size and cached. All index and mask tensors are built with tensor ops on ``arange`` (no Python
 loops over pixels), which keeps them traceable by ``torch.compile`` / ``torch.export``.
 
+No host-device synchronisation in a forward: eagerly, whatever needs values on the host
+(``nonzero``, tensors from Python lists) is computed on the CPU, and each result moves to the
+target device with one non-blocking copy (:func:`_to_device`). A :class:`WindowLayout` builds
+each of its tensors when a kernel first reads it (the fused Triton kernel reads none). While
+tracing, sizes may be symbolic: layouts are then built with plain ops on the device, eagerly.
+
 Conventions
 -----------
 A feature map of ``H x W`` tokens is padded bottom/right to ``Hp x Wp`` (multiples of the
@@ -15,9 +21,9 @@ row-major ``(H * W,)`` order and that layout, and the attention mask for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache, wraps
-from typing import Callable, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,26 @@ MASK_VALUE = -1e4
 
 #: Region label given to tokens that exist only because of window padding.
 PAD_REGION = 9
+
+_CPU = torch.device("cpu")
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, built on the CPU, on ``device``: itself for the CPU, else one copy that does not
+    make the host wait for the device.
+
+    CUDA copies asynchronously only from pinned memory (from pageable memory the host waits
+    for the stream); the caching host allocator keeps the pinned block until the copy is done.
+    Meta tensors hold no data, so nothing can wait (tests check the copies there). Other
+    devices get a plain copy: not every backend keeps a pageable source alive until an
+    asynchronous copy has read it.
+    """
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=device.type == "meta")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -207,6 +233,31 @@ def window_attention_mask(
     return _mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
 
 
+def _row_length(n: int, align: bool) -> int:
+    """Stored length of an ``N``-element mask row: ``N``, or ``N`` rounded up to 8 with ``align``."""
+    return n + (-n) % 8 if align else n
+
+
+def _mask_buffer(labels: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
+    """Additive mask of windows' region labels ``(K, N)``, on their device: :data:`MASK_VALUE`
+    between tokens whose labels differ, 0 else.
+
+    Returns the ``(K, N, R)`` buffer (``R``: :func:`_row_length`) whose ``[..., :N]`` is the
+    mask (:func:`_mask_rows`). Copies move the whole buffer, so that the mask's rows stay
+    8-aligned on the device.
+    """
+    differs = labels[:, :, None] != labels[:, None, :]
+    n = differs.shape[-1]
+    buffer = torch.zeros(differs.shape[:-1] + (_row_length(n, align),), device=labels.device, dtype=dtype)
+    buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
+    return buffer
+
+
+def _mask_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``(..., N, N)`` mask held by a :func:`_mask_buffer` buffer (a view)."""
+    return buffer if buffer.shape[-1] == n else buffer.narrow(-1, 0, n)
+
+
 def _mask_from_labels(
     height: int,
     width: int,
@@ -217,13 +268,9 @@ def _mask_from_labels(
     dtype: torch.dtype,
     align: bool = False,
 ) -> torch.Tensor:
+    """:func:`window_attention_mask` without the ``needs_mask`` check, built on ``device``."""
     labels = partition_grid(region_labels(height, width, window, shift, mask_padding, device), window)
-    differs = labels[:, :, None] != labels[:, None, :]
-    n = differs.shape[-1]
-    if align and n % 8:
-        buffer = torch.zeros(differs.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
-        return buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
-    return torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
+    return _mask_rows(_mask_buffer(labels, dtype, align), window * window)
 
 
 def relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
@@ -245,14 +292,27 @@ def relative_position_index(window: int, table_window: int, device: torch.device
 class WindowLayout:
     """Everything a window-attention block needs for one map size, window and shift.
 
+    The tensors are built when a kernel first reads them, then kept with the layout (the
+    fused Triton kernel computes regions from coordinates and reads none of them); while
+    tracing they are all built with the layout.
+
     Attributes:
         height, width: real map size ``H, W``.
         window, shift: effective window and shift.
-        index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
-        inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
         has_padding: whether the window layout holds padding tokens (zeros).
         padding_masked: padding tokens are masked out of attention (``mask_padding``), so
             the values they carry cannot change any real token's result.
+        device: where the tensors live.
+        dtype, align: the mask's dtype (the compute dtype) and whether its rows are stored
+            8-aligned (:func:`window_attention_mask`).
+        tensors: the tensors built so far, by name (below). One dict shared by the layout
+            and its ``dataclasses.replace`` copies, so that what one builds serves all.
+        images: the windows that the boundaries of a batch's images cut (per-image valid
+            sizes, :func:`get_image_windows`), or ``None``: every image fills the map.
+
+    Tensors (properties):
+        index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
+        inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
         pad_slots: ``(nP,)`` positions of the padding tokens in the window layout, where
             ``index`` reads token 0 and the gather then writes zeros (no padded copy of the
             input); ``None`` while tracing, where ``index`` reads an appended zero token
@@ -263,23 +323,51 @@ class WindowLayout:
             regions and padding only ever meet in the last row and column of windows, so
             attention can run on all windows with the shared bias alone and redo just these.
         window_masks: ``mask[masked_windows]``, ``(nM, N, N)``.
-        images: the windows that the boundaries of a batch's images cut (per-image valid
-            sizes, :func:`get_image_windows`), or ``None``: every image fills the map.
     """
 
     height: int
     width: int
     window: int
     shift: int
-    index: torch.Tensor
-    inverse: torch.Tensor
     has_padding: bool
-    mask: Optional[torch.Tensor]
-    masked_windows: Optional[torch.Tensor] = None
-    window_masks: Optional[torch.Tensor] = None
-    pad_slots: Optional[torch.Tensor] = None
-    padding_masked: bool = False
+    padding_masked: bool
+    device: torch.device
+    dtype: torch.dtype
+    align: bool
+    tensors: Dict[str, Optional[torch.Tensor]] = field(repr=False, compare=False)
     images: Optional["ImageWindows"] = None
+
+    def _tensor(self, name: str) -> Optional[torch.Tensor]:
+        """The tensor ``name``, built (with the others its builder makes) on first use."""
+        if name not in self.tensors:
+            # Kept with a cached layout, as the cache's own builds: no inference tensors.
+            with torch.inference_mode(False):
+                self.tensors.update(_LAYOUT_BUILDERS[name](self))
+        return self.tensors[name]
+
+    @property
+    def index(self) -> torch.Tensor:
+        return self._tensor("index")  # type: ignore[return-value]
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        return self._tensor("inverse")  # type: ignore[return-value]
+
+    @property
+    def pad_slots(self) -> Optional[torch.Tensor]:
+        return self._tensor("pad_slots")
+
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        return self._tensor("mask")
+
+    @property
+    def masked_windows(self) -> Optional[torch.Tensor]:
+        return self._tensor("masked_windows")
+
+    @property
+    def window_masks(self) -> Optional[torch.Tensor]:
+        return self._tensor("window_masks")
 
     def to_windows(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H * W, C)`` row-major tokens -> ``(B, nW * N, C)`` window layout (no autograd
@@ -292,7 +380,54 @@ class WindowLayout:
 
     @property
     def num_windows(self) -> int:
-        return self.index.numel() // (self.window * self.window)
+        return ceil_div(self.height, self.window) * ceil_div(self.width, self.window)
+
+
+def _build_gathers(layout: WindowLayout) -> Dict[str, Optional[torch.Tensor]]:
+    """``index``, ``inverse`` and ``pad_slots`` of an eagerly built layout: computed on the
+    CPU (``nonzero`` there reads no device memory), one copy each to the layout's device."""
+    height, width, window, shift, device = layout.height, layout.width, layout.window, layout.shift, layout.device
+    index = window_token_index(height, width, window, shift, _CPU)
+    pad_slots = None
+    if layout.has_padding:
+        is_pad = index == height * width
+        pad_slots = _to_device(is_pad.nonzero().squeeze(1), device)
+        index = index.masked_fill(is_pad, 0)
+    return {
+        "index": _to_device(index, device),
+        "inverse": _to_device(window_inverse_index(height, width, window, shift, _CPU), device),
+        "pad_slots": pad_slots,
+    }
+
+
+def _build_masks(layout: WindowLayout) -> Dict[str, Optional[torch.Tensor]]:
+    """``mask`` and ``masked_windows`` of an eagerly built layout: computed on the CPU, one
+    copy each to the layout's device (the mask's whole 8-aligned buffer)."""
+    height, width, window, shift = layout.height, layout.width, layout.window, layout.shift
+    if not needs_mask(height, width, window, shift, layout.padding_masked):
+        return {"mask": None, "masked_windows": None}
+    labels = partition_grid(region_labels(height, width, window, shift, layout.padding_masked, _CPU), window)
+    # A window's mask is all zeros exactly where all its tokens share one region.
+    masked = (labels != labels[:, :1]).any(1).nonzero().squeeze(1)
+    buffer = _to_device(_mask_buffer(labels, layout.dtype, layout.align), layout.device)
+    return {"mask": _mask_rows(buffer, window * window), "masked_windows": _to_device(masked, layout.device)}
+
+
+def _build_window_masks(layout: WindowLayout) -> Dict[str, Optional[torch.Tensor]]:
+    """``window_masks``: gathered on the device from ``mask`` and ``masked_windows``."""
+    mask = layout.mask
+    return {"window_masks": None if mask is None else mask.index_select(0, layout.masked_windows)}
+
+
+#: Which builder makes each of a layout's tensors (and the others it makes with it).
+_LAYOUT_BUILDERS: Dict[str, Callable[[WindowLayout], Dict[str, Optional[torch.Tensor]]]] = {
+    "index": _build_gathers,
+    "inverse": _build_gathers,
+    "pad_slots": _build_gathers,
+    "mask": _build_masks,
+    "masked_windows": _build_masks,
+    "window_masks": _build_window_masks,
+}
 
 
 def build_window_layout(
@@ -305,47 +440,37 @@ def build_window_layout(
     dtype: torch.dtype,
     align: bool = False,
 ) -> WindowLayout:
-    """Compute a :class:`WindowLayout` (uncached; see :func:`get_window_layout`).
+    """A :class:`WindowLayout` (uncached; see :func:`get_window_layout`).
 
     ``dtype`` is the mask's (the compute dtype); ``align`` stores mask rows 8-aligned.
+    Eagerly, no tensor is built here: each is built on the CPU and copied to ``device`` when
+    first read (no host-device synchronisation, nothing for kernels that read none).
 
     While tracing with symbolic sizes, whether a size needs padding is not known, so the
     layout then always allows for it (a zero token that may go unused, a mask that may be
-    all zeros): one graph serves every size.
+    all zeros): one graph serves every size. Its tensors are built here, with plain ops on
+    ``device`` (the tracer records them).
     """
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
-    index = window_token_index(height, width, window, shift, device)
-    masked = window_masks = pad_slots = None
+    device = torch.device(device)
+    sizes = dict(height=height, width=width, window=window, shift=shift, padding_masked=mask_padding,
+                 device=device, dtype=dtype, align=align)
     if torch.compiler.is_compiling() or not isinstance(height, int) or not isinstance(width, int):
-        has_padding = True
         mask = None
         if shift > 0 or mask_padding:
             mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
-    else:
-        has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
-        mask = window_attention_mask(height, width, window, shift, mask_padding, device, dtype, align)
-        if mask is not None:
-            masked = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
-            window_masks = mask.index_select(0, masked)
-        if has_padding:
-            is_pad = index == height * width
-            pad_slots = is_pad.nonzero().squeeze(1)
-            index = index.masked_fill(is_pad, 0)
-    return WindowLayout(
-        height=height,
-        width=width,
-        window=window,
-        shift=shift,
-        index=index,
-        inverse=window_inverse_index(height, width, window, shift, device),
-        has_padding=has_padding,
-        mask=mask,
-        masked_windows=masked,
-        window_masks=window_masks,
-        pad_slots=pad_slots,
-        padding_masked=mask_padding,
-    )
+        tensors = {
+            "index": window_token_index(height, width, window, shift, device),
+            "inverse": window_inverse_index(height, width, window, shift, device),
+            "pad_slots": None,
+            "mask": mask,
+            "masked_windows": None,
+            "window_masks": None,
+        }
+        return WindowLayout(has_padding=True, tensors=tensors, **sizes)
+    has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
+    return WindowLayout(has_padding=has_padding, tensors={}, **sizes)
 
 
 # ---------------------------------------------------------------- per-image valid sizes
@@ -394,19 +519,15 @@ def image_window_masks(
 
     Padding is masked (``mask_padding=True``). Returns ``(k,)`` window indices and their
     ``(k, N, N)`` masks: the windows holding a token of the image and a token of the map
-    beyond it, whose per-image labels thus differ from the shared ones.
+    beyond it, whose per-image labels thus differ from the shared ones. Computed on the CPU
+    (``nonzero`` there reads no device memory), one copy each to ``device``.
     """
-    own = partition_grid(region_labels(height, width, window, shift, True, device, valid), window)
-    shared = partition_grid(region_labels(height, width, window, shift, True, device), window)
+    own = partition_grid(region_labels(height, width, window, shift, True, _CPU, valid), window)
+    shared = partition_grid(region_labels(height, width, window, shift, True, _CPU), window)
     cut = (own != shared).any(1) & (own != PAD_REGION).any(1)
     windows = cut.nonzero().squeeze(1)
-    own = own.index_select(0, windows)
-    differs = own[:, :, None] != own[:, None, :]
-    n = differs.shape[-1]
-    if align and n % 8:
-        buffer = torch.zeros(differs.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
-        return windows, buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
-    return windows, torch.zeros(differs.shape, device=device, dtype=dtype).masked_fill_(differs, MASK_VALUE)
+    buffer = _mask_buffer(own.index_select(0, windows), dtype, align)
+    return _to_device(windows, device), _mask_rows(_to_device(buffer, device), window * window)
 
 
 def image_windows(
@@ -422,34 +543,42 @@ def image_windows(
     """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``
     of the ``height x width`` map; ``None`` where no image's boundary cuts a window.
 
-    Images that fill the map contribute nothing (they use the shared masks).
+    Images that fill the map contribute nothing (they use the shared masks). Computed on the
+    CPU from the images' CPU masks (``nonzero`` there reads no device memory), one copy per
+    tensor to ``device``.
     """
     num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
     windows, masks = [], []
     for b, valid in enumerate(valid_sizes):
         if tuple(valid) == (height, width):
             continue
-        index, mask = get_image_window_masks(height, width, window, shift, tuple(valid), device, dtype, align)
+        # The CPU entries: the windows' indices are read on the host below.
+        index, mask = get_image_window_masks(height, width, window, shift, tuple(valid), _CPU, dtype, align)
         if index.numel():
             windows.append(index + b * num_windows)
             masks.append(mask)
     if not windows:
         return None
-    masks = torch.cat(masks) if len(masks) > 1 else masks[0]
     n = window * window
-    if align and n % 8 and len(windows) > 1:  # cat made the rows dense: re-align them
-        buffer = torch.zeros(masks.shape[:-1] + (n + (-n) % 8,), device=device, dtype=dtype)
-        masks = buffer.narrow(-1, 0, n).copy_(masks)
+    masks = torch.cat(masks)  # dense rows: into a buffer of their own, aligned as the shared ones
+    buffer = torch.zeros(masks.shape[:-1] + (_row_length(n, align),), dtype=dtype)
+    buffer.narrow(-1, 0, n).copy_(masks)
     windows = torch.cat(windows)
     # Row-major rows of the windows' positions (window_token_index marks padding H * W).
     tokens = height * width
-    slots = ((windows % num_windows)[:, None] * n + torch.arange(n, device=device)).reshape(-1)
-    source = window_token_index(height, width, window, shift, device).index_select(0, slots)
+    slots = ((windows % num_windows)[:, None] * n + torch.arange(n)).reshape(-1)
+    source = window_token_index(height, width, window, shift, _CPU).index_select(0, slots)
     real = source < tokens
     first = (windows // num_windows).repeat_interleave(n) * tokens
     rows = first + torch.where(real, source, torch.zeros_like(source))
     real = real.nonzero().squeeze(1)
-    return ImageWindows(windows=windows, masks=masks, rows=rows, real=real, real_rows=rows.index_select(0, real))
+    return ImageWindows(
+        windows=_to_device(windows, device),
+        masks=_mask_rows(_to_device(buffer, device), n),
+        rows=_to_device(rows, device),
+        real=_to_device(real, device),
+        real_rows=_to_device(rows.index_select(0, real), device),
+    )
 
 
 def stage_valid_sizes(
@@ -464,8 +593,11 @@ def stage_valid_sizes(
 def valid_token_mask(
     height: int, width: int, valid_sizes: Tuple[Tuple[int, int], ...], device: torch.device
 ) -> torch.Tensor:
-    """``(B, H, W)`` bool: True where the token lies inside its image's valid size."""
-    sizes = torch.tensor(valid_sizes, dtype=torch.long, device=device).view(-1, 2)
+    """``(B, H, W)`` bool: True where the token lies inside its image's valid size.
+
+    The ``(B, 2)`` sizes go to ``device`` with one non-blocking copy (``torch.tensor(...,
+    device=cuda)`` would make the host wait for the copy)."""
+    sizes = _to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
     rows = torch.arange(height, device=device)[None, :, None] < sizes[:, 0, None, None]
     cols = torch.arange(width, device=device)[None, None, :] < sizes[:, 1, None, None]
     return rows & cols
@@ -585,7 +717,11 @@ def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 
 #: Cached :func:`build_window_layout`, keyed by every argument. Shared by all blocks (and all
-#: backbones) that use the same map size, window, shift, device and dtype.
+#: backbones) that use the same map size, window, shift, device and dtype. Not larger: a miss
+#: costs no device work where the fused Triton kernel runs (it reads no layout tensor) and no
+#: host-device synchronisation anywhere, while an entry that SDPA reads holds its mask (15-24 MB
+#: at stage 1 of an 800 x 1344 input): more entries would save little and could hold GBs of
+#: device memory under multi-scale training (hundreds of batch shapes, 8 layouts each).
 get_window_layout = size_cache(maxsize=256)(build_window_layout)
 
 #: Cached :func:`relative_position_index`.

@@ -10,6 +10,8 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.mmlab.valid_sizes import attach_valid_sizes, attached_valid_sizes
 from swin_backbone.ops import windows as W
 
+from ..ops.test_windows import DeviceSyncs
+
 # window 4 keeps maps of several windows small; sizes hit odd sizes at every stage, images
 # whose last stages are below one window, and images that fill one axis of the batch.
 CFG = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
@@ -236,3 +238,26 @@ def test_backbone_reads_attached_sizes():
         attached = model(attach_valid_sizes(batch.clone(), sizes))
     for a, b in zip(explicit, attached):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- no host-device syncs
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("align", [False, True])
+def test_forward_never_waits_for_the_device(monkeypatch, train, align):
+    # On the meta device any read of a device value (nonzero, item) raises, and the
+    # recorder sees every sync and every CPU -> device copy: a whole forward (and backward)
+    # with per-image sizes builds its layouts, image windows and masks without waiting.
+    real = torch.is_autocast_enabled
+    # meta has no autocast state; the planner asks for the input's device type
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and a[0] == "meta" else real(*a))
+    W.clear_caches()  # every layout and image window built in this forward
+    model = _model().to("meta").train(train)
+    size, sizes = BATCHES["mixed"]
+    x = torch.empty(len(sizes), 3, *size, device="meta")
+    with DeviceSyncs() as syncs, ops.override(align_masks=align), torch.set_grad_enabled(train):
+        outs = model(x, valid_sizes=sizes)
+        if train:
+            sum(o.sum() for o in outs).backward()
+    syncs.assert_none()
+    assert len(syncs.copies) > 10  # layouts and image windows of every stage were built here
+    assert [tuple(o.shape[-2:]) for o in outs] == list(W.output_size(*size, 4, 4))

@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone.ops import windows as W
 
@@ -186,3 +187,216 @@ def test_straddle_boxes_and_input_masking():
     x[0, :, 6:8] = 0
     x[0, :, :, 10:] = 0
     assert ops.mask_input(x, plan, 4) is x  # zero-padded already (mmdet's batches): no copy
+
+
+# ---------------------------------------------------------------- no host-device syncs, lazy layouts
+def reference_layout(h, w, ws, shift, mask_padding, dtype, align):
+    """The layout tensors built eagerly with plain ops on the target device (here the CPU):
+    what every lazily built tensor must equal, strides included."""
+    cpu = torch.device("cpu")
+    index = W.window_token_index(h, w, ws, shift, cpu)
+    out = dict(inverse=W.window_inverse_index(h, w, ws, shift, cpu), pad_slots=None, masked_windows=None,
+               window_masks=None)
+    out["mask"] = mask = W.window_attention_mask(h, w, ws, shift, mask_padding, cpu, dtype, align)
+    if mask is not None:
+        out["masked_windows"] = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
+        out["window_masks"] = mask.index_select(0, out["masked_windows"])
+    if h % ws or w % ws:
+        is_pad = index == h * w
+        out["pad_slots"] = is_pad.nonzero().squeeze(1)
+        index = index.masked_fill(is_pad, 0)
+    out["index"] = index
+    return out
+
+
+LAYOUT_NAMES = ("index", "inverse", "pad_slots", "mask", "masked_windows", "window_masks")
+
+
+def _assert_same_tensor(got, expected, what):
+    if expected is None:
+        assert got is None, what
+        return
+    assert got.dtype == expected.dtype and got.shape == expected.shape, what
+    assert got.stride() == expected.stride(), what  # 8-aligned rows stay aligned
+    assert torch.equal(got, expected), what
+
+
+@pytest.mark.parametrize("dtype,align", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True),
+                                         (torch.float16, False)])
+def test_lazy_layout_tensors_equal_the_eager_build(dtype, align):
+    for (h, w), (ws, shift), mask_padding in itertools.product(
+        SIZES + [(16, 16)], [(7, 0), (7, 3), (4, 2), (3, 1), (8, 4)], (True, False)
+    ):
+        layout = W.build_window_layout(h, w, ws, shift, mask_padding, torch.device("cpu"), dtype, align)
+        assert layout.tensors == {}  # nothing built until read
+        expected = reference_layout(h, w, ws, shift, mask_padding, dtype, align)
+        for name in LAYOUT_NAMES:
+            _assert_same_tensor(getattr(layout, name), expected[name], (h, w, ws, shift, mask_padding, name))
+        assert layout.num_windows * ws * ws == layout.index.numel()
+
+
+@pytest.fixture
+def builder_calls(monkeypatch):
+    """Calls of each layout tensor builder, by builder name."""
+    calls = {}
+    for name, build in list(W._LAYOUT_BUILDERS.items()):
+        def counted(layout, build=build):
+            calls[build.__name__] = calls.get(build.__name__, 0) + 1
+            return build(layout)
+        monkeypatch.setitem(W._LAYOUT_BUILDERS, name, counted)
+    return calls
+
+
+def test_layout_builds_what_is_read_once(builder_calls):
+    import dataclasses
+
+    layout = W.build_window_layout(13, 20, 7, 3, True, torch.device("cpu"), torch.float32, True)
+    assert layout.num_windows == 6 and layout.has_padding and builder_calls == {}
+    # The gathers (what the Triton path never reads either) build only the gathers.
+    x = torch.randn(2, 13 * 20, 4)
+    torch.testing.assert_close(W.window_reverse(W.window_partition(x, layout), layout), x, rtol=0, atol=0)
+    assert builder_calls == {"_build_gathers": 1} and "mask" not in layout.tensors
+    # A copy with images shares what is built: reading through it builds once, for both.
+    images = W.image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), torch.device("cpu"), torch.float32, True)
+    copy = dataclasses.replace(layout, images=images)
+    assert copy.tensors is layout.tensors and builder_calls == {"_build_gathers": 1}
+    assert copy.mask is layout.mask and copy.masked_windows is layout.masked_windows
+    assert layout.window_masks is copy.window_masks
+    assert builder_calls == {"_build_gathers": 1, "_build_masks": 1, "_build_window_masks": 1}
+    assert copy.index is layout.index and layout.images is None and copy.images is images
+
+
+def test_layouts_built_in_inference_mode_serve_training():
+    W.clear_caches()
+    with torch.inference_mode():
+        layout = W.get_window_layout(9, 10, 4, 2, True, torch.device("cpu"), torch.float32)
+        layout.index, layout.mask  # built on first use, inside inference mode
+    assert not layout.index.is_inference() and not layout.mask.is_inference()
+    x = torch.randn(1, 90, 3, requires_grad=True)
+    W.window_partition(x, layout).sum().backward()  # saves index for backward: no error
+    assert x.grad is not None
+
+
+class DeviceSyncs(TorchDispatchMode):
+    """Records what would make the host wait for a device: reads of device values
+    (``nonzero``, ``item``, ...), device -> CPU copies, and blocking CPU -> device copies."""
+
+    READS = {"nonzero", "_local_scalar_dense", "equal", "is_nonzero", "masked_select", "unique_consecutive",
+             "_unique2", "unique_dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []  # op names
+        self.copies = []  # non_blocking of each CPU -> device copy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        devices = {t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if (name in self.READS or func is torch.ops.aten.repeat_interleave.Tensor) and devices - {"cpu"}:
+            self.syncs.append(name)
+        if name == "_to_copy" and kwargs.get("device") is not None:
+            src, dst = args[0].device.type, torch.device(kwargs["device"]).type
+            if src != "cpu" and dst == "cpu":
+                self.syncs.append("copy to cpu")
+            elif src == "cpu" and dst != "cpu":
+                self.copies.append(kwargs.get("non_blocking", False))
+        if name == "copy_" and args[0].device != args[1].device:
+            if args[0].device.type == "cpu":
+                self.syncs.append("copy to cpu")
+            else:
+                self.copies.append(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+    def assert_none(self, copies=None):
+        """No sync; every CPU -> device copy non-blocking (``copies`` of them, if given).
+
+        ``torch.tensor(..., device=d)`` copies below the dispatcher's Python layer, unseen
+        here: counting the copies catches those too."""
+        assert not self.syncs, f"host-device syncs: {self.syncs}"
+        assert all(self.copies), f"blocking CPU -> device copies (non_blocking of each): {self.copies}"
+        if copies is not None:
+            assert len(self.copies) == copies, f"CPU -> device copies: {self.copies}"
+
+
+META = torch.device("meta")  # nonzero / item on a meta tensor raise: a device value read fails
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_layout_builders_never_wait_for_the_device(align):
+    cpu = torch.device("cpu")
+    for (h, w), (ws, shift), mask_padding in [((13, 20), (7, 3), True), ((14, 14), (7, 0), True),
+                                              ((25, 38), (4, 2), False), ((8, 9), (7, 0), False)]:
+        with DeviceSyncs() as syncs:
+            layout = W.build_window_layout(h, w, ws, shift, mask_padding, META, torch.float16, align)
+            got = {name: getattr(layout, name) for name in LAYOUT_NAMES}
+        # One copy per tensor built on the CPU (window_masks is gathered on the device).
+        syncs.assert_none(sum(got[name] is not None for name in LAYOUT_NAMES if name != "window_masks"))
+        expected = W.build_window_layout(h, w, ws, shift, mask_padding, cpu, torch.float16, align)
+        for name, t in got.items():
+            e = getattr(expected, name)
+            assert (t is None) == (e is None), name
+            if t is not None:  # same shapes and strides (aligned rows stay aligned on the device)
+                assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_image_builders_never_wait_for_the_device(align):
+    cpu = torch.device("cpu")
+    h, w, ws, shift = 17, 23, 4, 2
+    valid = ((17, 23), (9, 23), (5, 7), (17, 10))
+    W.clear_caches()
+    with DeviceSyncs() as syncs:
+        images = W.image_windows(h, w, ws, shift, valid, META, torch.float32, align)
+    syncs.assert_none(5)  # windows, masks, rows, real, real_rows
+    with DeviceSyncs() as syncs:
+        windows, masks = W.image_window_masks(h, w, ws, shift, (5, 7), META, torch.float32, align)
+    syncs.assert_none(2)
+    with DeviceSyncs() as syncs:
+        keep = W.valid_token_mask(h, w, valid, META)
+        W.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
+    syncs.assert_none(2)  # the (B, 2) sizes, once per call
+    expected = W.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
+    for name in ("windows", "masks", "rows", "real", "real_rows"):
+        t, e = getattr(images, name), getattr(expected, name)
+        assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
+    ew, em = W.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
+    assert windows.shape == ew.shape and masks.shape == em.shape and masks.stride() == em.stride()
+    assert keep.device == META and keep.shape == (4, h, w)
+
+
+def reference_image_windows(h, w, ws, shift, valid_sizes, dtype):
+    """Windows that each image's edge cuts, their masks, rows and which positions hold real
+    tokens (bool), from per-image region labels and pad + roll + view (reference_partition)
+    of the token numbers."""
+    num_windows = (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
+    shared = W.partition_grid(W.region_labels(h, w, ws, shift, True, torch.device("cpu")), ws)
+    numbers = reference_partition(torch.arange(1, h * w + 1.0, dtype=torch.float64).view(1, -1, 1), h, w, ws, shift)
+    numbers = numbers.view(num_windows, ws * ws).long() - 1  # -1: window padding
+    windows, masks, rows, real = [], [], [], []
+    for b, valid in enumerate(valid_sizes):
+        own = W.partition_grid(W.region_labels(h, w, ws, shift, True, torch.device("cpu"), valid), ws)
+        for k in range(num_windows):
+            if (own[k] != shared[k]).any() and (own[k] != W.PAD_REGION).any():
+                windows.append(b * num_windows + k)
+                differs = own[k][:, None] != own[k][None, :]
+                masks.append(torch.zeros(differs.shape, dtype=dtype).masked_fill_(differs, W.MASK_VALUE))
+                rows.append(b * h * w + numbers[k].clamp(min=0))  # padding: the image's token 0
+                real.append(numbers[k] >= 0)
+    return torch.tensor(windows), torch.stack(masks), torch.cat(rows), torch.cat(real)
+
+
+@pytest.mark.parametrize("size,ws,shift", [((17, 23), 4, 2), ((13, 20), 7, 3), ((16, 16), 4, 0), ((9, 9), 3, 1)])
+@pytest.mark.parametrize("align", [False, True])
+def test_image_windows_match_a_reference(size, ws, shift, align):
+    h, w = size
+    valid = ((h, w), (h - 4, w), (3, 5), (h, w - 6), (h - 1, w - 1))
+    got = W.image_windows(h, w, ws, shift, valid, torch.device("cpu"), torch.float32, align)
+    windows, masks, rows, real = reference_image_windows(h, w, ws, shift, valid, torch.float32)
+    assert torch.equal(got.windows, windows) and torch.equal(got.masks, masks) and torch.equal(got.rows, rows)
+    assert torch.equal(got.real, real.nonzero().squeeze(1)) and torch.equal(got.real_rows, rows[real])
+    n = ws * ws
+    assert got.masks.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
+    keep = W.valid_token_mask(h, w, valid, torch.device("cpu"))
+    for b, (vh, vw) in enumerate(valid):
+        assert keep[b, :vh, :vw].all() and keep[b].sum() == vh * vw
