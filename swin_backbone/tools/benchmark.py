@@ -688,26 +688,18 @@ def run_cuda(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
     bf16 = torch.bfloat16
     # (batch, autocast dtype, TF32): None leaves torch's settings (bf16 matmuls ignore them).
     # Each row: warmup + iters rounds of one step of every model.
-    for batch, dtype, allow in ((1, bf16, None), (8, bf16, None), (1, None, False), (1, None, True)):
+    rows = [("eval", 1, bf16, None), ("eval", 8, bf16, None), ("eval", 1, None, False), ("eval", 1, None, True),
+            ("train", 2, bf16, None), ("train", 2, None, False), ("train", 2, None, True)]
+    for kind, batch, dtype, allow in rows:
         x = torch.randn(batch, 3, h, w, device=device)
+        step, label = (train_step, "train fwd+bwd") if kind == "train" else (eval_step, "eval")
         for m in everyone.values():
-            m.eval()
+            m.train(kind == "train")
         tag = _precision_tag(dtype, allow)
         with _tf32_or_as_set(allow):
-            times = interleave({k: eval_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters,
-                               args.warmup)
-        row = summarize(f"eval {tag} {batch}x3x{h}x{w}", times)
-        results[f"eval_{tag}_{batch}x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
-    x = torch.randn(2, 3, h, w, device=device)
-    for dtype, allow in ((bf16, None), (None, False), (None, True)):
-        for m in everyone.values():
-            m.train()
-        tag = _precision_tag(dtype, allow)
-        with _tf32_or_as_set(allow):
-            times = interleave({k: train_step(m, x, dtype) for k, m in everyone.items()}, device, args.iters,
-                               args.warmup)
-        row = summarize(f"train fwd+bwd {tag} 2x3x{h}x{w}", times)
-        results[f"train_{tag}_2x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
+            times = interleave({k: step(m, x, dtype) for k, m in everyone.items()}, device, args.iters, args.warmup)
+        row = summarize(f"{label} {tag} {batch}x3x{h}x{w}", times)
+        results[f"{kind}_{tag}_{batch}x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
     if not args.skip_memory:
         mem = {k: peak_memory(k, device, 2, (h, w), dtype="bfloat16") for k in models}
         print(f"peak training memory bf16 2x3x{h}x{w}: ours {mem['ours'] / 2**20:.0f} MiB, "
