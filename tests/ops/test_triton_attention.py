@@ -311,68 +311,6 @@ def test_kernel_compiles_for_nvidia_gpus():
     assert run.returncode == 0 and "compiled" in run.stdout, (run.stdout + run.stderr)[-6000:]
 
 
-@pytest.mark.parametrize("size", [(24, 28), (16, 16)])
-def test_planner_routes_a_stage_through_the_kernel(interpreter, size):
-    # A plan naming "triton" sends a whole stage (norm -> qkv on row-major tokens -> fused
-    # kernel -> projection, shifted and padded maps) through the kernel; its values and
-    # gradients equal the plain path's.
-    from swin_backbone import SwinBackbone, ops
-
-    torch.manual_seed(0)
-    model = SwinBackbone(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, drop_path_rate=0.0,
-                         out_indices=(0,))
-    with torch.no_grad():
-        for table in (b.attn.relative_position_bias_table for b in model.stages[0].blocks):
-            table.normal_(0, 0.5)
-    stage = model.stages[0]
-    x = torch.randn(1, size[0] // 4, size[1] // 4, 16)
-    results = []
-    for kernel in ("triton", "plain"):
-        plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0)
-        layout = ops.stage_layouts(x.shape[1], x.shape[2], 4, 2, True, x.device, plan)[0]
-        assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
-        model.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        out = stage(xi, plan)
-        out.square().sum().backward()
-        results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_per_image_windows_go_through_the_kernel(interpreter):
-    # A batch with per-image valid sizes (images whose edges cut windows, both layouts): the
-    # kernel runs every window with the shared masks, SDPA redoes the cut windows with their
-    # own masks; values and gradients equal the plain path's.
-    from swin_backbone import SwinBackbone, ops
-
-    torch.manual_seed(0)
-    model = SwinBackbone(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, drop_path_rate=0.0,
-                         out_indices=(0,))
-    with torch.no_grad():
-        for table in (b.attn.relative_position_bias_table for b in model.stages[0].blocks):
-            table.normal_(0, 0.5)
-    stage = model.stages[0]
-    x = torch.randn(2, 6, 7, 16)
-    valid = ((6, 5), (3, 7))
-    # Tokens beyond an image are padding to it (unspecified values, zeroed in the backbone's
-    # outputs): the two paths fill window padding differently there, so compare the images.
-    inside = ops.windows.valid_token_mask(6, 7, valid, x.device)[..., None]
-    results = []
-    for kernel in ("triton", "plain"):
-        plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0, valid_sizes=valid)
-        for layout in ops.stage_layouts(6, 7, 4, 2, True, x.device, plan):
-            assert layout.images is not None
-            assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
-        model.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        out = stage(xi, plan) * inside
-        out.square().sum().backward()
-        results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
 def _stage_with_tables(seed=0):
     """A one-stage Swin with non-trivial bias tables (window 4, 2 heads of 8 channels)."""
     from swin_backbone import SwinBackbone
@@ -384,6 +322,58 @@ def _stage_with_tables(seed=0):
         for table in (b.attn.relative_position_bias_table for b in model.stages[0].blocks):
             table.normal_(0, 0.5)
     return model.stages[0]
+
+
+def _values_and_grads(stage, run, x, weight=1.0):
+    """``out = run(x) * weight`` and the gradients of ``sum(out ** 2)`` for ``x`` and the
+    second block's bias table (the first block has no shift)."""
+    stage.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    out = run(xi) * weight
+    out.square().sum().backward()
+    return out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()
+
+
+@pytest.mark.parametrize("size", [(24, 28), (16, 16)])
+def test_planner_routes_a_stage_through_the_kernel(interpreter, size):
+    # A plan naming "triton" sends a whole stage (norm -> qkv on row-major tokens -> fused
+    # kernel -> projection, shifted and padded maps) through the kernel; its values and
+    # gradients equal the plain path's.
+    from swin_backbone import ops
+
+    stage = _stage_with_tables()
+    x = torch.randn(1, size[0] // 4, size[1] // 4, 16)
+    results = []
+    for kernel in ("triton", "plain"):
+        plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0)
+        layout = ops.stage_layouts(x.shape[1], x.shape[2], 4, 2, True, x.device, plan)[0]
+        assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
+        results.append(_values_and_grads(stage, lambda t: stage(t, plan), x))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_per_image_windows_go_through_the_kernel(interpreter):
+    # A batch with per-image valid sizes (images whose edges cut windows, both layouts): the
+    # kernel runs every window with the shared masks, SDPA redoes the cut windows with their
+    # own masks; values and gradients equal the plain path's.
+    from swin_backbone import ops
+
+    stage = _stage_with_tables()
+    x = torch.randn(2, 6, 7, 16)
+    valid = ((6, 5), (3, 7))
+    # Tokens beyond an image are padding to it (unspecified values, zeroed in the backbone's
+    # outputs): the two paths fill window padding differently there, so compare the images.
+    inside = ops.windows.valid_token_mask(6, 7, valid, x.device)[..., None]
+    results = []
+    for kernel in ("triton", "plain"):
+        plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0, valid_sizes=valid)
+        for layout in ops.stage_layouts(6, 7, 4, 2, True, x.device, plan):
+            assert layout.images is not None
+            assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
+        results.append(_values_and_grads(stage, lambda t: stage(t, plan), x, inside))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -410,13 +400,7 @@ def test_compiled_stage_runs_the_kernel_as_one_operator(interpreter, backend):
     frames = []
     for size in sizes:
         x = torch.randn(2, *size, 16)
-        results = []
-        for run in (compiled, lambda x: stage(x, eager_plan)):
-            stage.zero_grad()
-            xi = x.clone().requires_grad_(True)
-            out = run(xi)
-            out.square().sum().backward()
-            results.append((out.detach(), xi.grad, stage.blocks[1].attn.relative_position_bias_table.grad.clone()))
+        results = [_values_and_grads(stage, run, x) for run in (compiled, lambda t: stage(t, eager_plan))]
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         frames.append(counter.frame_count)
