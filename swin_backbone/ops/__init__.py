@@ -15,6 +15,7 @@ about devices or grad modes again. The implementations live in the submodules:
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -66,7 +67,22 @@ def _triton_applies(
     dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
     height: Optional[int], width: Optional[int], mask_padding: bool,
 ) -> bool:
-    """Whether the fused Triton kernel runs a layout (``height`` / ``width``: ``None`` if unknown)."""
+    """Whether the fused Triton kernel runs a layout (``height`` / ``width``: ``None`` if unknown).
+
+    Asked twice per block (:func:`norm_qkv`, :func:`window_attention`): the answer is cached
+    per situation (the interpreter mode included, which tests switch)."""
+    from .triton_attention import _interpreting
+
+    return _triton_applies_cached(dtype, device, window, num_heads, channels, height, width, mask_padding,
+                                  _interpreting())
+
+
+@lru_cache(maxsize=256)
+def _triton_applies_cached(
+    dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
+    height: Optional[int], width: Optional[int], mask_padding: bool, interpreting: bool,
+) -> bool:
+    """:func:`_triton_applies`'s answer (``interpreting`` is part of the cache key only)."""
     from .triton_attention import supports
 
     if window > TRITON_MAX_WINDOW:
