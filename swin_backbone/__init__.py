@@ -4,6 +4,7 @@ Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone
 ``MODELS`` registry of every installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs
 can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
 """
+from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
 from .model.backbone import ARCH_SETTINGS, SwinBackbone
 from .model.v2 import SwinV2Backbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint

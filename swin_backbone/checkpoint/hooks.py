@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 from mmengine.logging import print_log
 from torch import nn
 
+from ..torch_compat import register_load_state_dict_pre_hook
 from .formats import detect_format, prefixed
 
 
@@ -50,4 +51,4 @@ def _convert_on_load(
 
 def register_state_dict_hooks(module: nn.Module) -> None:
     """Attach the converting pre-hook to a backbone."""
-    module.register_load_state_dict_pre_hook(_convert_on_load)
+    register_load_state_dict_pre_hook(module, _convert_on_load)

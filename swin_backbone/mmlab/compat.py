@@ -18,7 +18,7 @@ def allow_mmengine_checkpoints() -> None:
     import _codecs
 
     import numpy as np
-    import torch
+    from ..torch_compat import add_safe_globals
 
     # getattr: HistoryBuffer keeps bound methods (pickled as getattr(buffer, 'min')); the
     # weights_only unpickler still refuses to *call* anything not allow-listed, so this only
@@ -43,4 +43,4 @@ def allow_mmengine_checkpoints() -> None:
         safe.append(ConfigDict)
     except ImportError:  # pragma: no cover
         pass
-    torch.serialization.add_safe_globals(safe)
+    add_safe_globals(safe)

@@ -15,6 +15,7 @@ from torch import nn
 from ..mmlab.dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, SwinStage
 from .. import ops
+from ..torch_compat import is_compiling
 from ..mmlab.valid_sizes import attached_valid_sizes
 from .validation import check_config, check_input, check_valid_sizes
 
@@ -342,7 +343,7 @@ class SwinBackbone(BaseModule):
                 are used when ``valid_sizes`` is not given.
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
-        if valid_sizes is None and not torch.compiler.is_compiling():
+        if valid_sizes is None and not is_compiling():
             valid_sizes = self._attached_sizes(x)
         valid = check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map

@@ -10,6 +10,8 @@ from typing import NoReturn, Optional, Sequence, Tuple
 
 import torch
 
+from ..torch_compat import autocast_enabled
+
 
 def fail(name: str, expected: str, got: object) -> NoReturn:
     """Raise ``ValueError("<name>: expected <expected>, got <got!r>")``."""
@@ -99,7 +101,7 @@ def check_input(x: object, in_channels: int, weight: torch.Tensor) -> None:
         )
     if x.device != weight.device:
         raise ValueError(f"input: expected a tensor on the model's device {weight.device}, got {x.device}")
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
         raise ValueError(
             f"input: expected dtype {weight.dtype} (the model's), got {x.dtype}; "
             "cast the input or run under torch.autocast"

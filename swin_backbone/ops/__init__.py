@@ -25,6 +25,7 @@ from . import attention as _attention
 from . import triton_ops as _triton_ops  # noqa: F401  (registers the kernel's torch operators)
 from .chunked import mlp_residual_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
+from ..torch_compat import assume_constant_result
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp
@@ -62,7 +63,7 @@ def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads:
     return "plain" if plan.tracing and plan.grad else "sdpa"
 
 
-@torch.compiler.assume_constant_result  # a constant of the graph while tracing
+@assume_constant_result  # a constant of the graph while tracing
 def _triton_applies(
     dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
     height: Optional[int], width: Optional[int], mask_padding: bool,

@@ -23,6 +23,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from ..torch_compat import HAS_CUSTOM_OP, compute_dtype, is_compiling, is_exporting
+
 #: Window-attention implementations (see :mod:`swin_backbone.ops.attention`).
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
@@ -153,8 +155,8 @@ def plan_forward(
     """
     stochastic = attn_dropout or dropout or drop_path
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    tracing = torch.compiler.is_compiling()
+    dtype = compute_dtype(x)
+    tracing = is_compiling()
     grad = torch.is_grad_enabled()
     if tracing:
         if valid_sizes is not None:
@@ -211,7 +213,7 @@ def _decide(
     s: Switches,
 ) -> Plan:
     cpu = device == "cpu"
-    if tracing and device == "cuda" and s.triton and not attn_dropout and not _exporting() and _triton_ready():
+    if tracing and device == "cuda" and s.triton and not attn_dropout and HAS_CUSTOM_OP and not _exporting() and _triton_ready():
         # torch.compile on CUDA: the fused kernel as one opaque operator in the graph
         # (ops.triton_ops): partition, shift, masks, bias and reverse in one pass, as in eager.
         attention = "triton"
@@ -254,8 +256,7 @@ _decide_cached = lru_cache(maxsize=64)(_decide)
 
 def _exporting() -> bool:
     """Whether ``torch.export`` (or an exporter built on it) is tracing."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(is_exporting and is_exporting())
+    return is_exporting()
 
 
 def _triton_ready() -> bool:

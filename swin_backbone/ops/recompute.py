@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..torch_compat import autocast_enabled
 from .chunked import chunk_rows, chunk_slices
 from .windows import WindowLayout, window_partition
 
@@ -29,7 +30,7 @@ def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:
     residual stream is in the autocast dtype there while the norm's parameters are fp32)."""
     if not (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine):
         return False
-    return norm.weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type)
+    return norm.weight.dtype == x.dtype or autocast_enabled(x.device.type)
 
 
 def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, needs: tuple):
@@ -328,7 +329,7 @@ class _MlpNorm(torch.autograd.Function):
 def _layer_norm_dtype(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.dtype:
     """The dtype ``nn.LayerNorm`` computes ``y`` in: autocast may cast it (to fp32 on CUDA,
     not on the CPU), so an empty input asks autocast's own rule."""
-    if not torch.is_autocast_enabled(y.device.type):
+    if not autocast_enabled(y.device.type):
         return y.dtype
     return F.layer_norm(y.new_empty(0, y.shape[-1]), (y.shape[-1],), weight, bias, eps).dtype
 

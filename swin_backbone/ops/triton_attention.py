@@ -65,6 +65,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..torch_compat import is_compiling, matmul_allows_tf32
+
 try:  # triton is optional: the module must import (and answer ``supports``) without it
     import triton
     import triton.language as tl
@@ -457,16 +459,7 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
     matmuls (fp16 / bf16 inputs ignore the setting)."""
     if dtype != torch.float32 or device.type != "cuda":
         return "ieee"
-    return "tf32" if _matmul_allows_tf32() else "ieee"
-
-
-def _matmul_allows_tf32() -> bool:
-    """torch's fp32 matmul setting. Read through ``fp32_precision`` where torch has it: reading
-    ``allow_tf32`` raises once a program has set the newer ``fp32_precision`` API."""
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision == "tf32"
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    return "tf32" if matmul_allows_tf32() else "ieee"
 
 
 def _launch(
@@ -614,7 +607,7 @@ def triton_window_attention(
     Raises:
         ValueError: on inconsistent arguments, or inputs :func:`supports` rejects.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # Checked and sized inside the operator, on the real sizes of each call.
         from .triton_ops import window_attention_op
 

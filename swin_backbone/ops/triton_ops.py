@@ -7,61 +7,61 @@ fused kernel, with dynamic sizes: each call checks its arguments and sizes its l
 the real sizes at run time (:func:`~swin_backbone.ops.triton_attention._plan`). Eager calls
 use :class:`~swin_backbone.ops.triton_attention._TritonWindowAttention` instead, which skips
 the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a name can be
-registered only once per process, so this lives apart from the kernel's module).
+registered only once per process, so this lives apart from the kernel's module). Needs
+``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and compiled
+graphs use plain attention (:mod:`swin_backbone.ops.planner`).
 """
 from typing import Tuple
 
 import torch
 
+from ..torch_compat import HAS_CUSTOM_OP
 from .triton_attention import _backward, _forward, _plan
 
 __all__ = ["window_attention_op", "window_attention_backward_op"]
 
+window_attention_op = window_attention_backward_op = None
 
-@torch.library.custom_op("swin_backbone::window_attention", mutates_args=())
-def window_attention_op(
-    qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
-    table_window: int, num_heads: int, scale: float,
-) -> torch.Tensor:
-    """:func:`~swin_backbone.ops.triton_attention.triton_window_attention` as an operator:
-    ``(B, H * W, 3C)`` row-major ``qkv`` -> ``(B, H * W, C)``."""
-    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
-    return _forward(qkv.contiguous(), table.contiguous(), plan)
+if HAS_CUSTOM_OP:
 
+    @torch.library.custom_op("swin_backbone::window_attention", mutates_args=())
+    def window_attention_op(
+        qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+        table_window: int, num_heads: int, scale: float,
+    ) -> torch.Tensor:
+        """:func:`~swin_backbone.ops.triton_attention.triton_window_attention` as an operator:
+        ``(B, H * W, 3C)`` row-major ``qkv`` -> ``(B, H * W, C)``."""
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+        return _forward(qkv.contiguous(), table.contiguous(), plan)
 
-@window_attention_op.register_fake
-def _(qkv, table, height, width, window, shift, table_window, num_heads, scale):
-    return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
+    @window_attention_op.register_fake
+    def _(qkv, table, height, width, window, shift, table_window, num_heads, scale):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
 
+    @torch.library.custom_op("swin_backbone::window_attention_backward", mutates_args=())
+    def window_attention_backward_op(
+        grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int,
+        shift: int, table_window: int, num_heads: int, scale: float,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
+        (always computed: a compiled graph cannot skip an operator's output)."""
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+        grad_qkv, grad_table = _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
+        return grad_qkv, grad_table
 
-@torch.library.custom_op("swin_backbone::window_attention_backward", mutates_args=())
-def window_attention_backward_op(
-    grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int,
-    shift: int, table_window: int, num_heads: int, scale: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
-    (always computed: a compiled graph cannot skip an operator's output)."""
-    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
-    grad_qkv, grad_table = _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
-    return grad_qkv, grad_table
+    @window_attention_backward_op.register_fake
+    def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
+        # Contiguous, as the real ones (whatever qkv's and table's strides).
+        return qkv.new_empty(qkv.shape), table.new_empty(table.shape)
 
+    def _op_setup_context(ctx, inputs, output) -> None:
+        qkv, table, *sizes = inputs
+        ctx.save_for_backward(qkv, table)
+        ctx.sizes = sizes
 
-@window_attention_backward_op.register_fake
-def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
-    # Contiguous, as the real ones (whatever qkv's and table's strides).
-    return qkv.new_empty(qkv.shape), table.new_empty(table.shape)
+    def _op_backward(ctx, grad_out: torch.Tensor):
+        qkv, table = ctx.saved_tensors
+        grad_qkv, grad_table = window_attention_backward_op(grad_out, qkv, table, *ctx.sizes)
+        return (grad_qkv, grad_table) + (None,) * len(ctx.sizes)
 
-
-def _op_setup_context(ctx, inputs, output) -> None:
-    qkv, table, *sizes = inputs
-    ctx.save_for_backward(qkv, table)
-    ctx.sizes = sizes
-
-
-def _op_backward(ctx, grad_out: torch.Tensor):
-    qkv, table = ctx.saved_tensors
-    grad_qkv, grad_table = window_attention_backward_op(grad_out, qkv, table, *ctx.sizes)
-    return (grad_qkv, grad_table) + (None,) * len(ctx.sizes)
-
-
-window_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+    window_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -28,6 +28,8 @@ from typing import Callable, Dict, Optional, Tuple, TypeVar
 import torch
 import torch.nn.functional as F
 
+from ..torch_compat import is_compiling
+
 T = TypeVar("T")
 
 #: Additive mask value between tokens of different regions. The pretrained Swins used -100,
@@ -456,7 +458,7 @@ def build_window_layout(
     device = torch.device(device)
     sizes = dict(height=height, width=width, window=window, shift=shift, padding_masked=mask_padding,
                  device=device, dtype=dtype, align=align)
-    if torch.compiler.is_compiling() or not isinstance(height, int) or not isinstance(width, int):
+    if is_compiling() or not isinstance(height, int) or not isinstance(width, int):
         mask = None
         if shift > 0 or mask_padding:
             mask = _mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
@@ -705,7 +707,7 @@ def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
         @wraps(fn)
         def wrapper(*args):
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 return fn(*args)
             return cached(*args)
 
@@ -772,7 +774,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
     if pad and pad_slots is None:
         return torch.nn.functional.pad(x, (0, 0, 0, 1)).index_select(1, index)
     batch, length, channels = x.shape
-    if torch.compiler.is_compiling():
+    if is_compiling():
         out = x.index_select(1, index)
     else:
         # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
@@ -790,7 +792,7 @@ def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, nW * N, C)`` tokens in window layout; padding tokens are zeros.
     """
-    if torch.compiler.is_compiling():  # plain ops for the tracer
+    if is_compiling():  # plain ops for the tracer
         return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
@@ -803,7 +805,7 @@ def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     Returns:
         ``(B, H * W, C)`` row-major tokens.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return gather_tokens(windows, layout.inverse, False, None)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
