@@ -62,5 +62,11 @@ class WindowAttention(nn.Module):
         )
         return self.proj_drop(ops.project(out, self.proj))
 
+    def inputs(self, x: torch.Tensor, norm: nn.Module) -> ops.AttentionInputs:
+        """The row-major ``qkv`` of ``norm(x)``, the bias table and the attention's sizes."""
+        return ops.AttentionInputs(
+            self.qkv(norm(x)), self.relative_position_bias_table, self.window_size, self.num_heads, self.scale
+        )
+
     def extra_repr(self) -> str:
         return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"

@@ -94,6 +94,13 @@ class SwinBackbone(BaseModule):
             channels-last memory wrongly). ``True``: outputs are NCHW *views* of the
             channels-last tokens (``torch.channels_last`` memory), saving one copy per
             output, for necks and heads that handle any memory format (plain convs do).
+        attention: the window-attention kernel on CUDA. ``'auto'`` (default): the fused
+            Triton kernel or SDPA, whichever is faster among those that compute correctly on
+            this GPU, measured once per kind of attention (:mod:`swin_backbone.ops.kernel_choice`);
+            ``'sdpa'``: always SDPA; ``'triton'``: the fused kernel wherever it applies
+            (windows up to 8x8), verified once, an error naming the reason where it cannot
+            run. The environment variable ``SWIN_BACKBONE_ATTENTION`` (same values)
+            overrides it. On the CPU every value but ``'triton'`` runs the CPU plan.
 
         The arguments below exist so that an mmdet 3.x / mmseg 1.x ``SwinTransformer`` config
         builds this backbone with ``type='SwinBackbone'`` and every other key unchanged; they
@@ -143,6 +150,7 @@ class SwinBackbone(BaseModule):
         pad_small_map: bool = True,
         mask_padding: bool = True,
         channels_last_outputs: bool = False,
+        attention: str = "auto",
         strides: Optional[Sequence[int]] = None,
         act_cfg: Optional[Mapping[str, Any]] = None,
         norm_cfg: Optional[Mapping[str, Any]] = None,
@@ -194,6 +202,8 @@ class SwinBackbone(BaseModule):
         self.pad_small_map = pad_small_map
         self.mask_padding = mask_padding
         self.channels_last_outputs = channels_last_outputs
+        self.attention = attention
+        ops.check_attention(attention)
         self.num_stages = len(depths)
         self.num_features = tuple(embed_dims * 2**i for i in range(self.num_stages))
 
@@ -351,7 +361,7 @@ class SwinBackbone(BaseModule):
         plan = ops.plan_forward(
             x, self, attn_dropout=self.training and self.attn_drop_rate > 0,
             dropout=self.training and self.drop_rate > 0, drop_path=self.training and self.drop_path_rate > 0,
-            valid_sizes=valid,
+            valid_sizes=valid, attention=self.attention_mode,
         )
         x = self.patch_embed(ops.mask_input(x, plan, self.patch_size))  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
@@ -367,7 +377,13 @@ class SwinBackbone(BaseModule):
                 outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
             if i < last:
                 x = stage.downsample(out, stage_plan)
+        ops.finish_forward(plan)
         return tuple(outs)
+
+    @property
+    def attention_mode(self) -> str:
+        """The ``attention`` setting in force (``SWIN_BACKBONE_ATTENTION`` overrides it)."""
+        return ops.check_attention(self.attention)
 
     def _attached_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Sizes a ``Swin*DataPreprocessor`` attached to ``x``, unless this backbone reproduces

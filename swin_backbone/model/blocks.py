@@ -101,6 +101,10 @@ class SwinBlock(nn.Module):
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
+    def attention_inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
+        """What this block's window attention reads for tokens ``x`` (for measuring kernels)."""
+        return self.attn.inputs(x, self.norm1)
+
     def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``. ``plan``: how to compute it (default: decided
@@ -200,8 +204,14 @@ class SwinStage(nn.Module):
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         b, h, w, c = x.shape
         window, shift = effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
-        regular, shifted = ops.stage_layouts(h, w, window, shift, self.mask_padding, x.device, plan)
         tokens = x.reshape(b, h * w, c)
+        # The layouts, and the attention kernel for this stage (measured on the first
+        # block's inputs the first time a GPU meets this kind of attention).
+        first = self.blocks[0]
+        plan, regular, shifted = ops.plan_stage(
+            plan, h, w, window, shift, self.mask_padding, first.attn.num_heads, first.attn.embed_dims, x.device,
+            lambda: first.attention_inputs(tokens),
+        )
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular
             if self.with_cp and self.training and plan.grad:

@@ -145,6 +145,11 @@ class WindowAttentionV2(nn.Module):
         )
         return self.proj_drop(ops.project(out, self.proj))
 
+    def inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
+        """The row-major cosine-prepared ``qkv`` of ``x``, the position bias table and sizes."""
+        qkv = ops.cosine_qkv(self.qkv_projection()(x), self.logit_scale, self.num_heads)
+        return ops.AttentionInputs(qkv, self.position_bias_table(), self.window_size, self.num_heads, 1.0)
+
     def extra_repr(self) -> str:
         return (
             f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
@@ -191,6 +196,10 @@ class SwinBlockV2(nn.Module):
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None
+
+    def attention_inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
+        """What this block's window attention reads for tokens ``x`` (for measuring kernels)."""
+        return self.attn.inputs(x)
 
     def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""

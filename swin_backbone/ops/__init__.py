@@ -15,25 +15,28 @@ about devices or grad modes again. The implementations live in the submodules:
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import attention as _attention
-from . import triton_ops as _triton_ops  # noqa: F401  (registers the kernel's torch operators)
 from .chunked import mlp_residual_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
-from ..torch_compat import assume_constant_result
+from . import kernel_choice as _kernel_choice
+from .kernel_choice import resolve_attention as check_attention
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
+from .stage import AttentionInputs, finish_forward, plan_stage, stage_layouts
+from .triton_ops import fused_window_attention
 from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp
 from .windows import WindowLayout, merge_2x2, straddles, window_partition, zero_beyond_valid, zero_straddles_
 
 __all__ = [
+    "AttentionInputs",
     "Plan",
-    "attention_kernel",
+    "check_attention",
+    "finish_forward",
     "mask_input",
     "merge_patches",
     "mlp_post_norm_residual",
@@ -45,56 +48,10 @@ __all__ = [
     "plan_for",
     "plan_for_module",
     "plan_forward",
+    "plan_stage",
     "project",
     "window_attention",
 ]
-
-
-def attention_kernel(plan: Plan, layout: WindowLayout, channels: int, num_heads: int, device: torch.device) -> str:
-    """The attention kernel for this layout: the plan's, or SDPA where the fused Triton kernel
-    does not apply (:func:`norm_qkv` and :func:`window_attention` both ask)."""
-    if plan.attention != "triton":
-        return plan.attention
-    sizes = (None, None) if plan.tracing else (layout.height, layout.width)  # symbolic while tracing
-    if _triton_applies(plan.mask_dtype, device, layout.window, num_heads, channels, *sizes, layout.padding_masked):
-        return "triton"
-    # Memory-efficient SDPA takes the bias and computes its gradient; a traced training graph
-    # gets the plain ops it would get without the kernel.
-    return "plain" if plan.tracing and plan.grad else "sdpa"
-
-
-@assume_constant_result  # a constant of the graph while tracing
-def _triton_applies(
-    dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
-    height: Optional[int], width: Optional[int], mask_padding: bool,
-) -> bool:
-    """Whether the fused Triton kernel runs a layout (``height`` / ``width``: ``None`` if unknown).
-
-    Asked twice per block (:func:`norm_qkv`, :func:`window_attention`): the answer is cached
-    per situation (the interpreter mode included, which tests switch)."""
-    from .triton_attention import _interpreting
-
-    return _triton_applies_cached(dtype, device, window, num_heads, channels, height, width, mask_padding,
-                                  _interpreting())
-
-
-@lru_cache(maxsize=256)
-def _triton_applies_cached(
-    dtype: torch.dtype, device: torch.device, window: int, num_heads: int, channels: int,
-    height: Optional[int], width: Optional[int], mask_padding: bool, interpreting: bool,
-) -> bool:
-    """:func:`_triton_applies`'s answer (``interpreting`` is part of the cache key only)."""
-    from .triton_attention import supports
-
-    if window > TRITON_MAX_WINDOW:
-        return False
-    probe = torch.empty((0, 0, 3 * channels), dtype=dtype, device=device)  # dtype, device, width only
-    return supports(probe, window, num_heads, height=height, width=width, mask_padding=mask_padding)
-
-
-#: Largest window the fused Triton kernel is used for: larger windows spill registers in its
-#: backward (compiler report for sm_80 / sm_90), so SDPA runs them until a GPU measurement says otherwise.
-TRITON_MAX_WINDOW = 8
 
 
 def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, plan: Plan) -> torch.Tensor:
@@ -110,8 +67,7 @@ def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLay
     Returns ``(B, nW * N, 3C)`` in ``layout``'s window order, or ``(B, H * W, 3C)`` row-major
     tokens for the fused Triton kernel (which gathers its windows itself).
     """
-    channels = qkv.weight.shape[0] // 3  # static while tracing (x's width may be symbolic)
-    if attention_kernel(plan, layout, channels, num_heads, x.device) == "triton":
+    if plan.attention == "triton":
         return norm_linear(x, norm, qkv, plan)
     if plan.save_memory:
         return _norm_linear(x, norm, qkv, layout)
@@ -130,6 +86,8 @@ def window_attention(
 ) -> torch.Tensor:
     """Multi-head attention inside each window with a relative position bias.
 
+    The computation, whichever kernel runs it, is :func:`~.attention.reference_window_attention`.
+
     Args:
         qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
         table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
@@ -139,13 +97,20 @@ def window_attention(
     Returns:
         ``(B, H * W, C)`` row-major tokens, before the output projection.
     """
-    kernel = attention_kernel(plan, layout, qkv.shape[-1] // 3, num_heads, qkv.device)
-    if kernel == "triton":
-        from .triton_attention import triton_window_attention
-
-        out = triton_window_attention(
-            qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads, scale
-        )
+    if plan.attention == "triton":
+        try:
+            out = fused_window_attention(
+                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads,
+                scale, plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
+            )
+        except Exception as error:
+            if plan.attention_signature is None or plan.tracing:
+                raise
+            # A launch the measurement did not meet (e.g. a new compile key) failed: this call
+            # runs SDPA, and the signature is decided again at the next forward.
+            _kernel_choice.reject(plan.attention_signature, error)
+            return window_attention(window_partition(qkv, layout), table, table_window, layout, num_heads, scale,
+                                    dropout_p, dataclasses.replace(plan, attention="sdpa"))
         if layout.images is None:
             return out
         # Windows that images' boundaries cut: their own masks, with SDPA (few windows).
@@ -154,9 +119,25 @@ def window_attention(
     bias = _attention.relative_position_bias(table, layout.window, table_window)
     fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
     return _attention.window_attention(
-        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, kernel, fixup,
+        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, plan.attention, fixup,
         plan.chunk_bytes, plan.align_masks,
     )
+
+
+def _backward_fallback(table_window: int, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
+    """For an auto-chosen fused kernel: gradients through SDPA if its backward launch fails."""
+    if plan.attention_signature is None or plan.tracing or not plan.grad:
+        return None
+
+    def fallback(grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor):
+        _kernel_choice.reject(plan.attention_signature, "backward launch failed")
+        with torch.enable_grad():
+            q, t = qkv.detach().requires_grad_(), table.detach().requires_grad_()
+            sdpa = dataclasses.replace(plan, attention="sdpa", attention_signature=None, save_memory=False)
+            out = window_attention(window_partition(q, layout), t, table_window, layout, num_heads, scale, 0.0, sdpa)
+            return torch.autograd.grad(out, (q, t), grad_out)
+
+    return fallback
 
 
 def project(tokens: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -236,36 +217,3 @@ def merge_patches(x: torch.Tensor, plan: Plan) -> torch.Tensor:
     ``(B, ceil(H / 2), ceil(W / 2), 4C)``, reading zeros beyond each image of the plan's
     ``valid_sizes`` where a cell straddles its edge (:func:`~.windows.merge_2x2`)."""
     return merge_2x2(x, plan.valid_sizes)
-
-
-def stage_layouts(
-    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, plan: Plan
-) -> "tuple[WindowLayout, Optional[WindowLayout]]":
-    """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift.
-
-    With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
-    windows that the images' boundaries cut (:class:`~swin_backbone.ops.windows.ImageWindows`).
-    """
-    from .windows import get_window_layout
-
-    regular = get_window_layout(height, width, window, 0, mask_padding, device, plan.mask_dtype, plan.align_masks)
-    shifted = None
-    if shift > 0:
-        shifted = get_window_layout(height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
-    if plan.valid_sizes is None:
-        return regular, shifted
-    return _with_images(regular, plan), None if shifted is None else _with_images(shifted, plan)
-
-
-def _with_images(layout: WindowLayout, plan: Plan) -> WindowLayout:
-    """``layout`` with the windows the plan's per-image valid sizes cut (if any).
-
-    The copy shares ``layout.tensors``: what either builds on first use serves both (and the
-    cached layout keeps it for the next batch of this size)."""
-    from .windows import get_image_windows
-
-    images = get_image_windows(
-        layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes,
-        layout.device, plan.mask_dtype, plan.align_masks,
-    )
-    return layout if images is None else dataclasses.replace(layout, images=images)

@@ -23,9 +23,11 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from ..torch_compat import HAS_CUSTOM_OP, compute_dtype, is_compiling, is_exporting
+from ..torch_compat import compute_dtype, is_compiling, is_exporting
 
-#: Window-attention implementations (see :mod:`swin_backbone.ops.attention`).
+#: Window-attention implementations (see :mod:`swin_backbone.ops.attention`). A forward's plan
+#: may also say ``"auto"``: each stage's kernel is then chosen by measurement
+#: (:func:`swin_backbone.ops.plan_stage`, :mod:`swin_backbone.ops.kernel_choice`).
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
 
@@ -91,7 +93,11 @@ class Plan:
         dropout: dropout after the position embedding, projection and MLP is active.
         stochastic: any dropout or stochastic depth is active (training mode, rate > 0).
         attn_dropout: attention dropout is active.
-        attention: one of :data:`ATTENTION_KERNELS`.
+        attention: one of :data:`ATTENTION_KERNELS`; in a forward's plan also ``"auto"``
+            (CUDA: measured per stage). A stage's plan (:func:`swin_backbone.ops.plan_stage`)
+            always names the kernel.
+        attention_mode: the backbone's ``attention`` setting (``'auto'``, ``'sdpa'``,
+            ``'triton'``) after the ``SWIN_BACKBONE_ATTENTION`` override.
         save_memory: norm -> qkv and norm -> MLP use the input-keeping autograd functions.
         chunk_bytes: CPU row-chunk size in bytes, 0 for whole tensors.
         fixup_share: up to this share of masked windows, attention runs every window with
@@ -116,15 +122,21 @@ class Plan:
     save_memory: bool
     chunk_bytes: int
     fixup_share: float
+    attention_mode: str = "auto"
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
+    #: a stage's plan: Triton ``num_warps`` of the chosen launch (0: the kernel's default)
+    triton_warps: int = 0
+    #: a stage's plan: the signature whose measured choice this is (``None`` if not measured)
+    attention_signature: Optional[object] = None
 
     def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
         """The plan for stage ``index``: the no-grad variant when nothing in it needs a
         gradient (frozen stages run like inference), with the stage's valid sizes."""
         plan = self
         if self.grad and not self.tracing and not x.requires_grad and not any(p.requires_grad for p in stage.parameters()):
-            plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout)
+            plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout,
+                          self.attention_mode)
         valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
         if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
             return plan
@@ -142,6 +154,7 @@ def plan_forward(
     dropout: bool,
     drop_path: bool,
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None,
+    attention: str = "auto",
 ) -> Plan:
     """Decide how ``model`` computes its forward on ``x`` (once per forward).
 
@@ -152,6 +165,8 @@ def plan_forward(
             stochastic depth are in effect (training mode and a rate > 0).
         valid_sizes: checked per-image valid ``(h, w)`` in input pixels, or ``None`` (every
             image is the whole input). ``model`` then needs ``patch_size`` and ``stages``.
+        attention: the attention mode (``'auto'``, ``'sdpa'``, ``'triton'``: see
+            :mod:`swin_backbone.ops.kernel_choice`), already checked.
     """
     stochastic = attn_dropout or dropout or drop_path
     device = x.device.type
@@ -164,9 +179,9 @@ def plan_forward(
                 "valid_sizes: expected None while tracing (torch.compile / torch.export); per-image "
                 "valid sizes run eagerly"
             )
-        return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, _SWITCHES)
+        return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, attention, _SWITCHES)
     grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
-    plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout)
+    plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout, attention)
     if valid_sizes is None:
         return plan
     return dataclasses.replace(plan, valid_sizes=valid_sizes, stage_valid_sizes=_stage_valid_sizes(
@@ -192,14 +207,16 @@ def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
     rates = [getattr(m, "p", 0.0) for m in module.modules() if type(m).__name__ in ("Dropout", "DropPath")]
     attn = any(getattr(m, "attn_drop_rate", 0.0) > 0 for m in module.modules())
     active = module.training
-    return plan_forward(x, module, active and attn, active and any(r > 0 for r in rates), False)
+    return plan_forward(x, module, active and attn, active and any(r > 0 for r in rates), False,
+                        attention=getattr(module, "attention_mode", "auto"))
 
 
 def decide(
-    device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool, attn_dropout: bool
+    device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool, attn_dropout: bool,
+    attention: str = "auto",
 ) -> Plan:
     """:func:`plan_forward`'s decision from the situation alone (cached)."""
-    return _decide_cached(device, mask_dtype, grad, tracing, dropout, stochastic, attn_dropout, _SWITCHES)
+    return _decide_cached(device, mask_dtype, grad, tracing, dropout, stochastic, attn_dropout, attention, _SWITCHES)
 
 
 def _decide(
@@ -210,13 +227,18 @@ def _decide(
     dropout: bool,
     stochastic: bool,
     attn_dropout: bool,
+    mode: str,
     s: Switches,
 ) -> Plan:
     cpu = device == "cpu"
-    if tracing and device == "cuda" and s.triton and not attn_dropout and HAS_CUSTOM_OP and not _exporting() and _triton_ready():
-        # torch.compile on CUDA: the fused kernel as one opaque operator in the graph
-        # (ops.triton_ops): partition, shift, masks, bias and reverse in one pass, as in eager.
+    if mode == "triton" and not attn_dropout and not _exporting():
+        # Forced: the fused kernel wherever it applies (checked per stage; errors say why not).
         attention = "triton"
+    elif tracing and device == "cuda" and mode == "auto" and s.triton and not attn_dropout and not _exporting() \
+            and _triton_ready():
+        # torch.compile on CUDA: the kernel measured in eager mode before, if any, as one
+        # opaque operator in the graph (ops.triton_ops); else what the branch below gives.
+        attention = "auto"
     elif tracing:
         # The tracer sees plain torch ops (inductor fuses them itself); SDPA is one op too.
         # Exported programs stay plain torch (portable: ONNX, other runtimes).
@@ -224,9 +246,9 @@ def _decide(
     elif attn_dropout or not s.sdpa:
         attention = "plain"
     elif device == "cuda":
-        # The fused Triton kernel where it applies (ops.attention_kernel asks per layout);
-        # else memory-efficient SDPA, which takes a float bias and computes its gradient.
-        attention = "triton" if s.triton and _triton_ready() else "sdpa"
+        # The fused Triton kernel or memory-efficient SDPA (which takes a float bias and
+        # computes its gradient): verified and measured per stage (ops.plan_stage).
+        attention = "auto" if mode == "auto" and s.triton and _triton_ready() else "sdpa"
     elif grad:
         # CPU SDPA gives no bias gradient (and falls to its slow math kernel for a mask that
         # requires grad): SDPA forward with a hand-written backward instead.
@@ -244,6 +266,7 @@ def _decide(
         stochastic=stochastic,
         attn_dropout=attn_dropout,
         attention=attention,
+        attention_mode=mode,
         save_memory=eager and grad and s.save_memory,
         chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
         # Measured on CPU only; on GPUs it would add kernel launches.
@@ -263,15 +286,15 @@ def _triton_ready() -> bool:
     """Whether the fused Triton kernel can run here (triton importable)."""
     from .triton_attention import triton
 
-    return triton is not None
+    return triton is not None and torch.version.hip is None  # measured on NVIDIA GPUs only
 
 
 def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
     """A plan for ``x`` with some fields forced (tests and direct use of the ops)."""
     grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
-    plan = decide(x.device.type, x.dtype, grad, False, False, False, False)
+    plan = decide(x.device.type, x.dtype, grad, False, False, False, False, "auto")
     if attention is not None:
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS}, got {attention!r}")
+        if attention not in ATTENTION_KERNELS + ("auto",):
+            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS + ('auto',)}, got {attention!r}")
         fields["attention"] = attention
     return dataclasses.replace(plan, **fields)

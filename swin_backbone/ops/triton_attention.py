@@ -43,12 +43,10 @@ Each program handles one head and a group of consecutive windows (``grid = (nH, 
 fastest so that the programs reading the same token rows run together). Grouping
 amortises the bias gather and the per-program setup, and is what bounds ``G``.
 
-Unmeasured: no GPU was available while this was written, so there are no timings, and the
-launch parameters (``num_warps``, ``num_stages``, :data:`TARGET_PROGRAMS`) are reasoned, not
-tuned. The kernel compiles for sm_80 and sm_90 (checked without a GPU, fp32 / fp16 / bf16,
-forward and backward); windows up to 8 x 8 (blocks up to 64 rows, Swin's 7 x 7 included) spill
-little or nothing, while 12 x 12 windows (256-row blocks) spill heavily and may well be slower
-than SDPA until the kernel tiles the keys.
+Whether the kernel is used is not decided here: :mod:`.kernel_choice` verifies it against a
+reference on the user's GPU and times it against SDPA before it runs (launch settings such as
+``num_warps`` are candidates there too). Windows up to 8 x 8 (blocks up to 64 rows, Swin's
+7 x 7 included) are supported; larger windows run SDPA.
 
 The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
@@ -61,11 +59,11 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..torch_compat import is_compiling, matmul_allows_tf32
+from ..torch_compat import matmul_allows_tf32
 
 try:  # triton is optional: the module must import (and answer ``supports``) without it
     import triton
@@ -80,8 +78,13 @@ __all__ = ["triton_window_attention", "supports", "unsupported_reason", "TARGET_
 #: that ``nH * G`` stays near it. Also bounds the table-gradient buffer ``(G, nH, N, N)``.
 TARGET_PROGRAMS = 1024
 
-#: Largest window size ``N = ws * ws`` a program holds in one block (``ws <= 16``).
-MAX_TOKENS = 256
+#: Largest window size ``N = ws * ws`` a program holds in one block (``ws <= 8``): a whole
+#: window's logits live in registers, and the 128- and 256-row blocks of larger windows need
+#: more shared memory than GPUs have (compiler report in docs/performance.md).
+MAX_TOKENS = 64
+
+#: Oldest triton the kernel is written for (``tl.dot(input_precision=...)``).
+TRITON_FLOOR = (3, 0)
 
 #: Largest head dimension (padded up to a power of two >= 16 inside the kernel).
 MAX_HEAD_DIM = 128
@@ -223,7 +226,10 @@ def _window_attention_kernel(
         if BACKWARD:
             p = p / row_sum[:, None]
             grad_out = tl.load(io_rows, mask=tile_ok, other=0.0)
-            grad_v = tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out, input_precision=INPUT_PRECISION)
+            # dV and dK are computed transposed, (D, N), from transposes of *loaded* tiles
+            # only: a transposed dot result (P^T dO, dS^T q) fed to tl.dot is what Triton
+            # miscompiles on Hopper in some versions (wrong dK without an error).
+            grad_v_t = tl.dot(tl.trans(grad_out), p.to(grad_out.dtype), input_precision=INPUT_PRECISION)
             grad_p = tl.dot(grad_out, tl.trans(v), input_precision=INPUT_PRECISION)
             # Softmax backward: dS = P * (dP - rowsum(P * dP)), the gradient of the logits
             # scale * q k^T + bias (base e). Padding queries have dO = 0, so their rows are 0.
@@ -233,12 +239,14 @@ def _window_attention_kernel(
                 dbias += grad_s
             grad_s_in = grad_s.to(q.dtype)
             grad_q = tl.dot(grad_s_in, k, input_precision=INPUT_PRECISION) * scale
-            grad_k = tl.dot(tl.trans(grad_s_in), q, input_precision=INPUT_PRECISION) * scale
+            grad_k_t = tl.dot(tl.trans(q), grad_s_in, input_precision=INPUT_PRECISION) * scale
             grad_rows = grad_qkv_ptr + row[:, None] * (3 * channels)
+            grad_rows_t = grad_qkv_ptr + row[None, :] * (3 * channels)  # (D, N) tiles
+            tile_ok_t = col_ok[:, None] & real[None, :]
             out_ty = grad_qkv_ptr.dtype.element_ty
             tl.store(grad_rows + q_cols[None, :], grad_q.to(out_ty), mask=tile_ok)
-            tl.store(grad_rows + k_cols[None, :], grad_k.to(out_ty), mask=tile_ok)
-            tl.store(grad_rows + v_cols[None, :], grad_v.to(out_ty), mask=tile_ok)
+            tl.store(grad_rows_t + k_cols[:, None], grad_k_t.to(out_ty), mask=tile_ok_t)
+            tl.store(grad_rows_t + v_cols[:, None], grad_v_t.to(out_ty), mask=tile_ok_t)
         else:
             out = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION) / row_sum[:, None]
             tl.store(io_rows, out.to(io_ptr.dtype.element_ty), mask=tile_ok)
@@ -294,26 +302,47 @@ def unsupported_reason(
             zeros, which the kernel never loads: unsupported whenever the map is padded.
         dropout_p: attention dropout; the kernel has none.
     """
-    if triton is None:
-        return "triton is not installed"
-    interpret = _interpreting()
-    if qkv.device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-    elif not (interpret and qkv.device.type == "cpu"):
-        return f"device {qkv.device.type!r} needs CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
-    if interpret and not _library_interpreted():
-        return "TRITON_INTERPRET=1 was set after triton.language was imported (set it before)"
-    if qkv.dtype not in _DTYPES:
-        return f"dtype {qkv.dtype} is not one of float32, float16, bfloat16"
-    if qkv.dtype == torch.bfloat16:
-        if interpret:
-            return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
-        if torch.version.hip is None and torch.cuda.get_device_capability(qkv.device) < (8, 0):  # cuda here
-            return "bfloat16 needs a GPU of compute capability >= 8.0"
     if qkv.dim() != 3 or num_heads <= 0 or qkv.shape[-1] % (3 * num_heads):
         return f"qkv of shape {tuple(qkv.shape)} is not (B, L, 3 * num_heads * head_dim) for num_heads={num_heads}"
-    head_dim = qkv.shape[-1] // (3 * num_heads)
+    return static_reason(
+        qkv.dtype, qkv.device, window, num_heads, qkv.shape[-1] // (3 * num_heads),
+        height=height, width=width, mask_padding=mask_padding, dropout_p=dropout_p,
+    )
+
+
+def static_reason(
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    mask_padding: bool = True,
+    dropout_p: float = 0.0,
+) -> Optional[str]:
+    """:func:`unsupported_reason` from the attention's description alone (no tensor)."""
+    if triton is None:
+        return "triton is not installed"
+    version = _triton_version()
+    if version < TRITON_FLOOR:
+        return f"triton {triton.__version__} is older than {'.'.join(map(str, TRITON_FLOOR))}"
+    interpret = _interpreting()
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+    elif not (interpret and device.type == "cpu"):
+        return f"device {device.type!r} needs CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
+    if interpret and not _library_interpreted():
+        return "TRITON_INTERPRET=1 was set after triton.language was imported (set it before)"
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not one of float32, float16, bfloat16"
+    if dtype == torch.bfloat16:
+        if interpret:
+            return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
+        if torch.version.hip is None and torch.cuda.get_device_capability(device) < (8, 0):  # cuda here
+            return "bfloat16 needs a GPU of compute capability >= 8.0"
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
     if window <= 0 or window * window > MAX_TOKENS:
@@ -326,6 +355,14 @@ def unsupported_reason(
         if height % window or width % window:
             return "mask_padding=False on a padded map (real tokens attend to padding tokens, never loaded here)"
     return None
+
+
+def _triton_version() -> Tuple[int, ...]:
+    parts = []
+    for part in str(getattr(triton, "__version__", "0")).split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 def supports(
@@ -341,7 +378,7 @@ def supports(
     """Whether :func:`triton_window_attention` applies (see :func:`unsupported_reason`).
 
     True for fp32 / fp16 / bf16 ``qkv`` on CUDA (bf16 on compute capability >= 8), or on CPU
-    while ``TRITON_INTERPRET=1`` (fp32 and fp16 there), with ``window ** 2 <= 256``,
+    while ``TRITON_INTERPRET=1`` (fp32 and fp16 there), with ``window <= 8``,
     ``head_dim <= 128``, no dropout, and ``mask_padding=True`` unless the map needs no
     padding. Under ``torch.compile`` the kernel runs as a custom operator (:mod:`.triton_ops`).
     """
@@ -371,6 +408,7 @@ class _Plan:
     groups: int
     block_n: int
     block_d: int
+    num_warps: int
 
     @property
     def total_windows(self) -> int:
@@ -392,6 +430,7 @@ def _plan(
     num_heads: int,
     scale: float,
     windows_per_program: Optional[int],
+    num_warps: int = 0,
 ) -> _Plan:
     """Validate the arguments (``ValueError`` naming the culprit) and size the launch."""
     if qkv.dim() != 3:
@@ -433,6 +472,7 @@ def _plan(
         groups = max(1, min(total, _ceil_div(TARGET_PROGRAMS, num_heads)))
         windows_per_program = _ceil_div(total, groups)
     windows_per_program = max(1, min(windows_per_program, total))
+    block_n = max(16, _next_pow2(window * window))
     return _Plan(
         batch=qkv.shape[0],
         height=height,
@@ -449,9 +489,23 @@ def _plan(
         windows_per_row=windows_per_row,
         windows_per_program=windows_per_program,
         groups=max(1, _ceil_div(total, windows_per_program)),
-        block_n=max(16, _next_pow2(window * window)),
+        block_n=block_n,
         block_d=max(16, _next_pow2(head_dim)),
+        num_warps=num_warps or default_warps(block_n),
     )
+
+
+def default_warps(block_n: int) -> int:
+    """``num_warps`` for a ``block_n``-row block: several ``block_n x block_n`` fp32 tiles
+    are live (bias, logits / P, and in the backward dP / dS and the dS accumulator), so a
+    64-row block needs 8 warps to hold them without spilling; smaller blocks fit in 4."""
+    return 8 if block_n >= 64 else 4
+
+
+def warps_choices(window: int) -> Tuple[int, ...]:
+    """The ``num_warps`` worth measuring for a window (the default first)."""
+    block_n = max(16, _next_pow2(window * window))
+    return (8, 4) if block_n >= 64 else (4,)
 
 
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -471,12 +525,7 @@ def _launch(
     dbias: Optional[torch.Tensor],
     backward: bool,
 ) -> None:
-    # Several BLOCK_N x BLOCK_N fp32 tiles are live (bias, logits / P, and in the backward dP /
-    # dS and the dS accumulator). Compiled for sm_80 / sm_90 without a GPU (ptxas resource
-    # usage, fp16, head_dim 32): 16- and 32-row blocks fit 4 warps; a 64-row block (N = 49)
-    # uses 255 registers with no spills in the forward and a little stack in the backward at
-    # 8 warps, but spills at 4. Larger blocks spill either way (see the module docstring).
-    num_warps = 8 if plan.block_n >= 64 else 4
+    num_warps = plan.num_warps
     # Triton launches on the current CUDA device: make it qkv's (a model on cuda:1 while
     # cuda:0 is current would otherwise read another GPU's addresses).
     device = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
@@ -552,21 +601,31 @@ def _backward(
     return grad_qkv, grad_table.to(table.dtype)
 
 
+#: Gradients of ``qkv`` and the table computed another way, for a backward launch that fails:
+#: ``(grad_out, qkv, table) -> (grad_qkv, grad_table)``.
+BackwardFallback = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
 class _TritonWindowAttention(torch.autograd.Function):
     """Fused window attention in eager mode; saves only ``qkv`` and ``table`` for backward."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan, fallback: Optional[BackwardFallback]):
         qkv, table = qkv.contiguous(), table.contiguous()
         ctx.save_for_backward(qkv, table)
-        ctx.plan = plan
+        ctx.plan, ctx.fallback = plan, fallback
         return _forward(qkv, table, plan)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         qkv, table = ctx.saved_tensors
-        grad_qkv, grad_table = _backward(grad_out, qkv, table, ctx.plan, ctx.needs_input_grad[1])
-        return grad_qkv, grad_table, None
+        try:
+            grad_qkv, grad_table = _backward(grad_out, qkv, table, ctx.plan, ctx.needs_input_grad[1])
+        except Exception:
+            if ctx.fallback is None:
+                raise
+            grad_qkv, grad_table = ctx.fallback(grad_out, qkv, table)
+        return grad_qkv, grad_table, None, None
 
 
 def triton_window_attention(
@@ -581,8 +640,11 @@ def triton_window_attention(
     scale: float,
     *,
     windows_per_program: Optional[int] = None,
+    num_warps: int = 0,
+    backward_fallback: Optional[BackwardFallback] = None,
 ) -> torch.Tensor:
-    """Shifted-window multi-head attention with relative position bias, fused.
+    """Shifted-window multi-head attention with relative position bias, fused (eager; inside
+    ``torch.compile`` graphs the same kernel runs as the operator of :mod:`.triton_ops`).
 
     Same result as partitioning ``qkv`` with ``build_window_layout(height, width, window,
     shift, mask_padding=True, ...)``, attending with the bias ``table[relative_position_index
@@ -600,17 +662,16 @@ def triton_window_attention(
         num_heads: ``nH``; must divide ``C``.
         scale: query scale (``head_dim ** -0.5`` by default in Swin).
         windows_per_program: windows each program handles (default: grouped so that a
-            launch has about :data:`TARGET_PROGRAMS` programs; ignored while tracing).
+            launch has about :data:`TARGET_PROGRAMS` programs).
+        num_warps: Triton warps per program (0: :func:`default_warps`).
+        backward_fallback: computes the gradients if the backward launch raises (else the
+            error propagates).
     Returns:
         ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype, before the
         output projection.
     Raises:
         ValueError: on inconsistent arguments, or inputs :func:`supports` rejects.
     """
-    if is_compiling():
-        # Checked and sized inside the operator, on the real sizes of each call.
-        from .triton_ops import window_attention_op
-
-        return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale))
-    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
-    return _TritonWindowAttention.apply(qkv, table, plan)
+    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program,
+                 num_warps)
+    return _TritonWindowAttention.apply(qkv, table, plan, backward_fallback)

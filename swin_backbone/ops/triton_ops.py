@@ -1,5 +1,5 @@
-"""The fused Triton window attention as torch custom operators, for ``torch.compile`` and
-``torch.export``.
+"""The fused Triton window attention as torch custom operators, for ``torch.compile``, and
+the one place that picks the eager or the traced form (:func:`fused_window_attention`).
 
 The tracer records one opaque call per attention (output shapes from the fake
 implementations) instead of tracing into Triton's launcher, so a compiled graph keeps the
@@ -11,14 +11,27 @@ registered only once per process, so this lives apart from the kernel's module).
 ``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and compiled
 graphs use plain attention (:mod:`swin_backbone.ops.planner`).
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from ..torch_compat import HAS_CUSTOM_OP
-from .triton_attention import _backward, _forward, _plan
+from .triton_attention import BackwardFallback, _backward, _forward, _plan, triton_window_attention
 
-__all__ = ["window_attention_op", "window_attention_backward_op"]
+__all__ = ["fused_window_attention", "window_attention_op", "window_attention_backward_op"]
+
+
+def fused_window_attention(
+    qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int, table_window: int,
+    num_heads: int, scale: float, num_warps: int, tracing: bool, backward_fallback: Optional[BackwardFallback] = None,
+) -> torch.Tensor:
+    """:func:`~swin_backbone.ops.triton_attention.triton_window_attention`: eager, or while
+    ``torch.compile`` traces (``tracing``) as one opaque operator sized at run time."""
+    if not tracing:
+        return triton_window_attention(qkv, table, height, width, window, shift, table_window, num_heads, scale,
+                                       num_warps=num_warps, backward_fallback=backward_fallback)
+    return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale),
+                               num_warps)
 
 window_attention_op = window_attention_backward_op = None
 
@@ -27,30 +40,30 @@ if HAS_CUSTOM_OP:
     @torch.library.custom_op("swin_backbone::window_attention", mutates_args=())
     def window_attention_op(
         qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
-        table_window: int, num_heads: int, scale: float,
+        table_window: int, num_heads: int, scale: float, num_warps: int,
     ) -> torch.Tensor:
         """:func:`~swin_backbone.ops.triton_attention.triton_window_attention` as an operator:
         ``(B, H * W, 3C)`` row-major ``qkv`` -> ``(B, H * W, C)``."""
-        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None, num_warps)
         return _forward(qkv.contiguous(), table.contiguous(), plan)
 
     @window_attention_op.register_fake
-    def _(qkv, table, height, width, window, shift, table_window, num_heads, scale):
+    def _(qkv, table, height, width, window, shift, table_window, num_heads, scale, num_warps):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
 
     @torch.library.custom_op("swin_backbone::window_attention_backward", mutates_args=())
     def window_attention_backward_op(
         grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int,
-        shift: int, table_window: int, num_heads: int, scale: float,
+        shift: int, table_window: int, num_heads: int, scale: float, num_warps: int,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
         (always computed: a compiled graph cannot skip an operator's output)."""
-        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None)
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None, num_warps)
         grad_qkv, grad_table = _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
         return grad_qkv, grad_table
 
     @window_attention_backward_op.register_fake
-    def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
+    def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale, num_warps):
         # Contiguous, as the real ones (whatever qkv's and table's strides).
         return qkv.new_empty(qkv.shape), table.new_empty(table.shape)
 

@@ -25,7 +25,8 @@ def test_decisions_per_situation():
     assert cpu_train.attention == "recompute" and cpu_train.save_memory and cpu_train.chunk_bytes > 0
     assert planner.decide("cpu", f32, True, False, False, True, True).attention == "plain"  # attention dropout
     cuda = planner.decide("cuda", torch.bfloat16, True, False, False, False, False)
-    assert cuda.attention in ("sdpa", "triton") and cuda.align_masks and cuda.save_memory
+    # CUDA: "auto" (each stage's kernel measured: ops.plan_stage) where triton is there, else SDPA.
+    assert cuda.attention in ("sdpa", "auto") and cuda.align_masks and cuda.save_memory
     assert cuda.chunk_bytes == 0 and cuda.fixup_share == 0
     traced = planner.decide("cpu", f32, True, True, False, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0
@@ -115,26 +116,26 @@ def test_compiling_on_cuda_keeps_the_fused_kernel(grad, monkeypatch):
     # torch.export / ONNX and attention dropout: plain ops as on any device.
     bf16 = torch.bfloat16
     monkeypatch.setattr(planner, "_triton_ready", lambda: True)
-    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches())
-    assert compiled.attention == "triton" and compiled.tracing and not compiled.save_memory
+    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches())
+    # "auto": each stage uses the kernel measured in eager mode (ops.plan_stage), in the graph.
+    assert compiled.attention == "auto" and compiled.tracing and not compiled.save_memory
     plain = "plain" if grad else "sdpa"
-    assert planner._decide("cuda", bf16, grad, True, False, True, True, planner.Switches()).attention == "plain"
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches(triton=False)).attention == plain
+    assert planner._decide("cuda", bf16, grad, True, False, True, True, "auto", planner.Switches()).attention == "plain"
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches(triton=False)).attention == plain
     monkeypatch.setattr(planner, "_exporting", lambda: True)
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches()).attention == plain
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches()).attention == plain
     monkeypatch.setattr(planner, "_exporting", lambda: False)
     monkeypatch.setattr(planner, "_triton_ready", lambda: False)
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, planner.Switches()).attention == plain
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches()).attention == plain
 
 
 def test_kernel_choice_falls_back_where_the_kernel_does_not_apply():
     # Layouts the kernel does not take (here: a 12 x 12 window) get what the same situation
     # gets without the kernel: SDPA, or while tracing a training graph, plain ops.
     x = torch.zeros(1, 24, 24, 64)
-    big = W.build_window_layout(24, 24, 12, 6, True, x.device, x.dtype)
     for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
         plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
-        assert ops.attention_kernel(plan, big, 64, 2, x.device) == expected
+        assert ops.plan_stage(plan, 24, 24, 12, 6, True, 2, 64, x.device, None)[0].attention == expected
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])

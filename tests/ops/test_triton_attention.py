@@ -12,6 +12,7 @@ decorates, and ``triton.language`` decorates its own ``tl.sum`` / ``tl.max`` at 
   and :func:`test_kernels_in_interpreter_subprocess` runs this file again in a subprocess
   with the flag set, and fails if anything fails there.
 """
+import dataclasses
 import importlib.util
 import os
 import re
@@ -252,7 +253,7 @@ def test_imports_and_declines_without_triton(monkeypatch):
     """The module loads where triton is missing, launches nothing, and says why it declines."""
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("_triton_attention_without_triton", triton_attention.__file__)
+    spec = importlib.util.spec_from_file_location("swin_backbone.ops._triton_attention_without_triton", triton_attention.__file__)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look their module up)
     spec.loader.exec_module(module)
@@ -346,8 +347,8 @@ def test_planner_routes_a_stage_through_the_kernel(interpreter, size):
     results = []
     for kernel in ("triton", "plain"):
         plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0)
-        layout = ops.stage_layouts(x.shape[1], x.shape[2], 4, 2, True, x.device, plan)[0]
-        assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
+        stage_plan = ops.plan_stage(plan, x.shape[1], x.shape[2], 4, 2, True, 2, 16, x.device, None)[0]
+        assert stage_plan.attention == kernel
         results.append(_values_and_grads(stage, lambda t: stage(t, plan), x))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -368,9 +369,10 @@ def test_per_image_windows_go_through_the_kernel(interpreter):
     results = []
     for kernel in ("triton", "plain"):
         plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0, valid_sizes=valid)
-        for layout in ops.stage_layouts(6, 7, 4, 2, True, x.device, plan):
+        stage_plan, *layouts = ops.plan_stage(plan, 6, 7, 4, 2, True, 2, 16, x.device, None)
+        assert stage_plan.attention == kernel
+        for layout in layouts:
             assert layout.images is not None
-            assert ops.attention_kernel(plan, layout, 16, 2, x.device) == kernel
         results.append(_values_and_grads(stage, lambda t: stage(t, plan), x, inside))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -461,3 +463,145 @@ def test_size_arguments_are_not_specialized(no_interpreter):
              "total_windows", "windows_per_program"}
     assert sizes <= exempt, sorted(sizes - exempt)
     assert not exempt & {"num_heads", "head_dim", "seq_len", "window"}  # fixed per model: keep the hints
+
+
+# ------------------------------------------------------------------------------ measured choice
+# The kernel choice of ops.kernel_choice with the real candidates: the fused kernel (here in
+# the interpreter, fp32), SDPA and the float32 reference, on a stage's own inputs.
+
+
+@pytest.fixture
+def fresh_choices(tmp_path, monkeypatch):
+    from swin_backbone.ops import kernel_choice
+
+    monkeypatch.setenv("SWIN_BACKBONE_CACHE", str(tmp_path))
+    kernel_choice.forget(persisted=False)
+    yield kernel_choice
+    kernel_choice.forget(persisted=False)
+
+
+@pytest.fixture
+def kernel_wins(monkeypatch):
+    """Timings that tie, so the fused kernel (the first candidate) is chosen when it verifies
+    (in the interpreter it is far slower than SDPA)."""
+    from swin_backbone.ops import stage as stage_ops
+
+    monkeypatch.setattr(stage_ops, "_timer", lambda device: lambda fn: 1.0)
+
+
+def _auto_plan(x, **fields):
+    from swin_backbone import ops
+
+    return ops.plan_for(x, grad=True, attention="auto", save_memory=False, chunk_bytes=0, **fields)
+
+
+def _plain_results(stage, x):
+    from swin_backbone import ops
+
+    plan = ops.plan_for(x, grad=True, attention="plain", save_memory=False, chunk_bytes=0)
+    return _values_and_grads(stage, lambda t: stage(t, plan), x)
+
+
+def _assert_same(results, reference):
+    for a, b in zip(results, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_verifies_and_times_the_real_kernels(interpreter, fresh_choices):
+    stage = _stage_with_tables()
+    x = torch.randn(1, 6, 7, 16)
+    _assert_same(_values_and_grads(stage, lambda t: stage(t, _auto_plan(x)), x), _plain_results(stage, x))
+    (sig, choice), = fresh_choices.DECISIONS.choices.items()
+    assert (sig.window, sig.num_heads, sig.head_dim, sig.training, sig.dtype) == (4, 2, 8, True, "float32")
+    assert choice.source == "measured" and not choice.rejected
+    assert set(choice.times_ms) == {"sdpa", "triton/warps4"}
+    assert all(err < 1e-5 for err in choice.errors.values()), choice.errors
+
+
+@pytest.mark.parametrize("fault", ["launch raises", "wrong values", "wrong gradients"])
+def test_auto_rejects_a_failing_kernel_and_runs_sdpa(interpreter, fresh_choices, monkeypatch, fault):
+    if fault == "launch raises":
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+        monkeypatch.setattr(triton_attention, "_launch", broken)
+    elif fault == "wrong values":
+        real = triton_attention._forward
+        monkeypatch.setattr(triton_attention, "_forward", lambda *a: real(*a) * 1.01)
+    else:
+        real_backward = triton_attention._backward
+
+        def off(*args):
+            grad_qkv, grad_table = real_backward(*args)
+            return grad_qkv.flip(1), grad_table  # dq, dk, dv at the wrong tokens
+        monkeypatch.setattr(triton_attention, "_backward", off)
+    stage = _stage_with_tables()
+    x = torch.randn(1, 6, 7, 16)
+    _assert_same(_values_and_grads(stage, lambda t: stage(t, _auto_plan(x)), x), _plain_results(stage, x))
+    (choice,) = fresh_choices.DECISIONS.choices.values()
+    expected = {"launch raises": "out of resource", "wrong values": "output off by",
+                "wrong gradients": "grad qkv off by"}[fault]
+    assert choice.kernel == "sdpa" and expected in choice.rejected["triton/warps4"], choice.rejected
+
+
+def test_a_later_launch_failure_falls_back_in_forward_and_backward(interpreter, fresh_choices, kernel_wins,
+                                                                  monkeypatch):
+    stage = _stage_with_tables()
+    x = torch.randn(1, 6, 7, 16)
+    stage(x.clone().requires_grad_(), _auto_plan(x))  # decided: the kernel
+    (sig, choice), = fresh_choices.DECISIONS.choices.items()
+    assert choice.kernel == "triton"
+    real_backward = triton_attention._backward
+    monkeypatch.setattr(triton_attention, "_backward", lambda *a: (_ for _ in ()).throw(RuntimeError("no ptxas")))
+    _assert_same(_values_and_grads(stage, lambda t: stage(t, _auto_plan(x)), x), _plain_results(stage, x))
+    assert fresh_choices.known(sig).kernel == "sdpa" and fresh_choices.known(sig).source == "fallback"
+    monkeypatch.setattr(triton_attention, "_backward", real_backward)
+    fresh_choices.forget(persisted=True)
+    stage(x.clone().requires_grad_(), _auto_plan(x))
+    assert fresh_choices.known(sig).kernel == "triton"
+    monkeypatch.setattr(triton_attention, "_launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no cc")))
+    _assert_same(_values_and_grads(stage, lambda t: stage(t, _auto_plan(x)), x), _plain_results(stage, x))
+    assert fresh_choices.known(sig).kernel == "sdpa"
+
+
+def test_forced_kernel_raises_where_it_cannot_run(interpreter, fresh_choices, monkeypatch):
+    from swin_backbone import ops
+
+    stage = _stage_with_tables()
+    x = torch.randn(1, 6, 7, 16)
+    forced = dataclasses.replace(_auto_plan(x), attention="triton", attention_mode="triton")
+    _assert_same(_values_and_grads(stage, lambda t: stage(t, forced), x), _plain_results(stage, x))
+    fresh_choices.forget(persisted=False)
+    monkeypatch.setattr(triton_attention, "_launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no cc")))
+    with pytest.raises(RuntimeError, match="attention='triton'.*no cc"):
+        stage(x, forced)
+    assert ops.plan_stage(forced, 24, 24, 12, 6, True, 2, 16, x.device, None)[0].attention == "sdpa"  # window 12
+
+
+def test_compiled_graphs_use_the_eager_decision_and_never_measure(interpreter, fresh_choices, kernel_wins,
+                                                                  monkeypatch):
+    import torch._dynamo.testing
+    from swin_backbone.ops import kernel_choice
+
+    stage = _stage_with_tables()
+    probe = torch.zeros(1, 1, 1, 16, requires_grad=True)
+    traced = _auto_plan(probe, tracing=True)
+
+    def compiled_targets():
+        torch._dynamo.reset()
+        recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+        compiled = torch.compile(lambda t: stage(t, traced), backend=recorder, dynamic=True, fullgraph=True)
+        out = compiled(torch.randn(2, 6, 7, 16, requires_grad=True))
+        out.sum().backward()
+        return {str(n.target) for g in recorder.fw_graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    real_decide = kernel_choice.decide
+    monkeypatch.setattr(kernel_choice, "decide", lambda *a, **k: pytest.fail("measured while tracing"))
+    before = compiled_targets()  # no decision yet: plain attention in a training graph
+    assert not any("swin_backbone" in t for t in before) and any("softmax" in t for t in before), sorted(before)
+    monkeypatch.setattr(kernel_choice, "decide", real_decide)
+    stage(torch.randn(1, 6, 7, 16, requires_grad=True), _auto_plan(probe))  # one eager forward decides
+    assert next(iter(fresh_choices.DECISIONS.choices.values())).kernel == "triton"
+    monkeypatch.setattr(kernel_choice, "decide", lambda *a, **k: pytest.fail("measured while tracing"))
+    after = compiled_targets()
+    assert "swin_backbone.window_attention.default" in after, sorted(after)
+    torch._dynamo.reset()
