@@ -204,6 +204,16 @@ def _capturing(device: torch.device) -> bool:
 def _static_reason(dtype: str, device_type: str, device_index: Optional[int], window: int, num_heads: int,
                    head_dim: int) -> str:
     """Why the fused kernel cannot run on this device / dtype / triton ('' if it can)."""
+    from .triton_attention import _interpreting
+
+    return _static_reason_cached(dtype, device_type, device_index, window, num_heads, head_dim, _interpreting())
+
+
+@lru_cache(maxsize=256)
+def _static_reason_cached(dtype: str, device_type: str, device_index: Optional[int], window: int, num_heads: int,
+                          head_dim: int, interpreting: bool) -> str:
+    """:func:`_static_reason`, once per situation (``interpreting``, which tests switch, is
+    part of the key only)."""
     from .triton_attention import static_reason
 
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)

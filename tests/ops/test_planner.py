@@ -175,3 +175,13 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monk
     layout = W.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True)  # stage 1 of 61x75
     assert W.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
+
+
+def test_rocm_gets_sdpa_in_auto(monkeypatch):
+    # The fused kernel is verified on NVIDIA GPUs; an AMD GPU (torch.version.hip) runs SDPA
+    # unless the user forces attention='triton'.
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert planner._decide("cuda", torch.bfloat16, True, False, False, False, False, "auto",
+                           planner.Switches()).attention == "sdpa"
+    assert planner._decide("cuda", torch.bfloat16, True, False, False, False, False, "triton",
+                           planner.Switches()).attention == "triton"

@@ -605,3 +605,32 @@ def test_compiled_graphs_use_the_eager_decision_and_never_measure(interpreter, f
     after = compiled_targets()
     assert "swin_backbone.window_attention.default" in after, sorted(after)
     torch._dynamo.reset()
+
+
+def test_gpu_report_rows_verify_every_candidate(interpreter, fresh_choices):
+    # The report's attention rows (swin-benchmark --device cuda --report) at a tiny shape: the
+    # fused kernel and SDPA each verified (fp32 and fp16, eval and training) and timed.
+    from swin_backbone.tools import gpu_report
+
+    shape = dict(arch="tiny", stage=0, height=9, width=10, num_heads=2, head_dim=8)
+    rows = gpu_report.kernel_rows(torch.device("cpu"), [shape], [torch.float32, torch.float16], batch=1, window=4,
+                                  timer=lambda fn: 1.0)
+    assert [(r["dtype"], r["mode"]) for r in rows] == [
+        ("float32", "eval"), ("float32", "train"), ("float16", "eval"), ("float16", "train")]
+    for r in rows:
+        assert set(r["errors"]) == {"triton/warps4", "sdpa"} and not r["rejected"], r
+        assert max(r["errors"].values()) < (1e-5 if r["dtype"] == "float32" else 5e-3), r
+        assert set(r["times_ms"]) == {"triton/warps4", "sdpa"} and r["chosen"] == "triton"
+    lines = gpu_report.format_rows(rows)
+    assert len(lines) == 4 and "tiny stage 0 1x9x10 w4 2x8 float16  train -> triton/warps4" in lines[3], lines
+    assert not fresh_choices.DECISIONS.choices  # the report decides nothing for the process
+
+
+def test_windows_above_8_and_old_triton_are_declined(interpreter, monkeypatch):
+    # 12 x 12 windows need 256-row blocks: more shared memory than any GPU has (the compiler
+    # report in docs/performance.md), so the kernel declines them instead of failing to launch.
+    qkv = torch.zeros(1, 144, 3 * 16)
+    assert supports(qkv, 8, 2)
+    assert "window 12" in unsupported_reason(qkv, 12, 2)
+    monkeypatch.setattr(triton, "__version__", "2.1.0")  # what torch 2.1 brings
+    assert unsupported_reason(qkv, 8, 2) == "triton 2.1.0 is older than 3.0"
