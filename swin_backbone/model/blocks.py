@@ -32,7 +32,7 @@ class PatchEmbed(nn.Module):
         p = self.patch_size
         x = F.pad(x, (0, pad_amount(x.shape[-1], p), 0, pad_amount(x.shape[-2], p)))
         # A channels-last input makes the convolution write channels-last, so the permute
-        # below is a view: no transposing copy of the largest feature map (~2x faster).
+        # below is a view: no transposing copy of the largest feature map.
         x = self.proj(x.contiguous(memory_format=torch.channels_last))
         return self.norm(x.permute(0, 2, 3, 1))
 

@@ -1,7 +1,7 @@
 """CPU work that runs faster a cache-sized piece at a time: the row-chunked inference MLP
 and the output LayerNorm + NCHW transpose by map rows.
 
-At detection resolution a stage-1 MLP's hidden tensor is ~90 MB per image: computed whole,
+At detection resolution a stage-1 MLP's hidden tensor is far larger than any cache: computed whole,
 it is written by one matmul, read and rewritten by GELU and read again by the next matmul,
 each time from main memory (and freshly page-faulted, since allocations that large go
 straight to the OS). In chunks of a few MB the same work stays in cache. The planner sets
@@ -38,7 +38,7 @@ def mlp_residual_(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Line
     """``x += fc2(gelu(fc1(norm(x))))`` in row chunks, in place, without autograd.
 
     The residual goes into ``x`` (which the caller owns) instead of a new map-sized tensor:
-    an allocation that large comes from the OS page by page, and the add ran ~2x slower.
+    an allocation that large comes from the OS page by page, which makes the add slower.
 
     Args:
         x: ``(..., C)`` contiguous tokens, modified in place.

@@ -269,7 +269,7 @@ def _decide(
         attention_mode=mode,
         save_memory=eager and grad and s.save_memory,
         chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
-        # Measured on CPU only; on GPUs it would add kernel launches.
+        # A CPU strategy: on GPUs the redo would add kernel launches.
         fixup_share=s.fixup_share if eager and cpu else 0.0,
     )
 

@@ -6,8 +6,8 @@ GELU outputs are one elementwise pass away from what is kept anyway, so the func
 keep only the inputs and recompute the outputs in backward: a block's saved activations
 shrink by about a third, for two extra elementwise passes. On CPU the MLP's GELU -> fc2
 forward and its whole backward run in cache-sized row chunks (chunked.py), recomputing each
-chunk right where it is used. (Chunking the norm -> qkv backward the same way measured faster
-alone but not inside a training step, so it runs on whole tensors.) Values and gradients are
+chunk right where it is used. (The norm -> qkv backward runs on whole tensors: chunked, it
+was not faster inside a training step; docs/performance.md.) Values and gradients are
 the same as the plain modules' (tested); the plain modules run whenever no gradient is needed
 or while ``torch.compile`` traces (inductor makes its own choices there).
 """

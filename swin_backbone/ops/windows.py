@@ -35,8 +35,7 @@ T = TypeVar("T")
 #: Additive mask value between tokens of different regions. The pretrained Swins used -100,
 #: but exp(-100) = 3.7e-44 is a *denormal* float: every masked attention weight then becomes
 #: a denormal, and the matmuls that read them (attention @ V, the output projection, their
-#: gradients) run up to 30x slower on x86 CPUs (measured: 457 ms instead of 8 ms for one
-#: projection). exp(-1e4) underflows to exactly 0, which changes results by < 1e-40 and is
+#: gradients) run far slower on x86 CPUs (figures in docs/performance.md). exp(-1e4) underflows to exactly 0, which changes results by < 1e-40 and is
 #: finite in fp16 and bf16 (no -inf, no NaN: a row always keeps its own token).
 MASK_VALUE = -1e4
 
@@ -778,7 +777,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
         out = x.index_select(1, index)
     else:
         # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
-        # (B * L, C) rows it is a parallel row copy, ~4x faster.
+        # (B * L, C) rows it is a parallel row copy.
         rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
         out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
     return out.index_fill_(1, pad_slots, 0) if pad else out
