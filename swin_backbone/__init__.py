@@ -10,7 +10,7 @@ from .model.v2 import SwinV2Backbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
 from .mmlab.preprocessors import register_preprocessors
 from .mmlab.registry import register
-from .ops.windows import clear_caches
+from .ops import clear_caches
 
 __version__ = "0.1.0"
 

@@ -32,10 +32,22 @@ from .recompute import norm_linear as _norm_linear
 from .recompute import norm_mlp as _norm_mlp
 from .windows import WindowLayout, merge_2x2, straddles, window_partition, zero_beyond_valid, zero_straddles_
 
+def clear_caches() -> None:
+    """Drop every cache of the ops: window layouts, indices, image windows, Swin V2's
+    coordinate tables, and the applicability answers of the fused kernel (the measured
+    kernel decisions are not a cache of this kind: :func:`.kernel_choice.forget`)."""
+    from . import cosine, stage, windows
+
+    windows.clear_caches()
+    cosine.clear_caches()
+    stage._static_reason_cached.cache_clear()
+
+
 __all__ = [
     "AttentionInputs",
     "Plan",
     "check_attention",
+    "clear_caches",
     "finish_forward",
     "mask_input",
     "merge_patches",

@@ -64,6 +64,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..torch_compat import matmul_allows_tf32
+from .windows import get_relative_position_index
 
 try:  # triton is optional: the module must import (and answer ``supports``) without it
     import triton
@@ -562,19 +563,6 @@ def _launch(
         )
 
 
-_INDEX_CACHE: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
-    """``(N * N,)`` table row of each ``(i, j)`` pair (as ``windows.relative_position_index``)."""
-    key = (window, table_window, device)
-    if key not in _INDEX_CACHE:
-        from .windows import relative_position_index
-
-        _INDEX_CACHE[key] = relative_position_index(window, table_window, device)
-    return _INDEX_CACHE[key]
-
-
 def _forward(qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The forward launch: ``(B, H * W, C)`` output for contiguous ``qkv`` and ``table``."""
     out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.num_heads * plan.head_dim)
@@ -595,7 +583,7 @@ def _backward(
     if not need_table:
         return grad_qkv, None
     per_pair = dbias.sum(0).permute(1, 2, 0).reshape(n * n, plan.num_heads)  # fixed order
-    index = _relative_position_index(plan.window, plan.table_window, qkv.device)
+    index = get_relative_position_index(plan.window, plan.table_window, qkv.device)
     grad_table = torch.zeros(table.shape, device=table.device, dtype=torch.float32)
     grad_table.index_put_((index,), per_pair, accumulate=True)
     return grad_qkv, grad_table.to(table.dtype)

@@ -400,3 +400,21 @@ def test_image_windows_match_a_reference(size, ws, shift, align):
     keep = W.valid_token_mask(h, w, valid, torch.device("cpu"))
     for b, (vh, vw) in enumerate(valid):
         assert keep[b, :vh, :vw].all() and keep[b].sum() == vh * vw
+
+
+def test_package_clear_caches_clears_every_ops_cache():
+    # One clear_caches() for every cache of the ops (layouts, indices, image windows, V2's
+    # coordinates, the fused kernel's applicability answers).
+    import swin_backbone
+    from swin_backbone.ops import cosine, stage
+
+    caches = [W.get_window_layout, W.get_relative_position_index, W.get_image_window_masks, W.get_image_windows,
+              cosine.get_log_spaced_coords, stage._static_reason_cached]
+    W.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
+    W.get_relative_position_index(7, 7, torch.device("cpu"))
+    W.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
+    cosine.get_log_spaced_coords(7, 0, torch.device("cpu"), torch.float32)
+    stage._static_reason("float32", "cpu", None, 7, 2, 16)
+    assert all(c.cache_info().currsize > 0 for c in caches), [c.cache_info() for c in caches]
+    swin_backbone.clear_caches()
+    assert [c.cache_info().currsize for c in caches] == [0] * len(caches)
