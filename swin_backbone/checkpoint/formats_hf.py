@@ -87,9 +87,11 @@ def hf_root(keys: Iterable[str]) -> Optional[str]:
     return min(roots, key=lambda r: (-roots[r], len(r)))
 
 
-def _outside_reason(key: str) -> str:
-    """Why a key outside the transformers Swin model is skipped."""
-    last = key.split(".")[0]
+def _outside_reason(key: str, root: str = "") -> str:
+    """Why a key outside the transformers Swin model (at ``root``) is skipped: named from its
+    first component beside the model (``classifier``, ``decoder``, ...)."""
+    parent = root[: root[:-1].rfind(".") + 1] if root else ""
+    last = (key[len(parent):] if key.startswith(parent) else key).split(".")[0]
     if last == "classifier":
         return "classification head (transformers)"
     if last == "decoder":
@@ -133,8 +135,11 @@ def _convert_key(key: str, root: str, n: int, stage_norms: set) -> Tuple[str, st
         if norm.group(2) == "stem":
             return "", "output norm of transformers' 'stem' feature (SwinBackbone has no stem output)"
         return f"norm{int(norm.group(3)) - 1}.{norm.group(4)}", ""
+    if re.search(r"(^|\.)layernorm\.(weight|bias)$", key) and n in stage_norms:
+        return "", (f"the transformers model's final norm, unused by its SwinBackbone "
+                    f"(hidden_states_norms.stage{n} is the last output norm)")
     if not key.startswith(root):
-        return "", _outside_reason(key)
+        return "", _outside_reason(key, root)
     rest = key[len(root):]
     reason = _drop_common(rest)
     if reason:
@@ -142,9 +147,6 @@ def _convert_key(key: str, root: str, n: int, stage_norms: set) -> Tuple[str, st
     if rest == "embeddings.mask_token":
         return "", "masked-image-modeling mask token (transformers)"
     if rest.startswith("layernorm."):
-        if n in stage_norms:
-            return "", (f"the transformers model's final norm, unused by its SwinBackbone "
-                        f"(hidden_states_norms.stage{n} is the last output norm)")
         return f"norm{n - 1}.{rest[len('layernorm.'):]}", ""
     new = rest
     for pattern, repl in _RULES:

@@ -77,6 +77,7 @@ def test_v1_swin_backbone_parity_both_key_generations(tmp_path, generation):
     assert report.complete, report.summary()
     assert "stages.0.blocks.0.attn.qkv.weight" in report.converted
     assert "norm0.weight" in report.converted  # hidden_states_norms.stage1
+    assert "unused by its SwinBackbone" in report.skipped["swin.layernorm.weight"]
     x = torch.randn(2, 3, 75, 91)  # maps 19x23 .. 3x3: window padding and shifts in every stage
     with torch.no_grad():
         expected = ref(x).feature_maps
