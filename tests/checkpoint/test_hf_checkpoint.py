@@ -196,3 +196,21 @@ def test_convert_to_hf_v2_round_trip(tmp_path):
     assert load_checkpoint(back, str(dst), strict=True, logger=None).format == "hf-v2"
     for key, value in src.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
+
+
+def test_v1_backbone_inside_a_transformers_segmentation_model():
+    """UperNet with a Swin backbone (transformers' own): the backbone loads from the whole
+    model's state dict, the heads are skipped by key."""
+    swin = transformers.SwinConfig(**HF_V1, out_features=STAGES)
+    ref = transformers.UperNetForSemanticSegmentation(
+        transformers.UperNetConfig(backbone_config=swin, hidden_size=16, auxiliary_in_channels=64, num_labels=3))
+    _randomize(ref)
+    ours = SwinBackbone(**OURS_V1, mask_padding=False).eval()
+    report = load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    assert report.format == "hf" and report.complete
+    heads = [k for k in report.skipped if k.startswith(("decode_head.", "auxiliary_head."))]
+    assert heads and len(heads) == len([k for k in ref.state_dict() if k.startswith(("decode_head.", "auxiliary_head."))])
+    x = torch.randn(1, 3, 64, 80)
+    with torch.no_grad():
+        for g, e in zip(ours(x), ref.backbone(x).feature_maps):
+            torch.testing.assert_close(g, e, rtol=ATOL, atol=ATOL)
