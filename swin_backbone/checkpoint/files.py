@@ -17,6 +17,7 @@ and what was found, before torch's unpickler sees it.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import struct
@@ -58,8 +59,8 @@ def describe_bytes(head: bytes, size: int) -> str:
     ``"text starting with 'hello'"`` or ``"binary data (1024 bytes) starting with 00 1f 8b ..."``."""
     if not head:
         return "an empty file"
-    try:
-        text = head.decode("utf-8")
+    try:  # incremental: a character cut at the end of ``head`` is not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
         printable = all(c.isprintable() or c in "\r\n\t" for c in text)
     except UnicodeDecodeError:
         printable = False
