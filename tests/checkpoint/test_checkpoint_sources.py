@@ -86,7 +86,7 @@ def test_legacy_mmcls_final_norm_and_attn_mask(tmp_path):
 
     ref = backbones.SwinTransformer(embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), out_indices=(3,),
                                     drop_path_rate=0.0)
-    ref = _random(ref)
+    _random(ref)  # (mmdet's train() returns None: no chaining)
     x = torch.randn(1, 3, 96, 128)
     with torch.no_grad():
         (expected,) = ref(x)
