@@ -1,10 +1,12 @@
-"""Checkpoint formats, resizing and loading (see :func:`load_checkpoint`)."""
+"""Checkpoint files and formats, resizing and loading (see :func:`load_checkpoint`)."""
+from .files import CheckpointNotFoundError, read_checkpoint, write_checkpoint
 from .formats import FORMATS, CheckpointError, detect_format, to_ours, unwrap_state_dict
-from .loading import LoadReport, load_checkpoint, prepare_state_dict, read_checkpoint
+from .loading import LoadReport, load_checkpoint, prepare_state_dict
 
 __all__ = [
     "FORMATS",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "LoadReport",
     "detect_format",
     "load_checkpoint",
@@ -12,4 +14,5 @@ __all__ = [
     "read_checkpoint",
     "to_ours",
     "unwrap_state_dict",
+    "write_checkpoint",
 ]

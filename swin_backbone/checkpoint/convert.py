@@ -2,52 +2,56 @@
 from __future__ import annotations
 
 import os
-import re
-from typing import Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
-import torch
-
-from .formats import FROM_OURS, CheckpointError, detect_format, to_ours, unwrap_state_dict
+from .files import read_checkpoint, write_checkpoint
+from .formats import (
+    FROM_OURS,
+    CheckpointError,
+    describe_unknown,
+    detect_format,
+    stage_depths,
+    stage_tensor,
+    to_ours,
+    unwrap_state_dict,
+)
 from .formats_v2 import V2_FROM_OURS, infer_v2_arch, swin_version
-from .loading import LoadReport, load_checkpoint, read_checkpoint
+from .loading import LoadReport, load_checkpoint
 from .resize import table_window
 
 
-def infer_arch(checkpoint: Mapping) -> dict:
+def infer_arch(checkpoint: Mapping, source: str = "checkpoint") -> dict:
     """SwinBackbone keyword arguments that match a checkpoint's tensors.
 
     Reads embed_dims, depths, heads, window, patch size, input channels, absolute position
-    embedding and output norms from the shapes in the (converted) state dict.
+    embedding and output norms from the shapes in the (converted) state dict; V2 checkpoints
+    get :func:`~.formats_v2.infer_v2_arch`'s (with ``swin_version=2``).
+
+    Raises:
+        CheckpointError: not a Swin checkpoint, or a tensor the architecture is read from is
+            missing (the message names ``source`` and the key).
     """
-    raw, _ = unwrap_state_dict(checkpoint)
+    raw, _ = unwrap_state_dict(checkpoint, source)
     fmt = detect_format(raw)
     if fmt == "unknown":
-        raise CheckpointError("checkpoint: not a Swin Transformer checkpoint of any known format")
+        raise CheckpointError(f"{source}: {describe_unknown(raw)}")
     state, _, _ = to_ours(raw, fmt)
     if swin_version(fmt) == 2:
-        return infer_v2_arch(raw, state)
+        return infer_v2_arch(raw, state, source)
     proj = state.get("patch_embed.proj.weight")
     if proj is None:
-        raise CheckpointError("checkpoint: no patch_embed.proj weight; cannot infer the architecture")
-    depths = []
-    heads = []
-    window = None
-    stage = 0
-    while any(k.startswith(f"stages.{stage}.blocks.") for k in state):
-        blocks = {int(m.group(1)) for m in (re.match(rf"stages\.{stage}\.blocks\.(\d+)\.", k) for k in state) if m}
-        depths.append(max(blocks) + 1)
-        table = state[f"stages.{stage}.blocks.0.attn.relative_position_bias_table"]
-        heads.append(int(table.shape[1]))
-        window = window or table_window(table.shape[0])[0]
-        stage += 1
+        raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")
+    depths = stage_depths(state, source)
+    tables = [stage_tensor(state, i, "attn.relative_position_bias_table", source) for i in range(len(depths))]
     kwargs = dict(
         arch=None,
         embed_dims=int(proj.shape[0]),
         depths=tuple(depths),
-        num_heads=tuple(heads),
+        num_heads=tuple(int(t.shape[1]) for t in tables),
         in_channels=int(proj.shape[1]),
         patch_size=int(proj.shape[-1]),
-        window_size=window,
+        window_size=table_window(tables[0].shape[0])[0] if tables else 7,
+        qkv_bias=any(k.endswith(".attn.qkv.bias") for k in state),
         out_indices=tuple(i for i in range(len(depths)) if f"norm{i}.weight" in state) or (len(depths) - 1,),
         use_abs_pos_embed="absolute_pos_embed" in state,
     )
@@ -58,6 +62,16 @@ def infer_arch(checkpoint: Mapping) -> dict:
     return kwargs
 
 
+def check_paths(src: str, dst: str) -> None:
+    """Refuse an output path that cannot be written before anything is read."""
+    if os.path.isdir(dst):
+        raise CheckpointError(
+            f"dst {dst!r}: is a directory; expected an output file path (e.g. {os.path.join(dst, 'converted.pth')!r})"
+        )
+    if os.path.exists(src) and os.path.exists(dst) and os.path.samefile(src, dst):
+        raise CheckpointError(f"dst {dst!r}: is the source file; write the converted checkpoint to another path")
+
+
 def convert_file(
     src: str,
     dst: str,
@@ -65,13 +79,29 @@ def convert_file(
     arch: Optional[str] = None,
     window_size: Optional[int] = None,
     strict: bool = False,
-) -> LoadReport:
-    """Read ``src`` (any format), load it into a matching SwinBackbone, save ``dst`` as ``to``."""
+) -> Tuple[LoadReport, Dict[str, object]]:
+    """Read ``src`` (any format), load it into a matching SwinBackbone, save ``dst`` as ``to``.
+
+    ``dst`` ending in ``.safetensors`` is written as safetensors, any other name with
+    ``torch.save`` (``{'state_dict': ..., 'meta': ...}``); atomically either way. Only the
+    tensors the checkpoint provided are written (a partial checkpoint gives a partial file,
+    never randomly initialised tensors).
+
+    Returns:
+        ``(report, meta)``: the per-key :class:`LoadReport` and what was written
+        (``meta['written']``: tensor count; ``meta['arch']``: the model's arguments).
+    Raises:
+        CheckpointError: unreadable / non-Swin source, missing keys the architecture is read
+            from, a directory or the source as ``dst``, too few tensors matching (or any
+            incomplete load with ``strict``).
+        ValueError: ``to`` is not a layout of the checkpoint's Swin version.
+    """
     from ..model.backbone import SwinBackbone
     from ..model.v2 import SwinV2Backbone
 
+    check_paths(src, dst)
     checkpoint = read_checkpoint(src)
-    kwargs = infer_arch(checkpoint)
+    kwargs = infer_arch(checkpoint, source=f"checkpoint {src}")
     v2 = kwargs.pop("swin_version", 1) == 2
     targets = V2_FROM_OURS if v2 else FROM_OURS
     if to not in targets:
@@ -87,10 +117,18 @@ def convert_file(
     model = (SwinV2Backbone if v2 else SwinBackbone)(**kwargs, drop_path_rate=0.0)
     report = load_checkpoint(model, checkpoint, strict=strict, logger=None)
     report.source = src
-    state = targets[to](model.state_dict())
-    meta = dict(swin_backbone_format=to, source=os.path.basename(src), source_format=report.format, arch=kwargs)
-    tmp = dst + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    torch.save({"state_dict": state, "meta": meta}, tmp)
-    os.replace(tmp, dst)
-    return report
+    loaded = set(report.loaded)
+    state = targets[to]({k: v for k, v in model.state_dict().items() if k in loaded})
+    meta: Dict[str, object] = dict(
+        swin_backbone_format=to, source=os.path.basename(src), source_format=report.format, arch=kwargs,
+        written=len(state), not_loaded=len(report.missing),
+    )
+    write_checkpoint(dst, state, {k: v for k, v in meta.items() if k not in ("written", "not_loaded")})
+    return report, meta
+
+
+def describe_arch(kwargs: Mapping[str, object]) -> str:
+    """``embed_dims=96 depths=(2, 2, 6, 2) ...``: the architecture on one line."""
+    keys: List[str] = ["arch", "embed_dims", "depths", "num_heads", "window_size", "patch_size", "in_channels",
+                       "out_indices"]
+    return " ".join(f"{k}={kwargs[k]}" for k in keys if kwargs.get(k) is not None)

@@ -12,7 +12,12 @@ mmdet       mmdet 3.x / mmseg 1.x / mmpretrain: ``stages.{i}...attn.w_msa``, ``f
             ``patch_embed.projection``; nn.Unfold channel order in ``downsample``.
 timm        ``layers.{i}.downsample`` at the START of stage i (i >= 1), ``head.fc``.
 torchvision ``features.{k}``: patch embedding, stages and mergings interleaved.
+hf          Hugging Face transformers ``SwinModel`` / ``SwinBackbone`` / ``Swin*For*`` under any
+            root prefix (:mod:`.formats_hf`).
 ========== ===================================================================================
+
+mmcls 0.x / mmpretrain files of state-dict version < 2 store the last stage's norm as ``norm.*``
+(mmpretrain renames it on load): read as ``norm{last}``, as for the classification layouts.
 """
 from __future__ import annotations
 
@@ -37,19 +42,25 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used: unreadable, not Swin, or of another architecture."""
 
 
-def unwrap_state_dict(obj: object) -> Tuple[StateDict, List[str]]:
+def unwrap_state_dict(obj: object, source: str = "") -> Tuple[StateDict, List[str]]:
     """Find the tensor dict inside a checkpoint and strip framework prefixes.
 
-    Handles ``{'state_dict': ...}``, ``{'model': ...}``, ``module.`` (DDP) prefixes and full
-    detector / segmentor / classifier checkpoints (only ``backbone.*`` is kept).
+    Handles ``{'state_dict': ...}``, ``{'model': ...}``, ``module.`` (DDP) prefixes, full
+    detector / segmentor / classifier checkpoints (only ``backbone.*`` is kept; a transformers
+    model keeps all its keys: its heads are skipped per key on conversion) and one dict of
+    tensors nested under other keys (``{'weights': {'net': ...}}``).
 
+    Args:
+        obj: what the checkpoint file holds.
+        source: the file, for error messages.
     Returns:
         ``(state_dict, steps)``: the backbone's tensors and a description of what was
         unwrapped, for the report.
     """
+    where = f"checkpoint {source}" if source else "checkpoint"
     steps: List[str] = []
     if not isinstance(obj, Mapping):
-        raise CheckpointError(f"checkpoint: expected a dict of tensors, got {type(obj).__name__}")
+        raise CheckpointError(f"{where}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
     for key in WRAPPER_KEYS:
         inner = obj.get(key)
         if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
@@ -58,19 +69,54 @@ def unwrap_state_dict(obj: object) -> Tuple[StateDict, List[str]]:
             break
     state = OrderedDict((k, v) for k, v in obj.items() if isinstance(v, torch.Tensor))
     if not state:
-        raise CheckpointError(
-            "checkpoint: no tensors found (keys: " + ", ".join(map(str, list(obj)[:8])) + ")"
-        )
-    if all(k.startswith("module.") for k in state):
+        path, obj = _nested_tensor_dict(obj, where)
+        steps.append("took '" + "' -> '".join(path) + "'")
+        state = OrderedDict((k, v) for k, v in obj.items() if isinstance(v, torch.Tensor))
+    if all(str(k).startswith("module.") for k in state):
         state = OrderedDict((k[len("module."):], v) for k, v in state.items())
         steps.append("stripped 'module.'")
-    for prefix in ("backbone.", "encoder."):
-        inner = prefixed(state, prefix)
-        if inner:
-            steps.append(f"kept '{prefix}*' ({len(inner)} keys, {len(state) - len(inner)} others dropped)")
-            state = inner
-            break
+    if hf_root(state) is None:
+        for prefix in ("backbone.", "encoder."):
+            inner = prefixed(state, prefix)
+            if inner:
+                steps.append(f"kept '{prefix}*' ({len(inner)} keys, {len(state) - len(inner)} others dropped)")
+                state = inner
+                break
     return dict(state), steps
+
+
+#: Keys of training state that hold tensors but never the model's weights.
+NOT_WEIGHTS = ("optimizer", "optim", "optimizers", "scheduler", "lr_scheduler", "scaler", "amp", "message_hub", "meta")
+
+
+def _nested_tensor_dict(obj: Mapping, where: str, depth: int = 3) -> Tuple[List[str], Mapping]:
+    """The one dict of tensors nested (up to ``depth`` levels) under keys other than the known
+    wrappers: ``(path of keys, dict)``; none or several is a :class:`CheckpointError`."""
+    found: List[Tuple[List[str], Mapping]] = []
+
+    def walk(node: Mapping, path: List[str], level: int) -> None:
+        for key, value in node.items():
+            if not isinstance(value, Mapping) or str(key) in NOT_WEIGHTS:
+                continue
+            if any(isinstance(v, torch.Tensor) for v in value.values()):
+                found.append((path + [str(key)], value))
+            elif level < depth:
+                walk(value, path + [str(key)], level + 1)
+
+    walk(obj, [], 1)
+    keys = ", ".join(map(repr, list(obj)[:8]))
+    if not found:
+        raise CheckpointError(
+            f"{where}: expected a dict of tensors (a state dict, maybe under 'state_dict' or 'model'); "
+            f"found no tensors (top-level keys: {keys})"
+        )
+    if len(found) > 1:
+        paths = ", ".join("'" + ".".join(p) + f"' ({len(d)} entries)" for p, d in found[:6])
+        raise CheckpointError(
+            f"{where}: expected one dict of tensors; found several nested ones ({paths}): "
+            "pass the one with the backbone's weights (a dict) to load_checkpoint"
+        )
+    return found[0]
 
 
 _LAYER_DOWNSAMPLE = re.compile(r"^layers\.(\d+)\.downsample\.")
@@ -87,6 +133,8 @@ def detect_format(keys: Iterable[str]) -> str:
 def detect_layout(keys: Iterable[str]) -> str:
     """Name of the key layout (V1 format names), or ``'unknown'``."""
     keys = list(keys)
+    if hf_root(keys) is not None:
+        return "hf"
     if any(re.match(r"^features\.\d+\.\d+\.attn\.qkv\.", k) for k in keys):
         return "torchvision"
     if any(".attn.w_msa." in k or ".ffn.layers." in k or k.startswith("patch_embed.projection.") for k in keys):
@@ -207,13 +255,17 @@ def torchvision_to_ours(state: StateDict) -> Converted:
 
 
 def mmdet_to_ours(state: StateDict) -> Converted:
+    n = _num_stages(state, r"^stages\.(\d+)\.")
     rules = [
         (r"^patch_embed\.projection\.", "patch_embed.proj."),
         (r"\.attn\.w_msa\.", ".attn."),
         (r"\.ffn\.layers\.0\.0\.", ".mlp.fc1."),
         (r"\.ffn\.layers\.1\.", ".mlp.fc2."),
+        _final_norm_rule(n),  # mmcls 0.x / mmpretrain state-dict version < 2
     ]
     out, notes, skipped = _rename(state, rules, _drop_common)
+    for key in [k for k in notes if notes[k].startswith("renamed from norm.")]:
+        notes[key] += " (mmcls / mmpretrain state-dict version < 2: the last stage's norm)"
     for key in list(out):
         if _MERGE_CHANNELS.search(key):
             out[key] = unfold_to_official(out[key])
@@ -281,11 +333,72 @@ FROM_OURS: Dict[str, Callable[[StateDict], StateDict]] = {
 }
 
 
+def stage_depths(state: Iterable[str], source: str = "checkpoint") -> List[int]:
+    """Blocks per stage of a state dict in our keys (``stages.{i}.blocks.{j}.``): the highest
+    block index + 1 of each stage; a stage with no block between others is a
+    :class:`CheckpointError` naming ``source``."""
+    blocks: Dict[int, int] = {}
+    for m in map(re.compile(r"^stages\.(\d+)\.blocks\.(\d+)\.").match, state):
+        if m:
+            i, j = int(m.group(1)), int(m.group(2))
+            blocks[i] = max(blocks.get(i, 0), j + 1)
+    depths = []
+    while len(depths) in blocks:
+        depths.append(blocks[len(depths)])
+    if len(depths) < len(blocks):
+        raise CheckpointError(
+            f"{source}: no 'stages.{len(depths)}.blocks.*' tensors but stages up to {max(blocks)} have some; "
+            "cannot infer the architecture (the checkpoint is missing keys)"
+        )
+    return depths
+
+
+def stage_tensor(state: Mapping[str, torch.Tensor], stage: int, suffix: str, source: str = "checkpoint") -> torch.Tensor:
+    """``stages.{stage}.blocks.{j}.{suffix}`` of the first block ``j`` that has it (a per-stage
+    shape such as the number of heads); :class:`CheckpointError` naming the key if none has."""
+    pattern = re.compile(rf"^stages\.{stage}\.blocks\.\d+\.{re.escape(suffix)}$")
+    key = next((k for k in state if pattern.match(k)), None)
+    if key is None:
+        raise CheckpointError(
+            f"{source}: no 'stages.{stage}.blocks.*.{suffix}' tensor in any block of stage {stage}; "
+            "cannot infer the architecture (the checkpoint is missing keys)"
+        )
+    return state[key]
+
+
 def describe_keys(keys: Iterable[str], limit: int = 6) -> str:
     """A short sample of keys for error messages."""
     keys = list(keys)
     sample = ", ".join(keys[:limit])
     return sample + (f", ... ({len(keys)} keys)" if len(keys) > limit else "")
+
+
+#: What a non-Swin state dict looks like, for the "unknown format" error: (key pattern, description).
+_LOOKS_LIKE = [
+    (r"^(\w+)\.(?:embeddings|encoder)\.", "a Hugging Face transformers '{0}' model (not Swin)"),
+    (r"^(?:embeddings\.patch_embeddings|(?:encoder\.)?layer\.\d+\.attention\.)",
+     "a Hugging Face transformers model (not Swin)"),
+    (r"(^|\.)(cls_token|pos_embed)$", "a plain ViT (timm / DeiT / MAE layout)"),
+    (r"\.(conv_dw|dwconv)\.", "a ConvNeXt"),
+    (r"^layer1\.0\.conv1\.", "a ResNet"),
+]
+
+#: The formats in words, for error messages.
+KNOWN_FORMATS = ("ours, official, mmdet / mmseg / mmcls / mmpretrain, timm, torchvision, "
+                 "Hugging Face transformers; Swin V1 and V2")
+
+
+def describe_unknown(keys: Iterable[str]) -> str:
+    """``"not a Swin Transformer checkpoint ...; it looks like ...; keys seen: ..."``."""
+    keys = list(keys)
+    looks = ""
+    for pattern, what in _LOOKS_LIKE:
+        m = next((m for m in map(re.compile(pattern).search, keys) if m), None)
+        if m:
+            looks = "; it looks like " + what.format(*m.groups())
+            break
+    return (f"not a Swin Transformer checkpoint of any known format ({KNOWN_FORMATS}){looks}; "
+            f"keys seen: {describe_keys(keys)}")
 
 
 def prefixed(state: MutableMapping[str, torch.Tensor], prefix: str) -> StateDict:
@@ -294,7 +407,15 @@ def prefixed(state: MutableMapping[str, torch.Tensor], prefix: str) -> StateDict
 
 
 # ---------------------------------------------------------------- Swin V2 (formats_v2.py)
-from .formats_v2 import V2_FORMATS, V2_TO_OURS, is_v2, v2_format  # noqa: E402
+from .formats_v2 import V2_FORMATS, V2_FROM_OURS, V2_TO_OURS, is_v2, v2_format  # noqa: E402
 
 FORMATS = FORMATS + V2_FORMATS
 TO_OURS.update(V2_TO_OURS)
+
+# ---------------------------------------------------------------- transformers (formats_hf.py)
+from .formats_hf import HF_FORMATS, HF_TO_OURS, hf_root, ours_to_hf, ours_v2_to_hf  # noqa: E402
+
+FORMATS = FORMATS + HF_FORMATS
+TO_OURS.update(HF_TO_OURS)
+FROM_OURS["hf"] = ours_to_hf
+V2_FROM_OURS["hf"] = ours_v2_to_hf

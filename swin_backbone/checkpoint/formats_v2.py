@@ -13,7 +13,8 @@ official-v2     microsoft/Swin-Transformer ``swin_transformer_v2.py`` (under ``m
                 (dropped), final ``norm``, ``head``.
 timm-v2         ``layers.{i}.downsample`` at the START of stage i (i >= 1), ``head.fc``.
 torchvision-v2  ``features.{k}``; one fused ``qkv.bias`` (split into q and v; its k slice,
-                which torchvision zeroes in every forward, must be zero), ``mlp.0`` / ``mlp.3``.
+                which torchvision zeroes in every forward, is dropped: reported when non-zero),
+                ``mlp.0`` / ``mlp.3``.
 mmpretrain-v2   ``stages.{i}.downsample`` at the START of stage i (i >= 1), ``attn.w_msa``,
                 ``ffn.layers``, ``patch_embed.projection``, ``norm3`` extra norms; the merge's
                 reduction in nn.Unfold channel order (its LayerNorm is over ``2C``: no order).
@@ -77,18 +78,29 @@ def timm_v2_to_ours(state: StateDict) -> Converted:
 
 
 def torchvision_v2_to_ours(state: StateDict) -> Converted:
+    """torchvision V2 -> ours; the fused ``qkv.bias`` is split into ``q_bias`` / ``v_bias``.
+
+    torchvision zeroes the k slice of ``qkv.bias`` in every forward, so a non-zero k slice in a
+    file changes nothing that torchvision computes: it is dropped the same way, and the report
+    lists it under ``skipped`` (key ``'<key> [k slice]'``)."""
+    k_slices: Dict[str, str] = {}
+    for key, bias in state.items():
+        if key.endswith(".attn.qkv.bias"):
+            c = bias.shape[0] // 3
+            k = bias[c : 2 * c]
+            if bool(k.ne(0).any()):
+                k_slices[f"{key} [k slice]"] = (
+                    f"non-zero k bias (max |b| = {k.abs().max().item():.3g}) dropped: Swin V2 has no k bias and "
+                    "torchvision zeroes this slice in every forward, so the loaded model computes what torchvision does"
+                )
     out, notes, skipped = torchvision_to_ours(state)
+    skipped.update(k_slices)
     for key in [k for k in out if k.endswith(".attn.qkv.bias")]:
         bias = out.pop(key)
         c = bias.shape[0] // 3
-        if bool(bias[c : 2 * c].ne(0).any()):
-            raise CheckpointError(
-                f"checkpoint: '{key}' (torchvision 'qkv.bias') has a non-zero k slice; Swin V2 has no k bias "
-                "(torchvision zeroes it in every forward), so the checkpoint is not what it seems"
-            )
         base = key[: -len("qkv.bias")]
         out[base + "q_bias"], out[base + "v_bias"] = bias[:c], bias[2 * c :]
-        notes[base + "q_bias"] = notes[base + "v_bias"] = "split from torchvision's fused qkv.bias (zero k slice)"
+        notes[base + "q_bias"] = notes[base + "v_bias"] = "split from torchvision's fused qkv.bias (k slice dropped)"
     return out, notes, skipped
 
 
@@ -170,6 +182,8 @@ def ours_v2_to_torchvision(state: StateDict) -> StateDict:
             continue
         if key.endswith(".attn.q_bias"):
             base = key[: -len("q_bias")]
+            if base + "v_bias" not in state:  # a partial state dict: no half-made fused bias
+                continue
             value = torch.cat((value, torch.zeros_like(value), state[base + "v_bias"]))
             key = base + "qkv.bias"
         key = re.sub(r"^patch_embed\.proj\.", "features.0.0.", key)
@@ -206,23 +220,22 @@ V2_FROM_OURS: Dict[str, Callable[[StateDict], StateDict]] = {
 
 
 # ---------------------------------------------------------------- architecture from the tensors
-def infer_v2_arch(raw: StateDict, state: StateDict) -> Dict[str, object]:
+def infer_v2_arch(raw: StateDict, state: StateDict, source: str = "checkpoint") -> Dict[str, object]:
     """:class:`~swin_backbone.SwinV2Backbone` keyword arguments that match a V2 checkpoint
     (``raw``: as found, ``state``: converted to ours), plus ``swin_version=2``.
 
     V2 weights do not depend on the window; it is read from a saved ``relative_coords_table``
     (official, torchvision, mmpretrain) where there is one, else 8 (any works for conversion).
+    Raises :class:`CheckpointError` (naming ``source`` and the key) when a tensor the
+    architecture is read from is missing.
     """
+    from .formats import stage_depths, stage_tensor
+
     proj = state.get("patch_embed.proj.weight")
     if proj is None:
-        raise CheckpointError("checkpoint: no patch_embed.proj weight; cannot infer the architecture")
-    depths, heads = [], []
-    stage = 0
-    while any(k.startswith(f"stages.{stage}.blocks.") for k in state):
-        blocks = {int(m.group(1)) for m in (re.match(rf"stages\.{stage}\.blocks\.(\d+)\.", k) for k in state) if m}
-        depths.append(max(blocks) + 1)
-        heads.append(int(state[f"stages.{stage}.blocks.0.attn.logit_scale"].shape[0]))
-        stage += 1
+        raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")
+    depths = stage_depths(state, source)
+    heads = [int(stage_tensor(state, i, "attn.logit_scale", source).shape[0]) for i in range(len(depths))]
     tables = [v for k, v in raw.items() if k.endswith("relative_coords_table")]
     window = (int(tables[0].shape[-2]) + 1) // 2 if tables else 8
     extra = sorted({int(m.group(1)) for m in (re.match(r"stages\.\d+\.blocks\.(\d+)\.norm3\.", k) for k in state) if m})

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Union
@@ -13,9 +11,9 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
-from ..mmlab.compat import allow_mmengine_checkpoints
+from .files import read_checkpoint
+from .formats import CheckpointError, StateDict, describe_unknown, detect_format, to_ours, unwrap_state_dict
 from .formats_v2 import swin_version
-from .formats import CheckpointError, StateDict, describe_keys, detect_format, to_ours, unwrap_state_dict
 from .resize import (
     adapt_patch_embed_channels,
     pos_embed_grid,
@@ -92,30 +90,6 @@ class LoadReport:
         return dict(self.__dict__)
 
 
-def read_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> dict:
-    """Read a checkpoint file safely (``weights_only``), with errors that say what is wrong."""
-    path = os.fspath(path)
-    if "://" in path:
-        raise CheckpointError(
-            f"checkpoint {path!r}: URLs are not downloaded (offline by design); "
-            "download the file and pass its local path"
-        )
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r}: no such file")
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(f"checkpoint {path!r}: the file is empty")
-    allow_mmengine_checkpoints()  # Runner checkpoints, without weights_only=False
-    try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CheckpointError(
-            f"checkpoint {path!r}: cannot be read as a torch checkpoint "
-            f"({type(err).__name__}: {first[:300]}); the file is corrupt, truncated or not a checkpoint"
-        ) from err
-    return obj
-
-
 def _model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=False)
 
@@ -176,13 +150,10 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
         fit in ``report.mismatched``.
     """
     report = LoadReport(source=source)
-    raw, report.unwrapped = unwrap_state_dict(checkpoint)
+    raw, report.unwrapped = unwrap_state_dict(checkpoint, source)
     report.format = detect_format(raw)
     if report.format == "unknown":
-        raise CheckpointError(
-            f"checkpoint {source}: not a Swin Transformer checkpoint of any known format "
-            f"(ours, official, mmdet/mmseg/mmpretrain, timm, torchvision); keys seen: {describe_keys(raw)}"
-        )
+        raise CheckpointError(f"checkpoint {source}: {describe_unknown(raw)}")
     check_swin_version(report.format, model, source)
     state, report.converted, report.skipped = to_ours(raw, report.format)
     target = _model_state(model)
