@@ -16,8 +16,6 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
-from torch.nn import functional
-from torch import nn
 
 #: Oldest torch the package runs on (2.0 brought ``F.scaled_dot_product_attention``).
 TORCH_FLOOR = (2, 0)
@@ -32,8 +30,10 @@ def torch_version() -> tuple:
 
 
 def check_torch() -> None:
-    """Raise one ``ImportError`` naming the installed torch if it is below :data:`TORCH_FLOOR`."""
-    if torch_version() < TORCH_FLOOR or not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+    """Raise one ``ImportError`` naming the installed torch if it is below :data:`TORCH_FLOOR`.
+    Runs before anything else of torch is touched (an old torch may lack any of it)."""
+    functional = getattr(getattr(torch, "nn", None), "functional", None)
+    if torch_version() < TORCH_FLOOR or not hasattr(functional, "scaled_dot_product_attention"):
         raise ImportError(
             f"swin_backbone needs torch >= {'.'.join(map(str, TORCH_FLOOR))} "
             f"(torch.nn.functional.scaled_dot_product_attention); the installed torch is {torch.__version__}"
@@ -41,6 +41,9 @@ def check_torch() -> None:
 
 
 check_torch()
+
+from torch import nn  # noqa: E402  (after the floor check)
+from torch.nn import functional  # noqa: E402
 
 # ---------------------------------------------------------------------------- attention
 
@@ -254,6 +257,13 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and self.fix_imports:  # Python 2 names of protocol 2 (torch.save's)
+            import _compat_pickle
+
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
         allowed = _weights_only_globals()
         key = f"{module}.{name}"
         if key in allowed:
