@@ -144,16 +144,28 @@ def onnx_export_has_dynamo() -> bool:
 # ---------------------------------------------------------------------------- autocast
 
 
+def _autocast_query_takes_device() -> bool:
+    try:
+        torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return False
+    return True
+
+
+#: ``torch.is_autocast_enabled(device_type)`` (torch >= 2.4); older torch has one query per
+#: device. Decided once here: under ``torch.compile`` a caught ``TypeError`` would be a graph error.
+_AUTOCAST_BY_DEVICE = _autocast_query_takes_device()
+
+
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (``'cuda'``, ``'cpu'``, ...)."""
-    try:
-        return bool(torch.is_autocast_enabled(device_type))  # torch >= 2.4
-    except TypeError:
-        if device_type == "cpu":
-            return bool(torch.is_autocast_cpu_enabled())
-        if device_type == "cuda":
-            return bool(torch.is_autocast_enabled())
-        return False
+    if _AUTOCAST_BY_DEVICE:
+        return bool(torch.is_autocast_enabled(device_type))
+    if device_type == "cpu":
+        return bool(torch.is_autocast_cpu_enabled())
+    if device_type == "cuda":
+        return bool(torch.is_autocast_enabled())
+    return False
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:
@@ -178,10 +190,21 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def matmul_allows_tf32() -> bool:
     """torch's fp32 CUDA matmul setting. Read through ``fp32_precision`` where torch has it
     (torch >= 2.9: reading ``allow_tf32`` raises once a program has set the newer API)."""
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision == "tf32"
+    if has_fp32_precision(torch.backends.cuda.matmul):
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
     return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def has_fp32_precision(backend: Any) -> bool:
+    """Whether a ``torch.backends`` switch object (``torch.backends.cuda.matmul``,
+    ``torch.backends.cudnn.conv``, ...) has the ``fp32_precision`` API (torch >= 2.9). Not
+    ``hasattr``: before it, ``torch.backends.cuda.matmul`` answers unknown names with an
+    ``AssertionError``."""
+    try:
+        getattr(backend, "fp32_precision")
+    except (AttributeError, AssertionError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- modules and loading
