@@ -131,8 +131,10 @@ def compile_unsupported_reason() -> Optional[str]:
 
 
 def has_export() -> bool:
-    """``torch.export.export`` (torch >= 2.1)."""
-    return callable(getattr(getattr(torch, "export", None), "export", None))
+    """``torch.export.export`` with dynamic dimensions declared by ``torch.export.Dim`` (torch >=
+    2.2; torch 2.1's prototype has neither ``Dim`` nor the ``dynamic_shapes`` argument)."""
+    export = getattr(torch, "export", None)
+    return callable(getattr(export, "export", None)) and hasattr(export, "Dim")
 
 
 def onnx_export_has_dynamo() -> bool:
@@ -411,7 +413,7 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
     ),
     "export": (
         has_export,
-        "torch.export.export (torch >= 2.1)",
+        "torch.export.export with torch.export.Dim (torch >= 2.2)",
         "torch.export is missing in torch itself; TorchScript tracing / eager are unaffected",
     ),
     "onnx_dynamo": (

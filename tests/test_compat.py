@@ -113,7 +113,8 @@ def _expected_missing():
         missing = {"sdpa_scale", "custom_op", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa"}
         return missing | ({"compile"} if py >= (3, 11) else set())
     if version == (2, 1):
-        return {"custom_op", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa"} | ({"compile"} if py >= (3, 12) else set())
+        missing = {"custom_op", "export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa"}
+        return missing | ({"compile"} if py >= (3, 12) else set())
     if version >= (2, 6):
         return set()
     return None
