@@ -71,10 +71,15 @@ def _sdpa_scaled_query(query, key, value, attn_mask=None, dropout_p=0.0, scale=N
     return functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
-#: ``F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None)``
-#: on every supported torch: torch's own function where it takes ``scale=`` (no wrapper), else
-#: :func:`_sdpa_scaled_query`.
-scaled_dot_product_attention = functional.scaled_dot_product_attention if SDPA_HAS_SCALE else _sdpa_scaled_query
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, scale)`` on every
+    supported torch: torch's own where it takes ``scale=``, else :func:`_sdpa_scaled_query`.
+    ``F.scaled_dot_product_attention`` is looked up on each call (tests record its calls)."""
+    if SDPA_HAS_SCALE:
+        return functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                       scale=scale)
+    return _sdpa_scaled_query(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+
 
 # ---------------------------------------------------------------------------- tracing
 _compiler = getattr(torch, "compiler", None)

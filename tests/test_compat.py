@@ -157,11 +157,20 @@ def test_sdpa_with_scale_on_every_torch(impl, scale):
         torch.testing.assert_close(a, b)
 
 
-def test_public_sdpa_is_torchs_own_where_torch_takes_scale():
-    if torch_compat.SDPA_HAS_SCALE:
-        assert torch_compat.scaled_dot_product_attention is torch.nn.functional.scaled_dot_product_attention
-    else:
-        assert torch_compat.scaled_dot_product_attention is torch_compat._sdpa_scaled_query
+def test_public_sdpa_calls_torchs_own_at_call_time(monkeypatch):
+    # F.scaled_dot_product_attention is looked up per call: a recording stand-in sees every call.
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append(sorted(kwargs))
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    q = torch.randn(1, 2, 4, 8)
+    torch_compat.scaled_dot_product_attention(q, q, q, scale=0.5)
+    assert len(calls) == 1
+    assert ("scale" in calls[0]) == torch_compat.SDPA_HAS_SCALE
 
 
 # ---------------------------------------------------------------------------- loading
