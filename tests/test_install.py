@@ -4,7 +4,11 @@ only torch, and use it there (no checkout on ``sys.path``).
 1. the bare install (torch + install_requires): imports without torchvision / mmdet / mmseg,
    builds and runs SwinBackbone, ships the configs, runs the console scripts and
    ``python -m swin_backbone.tools.extract_features`` on one image;
-2. ``[mmdet,mmseg]`` added to the same venv: SwinBackbone builds from both libraries'
+2. installing into the environments users already have (the old stacks of ``make test``:
+   torch 2.1.2 + mmcv 2.1.0 + mmdet 3.3 + mmseg 1.2, and torch 2.0.1): pip's plan
+   (``--dry-run --report``) for the wheel and its ``[mmdet,mmseg,triton]`` extras changes nothing
+   of torch, its companions, numpy or the OpenMMLab libraries;
+3. ``[mmdet,mmseg]`` added to the fresh venv: SwinBackbone builds from both libraries'
    registries, a user config inheriting ours through the ``swin_backbone::`` scope loads and
    builds its detector / segmentor, and a copy of tools/train.py (outside the checkout) trains
    a user config inheriting ``swin_backbone::toy/...`` for two iterations.
@@ -40,6 +44,10 @@ MMCV_WHEELS = os.path.join(CACHE_ROOT, "wheels", f"mmcv-{MMCV_VERSION}-torch{TOR
 SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark")
 # Left out of the copy the wheel is built from (what .gitignore keeps out of a clone).
 NOT_SOURCE = {".git", ".venv", "build", "dist", "data", "work_dirs", "outputs", "checkpoints", ".pytest_cache"}
+#: The old-stack venvs of `make test` (tools/setup_env.sh <stack>): environments users have.
+OLD_STACKS = {"torch2.1": ".venv-torch2.1", "torch2.0": ".venv-torch2.0"}
+#: What installing the package must never change in a user's environment.
+NEVER_TOUCHED = ("torch", "torchvision", "triton", "numpy", "mmcv", "mmdet", "mmsegmentation", "mmengine")
 
 
 def run(cmd, cwd, timeout=900, env=None):
@@ -86,7 +94,8 @@ def wheel(tmp_path_factory):
 
     def ignore(folder, names):
         top = os.path.abspath(folder) == ROOT
-        return [n for n in names if (top and n in NOT_SOURCE) or n == "__pycache__" or n.endswith(".egg-info")]
+        return [n for n in names if (top and (n in NOT_SOURCE or n.startswith(".venv"))) or n == "__pycache__"
+                or n.endswith(".egg-info")]
 
     shutil.copytree(ROOT, src, ignore=ignore, symlinks=True)
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
@@ -130,6 +139,10 @@ def test_wheel_ships_the_one_copy_of_the_configs(wheel):
     assert [r for r in requires if r.lower().startswith("torchvision")] == ['torchvision; extra == "test"']
     assert sorted(r.split("<")[0].split(">")[0].split("=")[0].lower() for r in base) == [
         "mmengine", "numpy", "pillow", "torch"]
+    # Every torch >= 2.0 on Python >= 3.8: pip never replaces a user's torch to install this.
+    assert "Requires-Python: >=3.8" in metadata
+    assert [r for r in base if r.lower().startswith("torch")] == ["torch>=2.0"]
+    assert [r for r in base if r.lower().startswith("numpy")] == ["numpy"]
     for extra in ("mmdet", "mmseg", "onnx", "test", "triton"):
         assert f"Provides-Extra: {extra}" in metadata
     for script in SCRIPTS:
@@ -197,6 +210,28 @@ def test_extract_features_entry_point(venv):
     """)
     assert last(out, "STAGES ") == str([("stage0", (96, 16, 24)), ("stage1", (192, 8, 12)),
                                                 ("stage2", (384, 4, 6)), ("stage3", (768, 2, 3))])
+
+
+@pytest.mark.parametrize("stack", sorted(OLD_STACKS))
+def test_installing_into_an_existing_environment_changes_nothing_of_it(stack, wheel, tmp_path):
+    python = os.path.join(ROOT, OLD_STACKS[stack], "bin", "python")
+    if not os.path.isfile(python):
+        pytest.skip(f"no {OLD_STACKS[stack]} (`make test` sets it up: tools/setup_env.sh {stack})")
+    before = Venv(os.path.dirname(os.path.dirname(python)), str(tmp_path)).installed()
+    has_mmcv = "mmcv" in before
+    extras = "[mmdet,mmseg,triton]" if has_mmcv else "[triton]"  # PyPI's mmcv is a source build
+    report = tmp_path / "report.json"
+    run([python, "-m", "pip", "--disable-pip-version-check", "install", "--dry-run", "--quiet", "--report",
+         str(report), f"{wheel}{extras}"], str(tmp_path))
+    planned = {row["metadata"]["name"].lower(): row["metadata"]["version"]
+               for row in json.loads(report.read_text())["install"]}
+    assert "swin-backbone" in planned
+    touched = {name: (before.get(name), planned[name]) for name in planned
+               if name in NEVER_TOUCHED or name.startswith("nvidia-")}
+    assert not touched, f"pip would change {touched} in the {stack} environment"
+    assert before["torch"].split("+")[0] == {"torch2.1": "2.1.2", "torch2.0": "2.0.1"}[stack]
+    if has_mmcv:
+        assert before["mmcv"] == MMCV_VERSION
 
 
 @pytest.fixture(scope="module")

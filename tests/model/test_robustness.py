@@ -152,6 +152,7 @@ def test_inference_mode_then_training_at_the_same_size():
 
 # ---------------------------------------------------------------- compile and export
 @pytest.mark.parametrize("train", [False, True])
+@pytest.mark.torch_feature("compile")
 def test_torch_compile_dynamic_matches_eager_without_recompiles(train):
     # One graph serves three sizes (no recompile per size), in eval and in training, where
     # the gradients match eager too. The backend runs dynamo's graph as captured (inductor's
@@ -185,6 +186,7 @@ def test_torch_compile_dynamic_matches_eager_without_recompiles(train):
     assert len(graphs) == 1, f"{len(graphs)} graphs for 3 sizes"
 
 
+@pytest.mark.torch_feature("export")
 def test_torch_export_dynamic_hw_matches_eager_at_other_sizes():
     from torch.export import Dim, export
 
@@ -202,6 +204,7 @@ def test_torch_export_dynamic_hw_matches_eager_at_other_sizes():
 
 
 
+@pytest.mark.torch_feature("onnx_dynamo")
 def test_onnx_export_dynamic_hw_matches_eager_in_onnxruntime(tmp_path):
     # torch.onnx (dynamo exporter) with dynamic H and W; onnxruntime runs the file at sizes
     # other than the traced one (needs onnxscript + onnxruntime, installed by `make setup`).

@@ -77,6 +77,7 @@ def _sdpa_kernels(model, x, train):
 
 @pytest.mark.parametrize("fixup_share", [0.0, 1.0], ids=["per-window-bias", "masked-fixup"])
 @pytest.mark.parametrize("train", [False, True])
+@pytest.mark.torch_feature("cpu_flash_sdpa")
 def test_cpu_reaches_flash_sdpa_never_math(train, fixup_share):
     # torch silently falls back to its slow math SDPA kernel for some masks (one that requires
     # grad, even under no_grad): inference and training (inside the recompute kernel) must
@@ -89,6 +90,7 @@ def test_cpu_reaches_flash_sdpa_never_math(train, fixup_share):
 
 
 @pytest.mark.parametrize("train", [False, True])
+@pytest.mark.torch_feature("compile")
 def test_tracing_sees_only_plain_ops(train):
     # Under torch.compile the planner hands the tracer plain torch ops: none of the
     # hand-written autograd functions, no chunked loops, and one graph for the whole forward.
@@ -111,6 +113,7 @@ def test_tracing_sees_only_plain_ops(train):
 
 
 @pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.torch_feature("custom_op")
 def test_compiling_on_cuda_keeps_the_fused_kernel(grad, monkeypatch):
     # torch.compile on CUDA: the Triton kernel (as a custom operator) where triton is there;
     # torch.export / ONNX and attention dropout: plain ops as on any device.
