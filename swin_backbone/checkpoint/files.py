@@ -27,6 +27,7 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
+from ..torch_compat import load
 from .formats import CheckpointError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -133,7 +134,7 @@ def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device]
 
     allow_mmengine_checkpoints()  # Runner checkpoints, without weights_only=False
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return load(path, map_location=map_location)
     except Exception as err:  # the unpickler raises anything from IndexError to RuntimeError
         what = "zip archive" if kind == "torch-zip" else "pickle stream"
         hint = ("it holds objects other than tensors and plain data (weights_only refuses them)"
@@ -198,7 +199,7 @@ def _check_safetensors_header(path: str) -> None:
 
 def _safetensors_through_torch(path: str, map_location: Union[str, torch.device]) -> Dict[str, torch.Tensor]:
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        obj = load(path, map_location=map_location)
     except Exception as err:
         raise CheckpointError(
             f"checkpoint {path!r}: a safetensors file, and the installed torch {torch.__version__} cannot read "

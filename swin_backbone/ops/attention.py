@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..torch_compat import scaled_dot_product_attention
 from .chunked import chunk_rows, chunk_slices
 from .windows import ImageWindows, WindowLayout, get_relative_position_index, window_reverse
 
@@ -244,16 +245,16 @@ def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: f
         attn_bias = attn_bias.detach()
     if not per_window:
         q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
         # The kernels allocate the output as (B*nW, N, nH, d): this reshape is then a view.
         return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
     if batch == 1:  # windows are SDPA's batch, each with its bias: q/k/v read through strides
         q, k, v = qkv[:, 0].unbind(0)  # (nW, nH, N, d) views
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
         return out.transpose(1, 2).reshape(1, num_windows, n, num_heads, head_dim)
     q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
     attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
 
 

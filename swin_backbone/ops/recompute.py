@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_compat import autocast_enabled
+from ..torch_compat import autocast_enabled, is_compiling
 from .chunked import chunk_rows, chunk_slices
 from .windows import WindowLayout, window_partition
 
@@ -147,7 +147,10 @@ def _gelu_linear(h: torch.Tensor, w2: torch.Tensor, b2, lead_shape, chunk_bytes:
     result = h.new_empty(*lead_shape, w2.shape[0])
     out = result.view(-1, w2.shape[0])
     for part in _row_parts(h, chunk_bytes):
-        torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
+        if is_compiling():  # dynamo of torch < 2.4 cannot trace out= with symbolic sizes
+            out[part] = torch.matmul(F.gelu(h[part]), w2c.t())
+        else:
+            torch.matmul(F.gelu(h[part]), w2c.t(), out=out[part])
     if b2 is not None:
         out.add_(b2.to(h.dtype))
     return result

@@ -120,7 +120,10 @@ def _library_interpreted() -> bool:
     """
     if triton is None:
         return False
-    from triton.runtime.interpreter import InterpretedFunction
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # triton < 3.0 (declined by static_reason anyway)
+        return False
 
     return isinstance(tl.sum, InterpretedFunction)
 

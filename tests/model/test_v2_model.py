@@ -302,10 +302,13 @@ def test_bf16_fp16_pure_and_autocast_with_padding_are_finite():
             amp = model(x)
         results = [amp]
         for dtype in (torch.bfloat16, torch.float16):
-            results.append(SwinV2Backbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4),
-                                          out_indices=(0, 1)).eval().to(dtype))
-            results[-1].load_state_dict(model.state_dict())
-            results[-1] = results[-1](x.to(dtype))
+            pure = SwinV2Backbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4),
+                                  out_indices=(0, 1)).eval().to(dtype)
+            pure.load_state_dict(model.state_dict())
+            try:
+                results.append(pure(x.to(dtype)))
+            except (RuntimeError, NotImplementedError) as err:  # torch < 2.2: no fp16 convolution on the CPU
+                assert dtype == torch.float16 and "Half" in str(err), err
     for outs in results:
         for r, o in zip(ref, outs):
             assert torch.isfinite(o).all()
@@ -314,7 +317,8 @@ def test_bf16_fp16_pure_and_autocast_with_padding_are_finite():
     unmasked = SwinV2Backbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), out_indices=(0, 1),
                               mask_padding=False).eval().half()
     with torch.no_grad():
-        assert all(torch.isfinite(o).all() for o in unmasked(x.half()))
+        if len(results) == 3:  # fp16 runs on this CPU
+            assert all(torch.isfinite(o).all() for o in unmasked(x.half()))
 
 
 # ---------------------------------------------------------------- tracing

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from swin_backbone.model.blocks import Mlp
+from swin_backbone.torch_compat import autocast_enabled
 from swin_backbone.ops.recompute import _NormLinear, norm_linear, norm_mlp
 from swin_backbone.ops.windows import build_window_layout, window_partition
 
@@ -75,8 +76,11 @@ def test_norm_linear_under_bf16_autocast():
     norm, linear = _modules(dtype=torch.float32)
     x = torch.randn(2, 5, 8, requires_grad=True)
     params = [x, norm.weight, linear.weight, linear.bias]
+    # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
+    # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = norm_linear(x, norm, linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = linear(norm(x))
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
@@ -127,8 +131,11 @@ def test_memory_saving_mlp_under_bf16_autocast():
     mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
     x = torch.randn(2, 5, 8, requires_grad=True)
     params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias, norm.weight]
+    # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
+    # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
     assert out.grad_fn.name() == "_NormMlpBackward" and out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)  # bias added after rounding
@@ -208,7 +215,7 @@ def _layer_norm_in_fp32_under_autocast(monkeypatch):
     real = F.layer_norm
 
     def layer_norm(x, *args, **kwargs):
-        if torch.is_autocast_enabled(x.device.type):
+        if autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 return real(x.float(), *args, **kwargs)
         return real(x, *args, **kwargs)
@@ -247,9 +254,13 @@ def test_memory_saving_functions_serve_autocast_training(rule, version, monkeypa
         assert fused == (expected if save_memory else 0), (save_memory, fused)
         loss.backward()
         results.append([o.float() for o in outs] + [p.grad.float() for p in model.parameters()])
-    # bf16 rounding flips (each path is ~0.1 from fp32 at V2's largest outputs, ~3).
+    # bf16 rounding flips (each path is ~0.1 from fp32 at V2's largest outputs, ~3); torch < 2.4's
+    # CPU bf16 kernels round differently (2 of 1600 elements 0.07-0.08 apart on torch 2.0 / 2.1).
+    from swin_backbone.torch_compat import torch_version
+
+    atol = 5e-2 if torch_version() >= (2, 4) else 1e-1
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=atol)
 
 
 def test_norm_linear_with_fp32_norm_on_bf16_tokens_under_autocast(monkeypatch):
@@ -259,8 +270,11 @@ def test_norm_linear_with_fp32_norm_on_bf16_tokens_under_autocast(monkeypatch):
     norm, linear = _modules(dtype=torch.float32)
     x = torch.randn(2, 5, 8).bfloat16().requires_grad_()
     params = [x, norm.weight, norm.bias, linear.weight, linear.bias]
+    # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
+    # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = norm_linear(x, norm, linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = linear(norm(x))
     assert out.grad_fn.name() == "_NormLinearBackward"
     torch.testing.assert_close(out, ref)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
+triton = pytest.importorskip("triton", minversion="3.0", reason="triton >= 3.0 is not installed")
 
 from swin_backbone.ops import triton_attention  # noqa: E402
 from swin_backbone.ops.attention import window_attention  # noqa: E402

@@ -96,8 +96,11 @@ def test_mlp_norm_under_bf16_autocast():
     mlp, norm = _mlp_norm_modules(dtype=torch.float32)
     x = torch.randn(2, 5, 8, requires_grad=True)
     params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias, norm.weight, norm.bias]
+    # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
+    # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, 3 * 32 * 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = norm(mlp(x))
     # the LayerNorm's dtype follows autocast's rule for nn.LayerNorm (on the CPU: its input's)
     assert out.grad_fn.name() == "_MlpNormBackward" and out.dtype == ref.dtype

@@ -292,7 +292,7 @@ class DeviceSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        devices = {t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        devices = {t.device.type for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         if (name in self.READS or func is torch.ops.aten.repeat_interleave.Tensor) and devices - {"cpu"}:
             self.syncs.append(name)
         if name == "_to_copy" and kwargs.get("device") is not None:
