@@ -54,7 +54,7 @@ def check_int_sequence(name: str, value: object, expected: str) -> Tuple[int, ..
 def check_flag(name: str, value: object) -> None:
     """A switch: ``True`` / ``False`` (or ``0`` / ``1``). A string such as ``'False'`` would be
     truthy and silently switch the option on."""
-    if not (isinstance(value, bool) or (is_int(value) and value in (0, 1)) or type(value).__name__ == "bool_"):
+    if not (isinstance(value, bool) or (is_int(value) and value in (0, 1)) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))):
         fail(name, "True or False", value)
 
 
@@ -128,7 +128,7 @@ def check_config(
     _rate("drop_rate", drop_rate)
     _rate("attn_drop_rate", attn_drop_rate)
     _rate("drop_path_rate", drop_path_rate)
-    if len(pretrain_img_size) != 2 or any(not isinstance(s, int) or s < patch_size for s in pretrain_img_size):
+    if not isinstance(pretrain_img_size, (list, tuple)) or len(pretrain_img_size) != 2 or any(not isinstance(s, int) or s < patch_size for s in pretrain_img_size):
         fail("pretrain_img_size", f"an int, (S,) or (H, W) of ints >= patch_size ({patch_size})", pretrain_img_size)
     num_stages = len(depths)
     if (
@@ -144,6 +144,8 @@ def check_config(
 
 #: Largest model the constructor builds: 1e10 parameters (40 GB in fp32; Swin V2-G has 3e9).
 MAX_PARAMETERS = 10**10
+#: Most blocks over all stages.
+MAX_BLOCKS = 1024
 
 
 def estimated_parameters(embed_dims: int, depths: Sequence[int], mlp_ratio: float) -> int:
@@ -158,6 +160,9 @@ def estimated_parameters(embed_dims: int, depths: Sequence[int], mlp_ratio: floa
 
 def check_model_size(embed_dims: int, depths: Sequence[int], mlp_ratio: float) -> None:
     """Refuse sizes whose weights alone could not be allocated, before torch tries."""
+    if sum(depths) > MAX_BLOCKS:
+        fail("depths", f"at most {MAX_BLOCKS} blocks in all (each is a module built in Python; Swin V2-G has 50)",
+             tuple(depths))
     params = estimated_parameters(embed_dims, depths, mlp_ratio)
     if params > MAX_PARAMETERS:
         raise ValueError(
@@ -258,6 +263,8 @@ def check_valid_sizes(
 # ---------------------------------------------------------------------------- images (FeatureExtractor)
 def _value_range(image: torch.Tensor) -> Tuple[float, float]:
     flat = image.detach().reshape(-1)
+    if not flat.is_floating_point():
+        flat = flat.to(torch.int64)  # (uint16 / uint32 have no min / max kernels)
     return float(flat.min()), float(flat.max())
 
 
