@@ -79,17 +79,55 @@ def arch_names() -> str:
             f"(its window and pre-training windows): {', '.join(PUBLISHED_V2)}")
 
 
-def to_tensor(image: ImageLike) -> torch.Tensor:
-    """``(H, W, 3)`` uint8 RGB array, ``(H, W)`` grey, or ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255."""
+def to_tensor(image: ImageLike, name: str = "image") -> torch.Tensor:
+    """``(H, W, 3)`` uint8 RGB array (``(H, W, 4)``: alpha dropped), ``(H, W)`` grey, or
+    ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255 (:func:`~swin_backbone.model.validation.check_image`:
+    anything else is a ``ValueError`` naming ``name``; floats in 0..1 get a warning)."""
+    from .model.validation import check_image
+
+    check_image(name, image)
     if isinstance(image, np.ndarray):
         if image.ndim == 2:
             image = np.repeat(image[:, :, None], 3, axis=2)
-        if image.ndim != 3 or image.shape[2] not in (3, 4):
-            raise ValueError(f"image: expected an (H, W, 3) RGB array, got shape {image.shape}")
         image = torch.from_numpy(np.ascontiguousarray(image[:, :, :3])).permute(2, 0, 1)
-    if not isinstance(image, torch.Tensor) or image.dim() != 3:
-        raise ValueError(f"image: expected an (H, W, 3) array or (C, H, W) tensor, got {type(image).__name__}")
     return image.float()
+
+
+def check_device(device: object) -> torch.device:
+    """``torch.device(device)`` for ``'cpu'``, ``'cuda'`` or ``'cuda:N'`` that exists here;
+    anything else is a ``ValueError`` naming ``device`` (not torch's parser or driver error)."""
+    from .model.validation import fail
+
+    try:
+        parsed = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        fail("device", "'cpu', 'cuda' or 'cuda:N'", device)
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            fail("device", "'cpu' (CUDA is not available on this machine)", device)
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            fail("device", f"'cuda' or 'cuda:N' with N < {torch.cuda.device_count()} (the GPUs here)", device)
+    elif parsed.type != "cpu":
+        fail("device", "'cpu', 'cuda' or 'cuda:N'", device)
+    return parsed
+
+
+def check_stages(stages: object, num_outputs: Optional[int]) -> Optional[List[int]]:
+    """``None`` or a list of distinct output indices ``0 <= s < num_outputs`` (``None``:
+    unknown until the first forward)."""
+    from .model.validation import fail, is_int
+
+    if stages is None:
+        return None
+    upper = f" < {num_outputs} (the backbone's outputs)" if num_outputs is not None else ""
+    expected = f"None or a non-empty list of distinct output indices >= 0{upper}"
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        fail("stages", expected, stages)
+    if any(not is_int(s) or s < 0 or (num_outputs is not None and s >= num_outputs) for s in stages):
+        fail("stages", expected, list(stages))
+    if len(set(stages)) != len(stages):
+        fail("stages", expected + " (each once)", list(stages))
+    return [int(s) for s in stages]
 
 
 def resize_to(image: torch.Tensor, size: Optional[Tuple[int, int]]) -> torch.Tensor:
@@ -127,18 +165,31 @@ class FeatureExtractor:
         dtype: str = "fp32",
         mixed_sizes: Optional[bool] = None,
     ) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
-        if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
-            raise ValueError(f"mean/std: expected 3 values each, std > 0, got {mean}, {std}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' requested but CUDA is not available")
+        from .model.validation import check_flag, check_int, check_number, fail
+
+        if not isinstance(backbone, nn.Module):
+            fail("backbone", "a torch.nn.Module (e.g. SwinBackbone), or use FeatureExtractor.from_arch / from_config",
+                 type(backbone).__name__)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            fail("dtype", f"one of {sorted(DTYPES)}", dtype)
+        check_int("batch_size", batch_size, minimum=1)
+        for name, values in (("mean", mean), ("std", std)):
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != 3:
+                fail(name, "3 numbers (R, G, B on the 0..255 scale)", values)
+            for i, v in enumerate(values):
+                check_number(f"{name}[{i}]", v, positive=name == "std")
+        if resize is not None:
+            if isinstance(resize, (str, bytes)) or not isinstance(resize, Sequence) or len(resize) != 2:
+                fail("resize", "None or (H, W), two ints >= 1", resize)
+            for i, v in enumerate(resize):
+                check_int(f"resize[{i}]", v, minimum=1)
+        if mixed_sizes is not None:
+            check_flag("mixed_sizes", mixed_sizes)
+        outputs = getattr(backbone, "out_indices", None)
+        self.stages = check_stages(stages, len(outputs) if isinstance(outputs, (list, tuple)) else None)
+        self.device = check_device(device)
         self.dtype = DTYPES[dtype]
         self.backbone = backbone.to(self.device, self.dtype).eval()
-        self.stages = None if stages is None else list(stages)
         self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
         self.resize = tuple(resize) if resize else None
@@ -264,6 +315,8 @@ class FeatureExtractor:
             batch = torch.cat([F.pad(self.preprocess([im]), (0, width - w, 0, height - h)) for im, (h, w) in zip(images, sizes)])
             outs = self.backbone(batch, valid_sizes=sizes)
             crops = self._crops(sizes)
+        if self.stages is not None and max(self.stages) >= len(outs):
+            check_stages(self.stages, len(outs))  # a backbone without out_indices: known only now
         keep = self.stages if self.stages is not None else range(len(outs))
         on_cpu = {s: outs[s].float().cpu() for s in keep}  # one copy per stage, not per image
         result = []
@@ -302,7 +355,16 @@ class FeatureExtractor:
                 yield idx[start : start + self.batch_size]
 
     def __call__(self, images: Sequence[ImageLike]) -> List[Dict[int, torch.Tensor]]:
-        tensors = [to_tensor(im) for im in images]
+        """Features of ``images`` (a list of arrays / tensors, or a 4-D batch): one
+        ``{stage: (C, h, w) float32 cpu tensor}`` per image."""
+        from .model.validation import fail
+
+        if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim != 4:
+            fail("images", "a list of images (or a 4-D batch); for one image pass [image]",
+                 f"a single {type(images).__name__} of shape {tuple(images.shape)}")
+        if isinstance(images, (str, bytes)) or not isinstance(images, Iterable):
+            fail("images", "a list of images", type(images).__name__)
+        tensors = [to_tensor(im, f"images[{i}]") for i, im in enumerate(images)]
         results: List[Optional[Dict[int, torch.Tensor]]] = [None] * len(tensors)
         for idx in self.batches([tuple(t.shape[-2:]) for t in tensors]):
             for i, feats in zip(idx, self.run_batch([tensors[i] for i in idx])):

@@ -16,4 +16,4 @@ from swin_backbone.tools.extract_features import *  # noqa: E402,F401,F403  (the
 from swin_backbone.tools.extract_features import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

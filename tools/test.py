@@ -25,25 +25,34 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     R.prepare_environment(args.local_rank)
-    cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
-    if not os.path.isfile(args.checkpoint):
-        raise SystemExit(f"checkpoint {args.checkpoint!r}: no such file")
+    with R.setup_errors("tools/test.py"):  # bad arguments or config: one line, exit status 1
+        cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+        if not os.path.isfile(args.checkpoint):
+            raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: "
+                                    f"{'a folder' if os.path.isdir(args.checkpoint) else 'no such file'}")
+        scope = R.config_scope(cfg)
+        if args.out and scope == "mmdet" and not args.out.endswith((".pkl", ".pickle")):
+            raise ValueError(f"--out: expected a .pkl file, got {args.out!r}")
+        if args.out and scope == "mmseg" and os.path.isfile(args.out):
+            raise NotADirectoryError(f"--out: {args.out!r} is a file; expected a folder for mmseg predictions")
     cfg.load_from = args.checkpoint
     R.setup_cpu_distributed(cfg)
     if args.show or args.show_dir:
         R.trigger_visualization(cfg, args.show, args.show_dir, args.wait_time)
-    scope = R.config_scope(cfg)
     if args.out and scope == "mmseg":
         cfg.test_evaluator["output_dir"] = args.out
         cfg.test_evaluator["keep_results"] = True
     runner = R.build_runner(cfg)
+    # README: a checkpoint matching under half the model is an error, not random weights evaluated.
+    R.require_checkpoint_match(runner, args.checkpoint)
     if args.out and scope == "mmdet":
         from mmdet.evaluation import DumpDetResults
 
-        if not args.out.endswith((".pkl", ".pickle")):
-            raise SystemExit(f"--out: expected a .pkl file, got {args.out!r}")
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    metrics = runner.test()
+    try:
+        metrics = runner.test()
+    except R.CheckpointMismatchError as err:
+        raise SystemExit(f"tools/test.py: error: {err}") from err
     return metrics
 
 

@@ -32,7 +32,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     R.prepare_environment(args.local_rank)
-    cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    with R.setup_errors("tools/train.py"):  # bad arguments or config: one line, exit status 1
+        cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+        if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.isfile(args.resume):
+            raise FileNotFoundError(f"--resume: no such checkpoint file {args.resume!r} (or give no value: the "
+                                    "latest checkpoint in the work dir)")
     if args.amp:
         R.enable_amp(cfg)
     if args.auto_scale_lr:

@@ -17,7 +17,7 @@ from .blocks import PatchEmbed, SwinStage
 from .. import ops
 from ..torch_compat import is_compiling
 from ..mmlab.valid_sizes import attached_valid_sizes
-from .validation import check_config, check_input, check_valid_sizes
+from .validation import check_config, check_input, check_int, check_int_sequence, check_valid_sizes
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
 ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
@@ -47,7 +47,12 @@ def resolve_arch(
     missing = [k for k in ("embed_dims", "depths", "num_heads") if k not in values]
     if missing:
         raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
-    return int(values["embed_dims"]), tuple(values["depths"]), tuple(values["num_heads"])
+    # Checked, not converted: int('abc') would fail cryptically and int(33.9) silently truncate.
+    return (
+        check_int("embed_dims", values["embed_dims"], minimum=1),
+        check_int_sequence("depths", values["depths"], "a list or tuple of ints >= 1, one per stage"),
+        check_int_sequence("num_heads", values["num_heads"], "a list or tuple of ints >= 1, one per stage"),
+    )
 
 
 class SwinBackbone(BaseModule):
@@ -187,6 +192,10 @@ class SwinBackbone(BaseModule):
             pretrain_img_size=pretrain_img_size,
             out_indices=out_indices,
             frozen_stages=frozen_stages,
+            qk_scale=qk_scale,
+            flags=dict(qkv_bias=qkv_bias, use_abs_pos_embed=use_abs_pos_embed, patch_norm=patch_norm, with_cp=with_cp,
+                       pad_small_map=pad_small_map, mask_padding=mask_padding,
+                       channels_last_outputs=channels_last_outputs, convert_weights=convert_weights),
         )
         self.arch = dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads)
         self.embed_dims = embed_dims

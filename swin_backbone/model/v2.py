@@ -26,7 +26,7 @@ from .. import ops
 from ..ops.windows import WindowLayout
 from .backbone import SwinBackbone
 from .blocks import DropPath, Mlp
-from .validation import fail
+from .validation import check_int, check_int_sequence, fail
 
 #: Swin V2 presets: the V1 sizes (Liu et al. 2022, table 1), plus huge / giant as mmpretrain
 #: defines them (the paper's giant; "huge" heads are not published by the authors).
@@ -269,7 +269,7 @@ def resolve_v2_arch(
             published = dict(PUBLISHED_V2[key])
             key = published.pop("arch")
         key = V2_ARCH_ALIASES.get(key, key) if isinstance(key, str) else key
-        if key not in V2_ARCH_SETTINGS:
+        if not isinstance(key, str) or key not in V2_ARCH_SETTINGS:
             fail(
                 "arch",
                 f"one of {sorted(V2_ARCH_SETTINGS)} (or {sorted(V2_ARCH_ALIASES)}), or a published model name "
@@ -283,6 +283,10 @@ def resolve_v2_arch(
     if missing:
         raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
     values.setdefault("extra_norm_every_n_blocks", 0)
+    # Checked, not converted (as SwinBackbone's resolve_arch): the caller builds tuples of them.
+    values["embed_dims"] = check_int("embed_dims", values["embed_dims"], minimum=1)
+    for name in ("depths", "num_heads"):
+        values[name] = check_int_sequence(name, values[name], "a list or tuple of ints >= 1, one per stage")
     return values, published
 
 

@@ -5,8 +5,9 @@ see a crash deep inside torch (or, worse, a silently wrong result).
 """
 from __future__ import annotations
 
+import math
 import numbers
-from typing import NoReturn, Optional, Sequence, Tuple
+from typing import Dict, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +17,57 @@ from ..torch_compat import autocast_enabled
 def fail(name: str, expected: str, got: object) -> NoReturn:
     """Raise ``ValueError("<name>: expected <expected>, got <got!r>")``."""
     raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+#: Largest ``window_size``: one window's attention holds ``window_size**4`` scores per head
+#: (2.7e8 at 128, a 1 GiB fp32 matrix) and, with ``pad_small_map=True``, any smaller feature
+#: map is padded up to a whole window, so a larger window cannot run on any input.
+MAX_WINDOW_SIZE = 128
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (Python or numpy ints)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
+    """``int(value)`` if ``value`` is an integer (not a bool, not a float) in ``[minimum, maximum]``."""
+    if not is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        if minimum is not None and maximum is not None:
+            expected = f"an int in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            expected = f"an int >= {minimum}"
+        else:
+            expected = "an int"
+        fail(name, expected, value)
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_int_sequence(name: str, value: object, expected: str) -> Tuple[int, ...]:
+    """``tuple(value)`` if ``value`` is a list or tuple (not a str, dict or set: their order or
+    their items would be silently wrong); the items are checked by the caller."""
+    if not isinstance(value, (list, tuple)):
+        fail(name, expected, value)
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def check_flag(name: str, value: object) -> None:
+    """A switch: ``True`` / ``False`` (or ``0`` / ``1``). A string such as ``'False'`` would be
+    truthy and silently switch the option on."""
+    if not (isinstance(value, bool) or (is_int(value) and value in (0, 1)) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))):
+        fail(name, "True or False", value)
+
+
+def check_number(name: str, value: object, *, positive: bool = False) -> float:
+    """A finite real number (not a bool), ``> 0`` if ``positive``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        fail(name, "a finite number" + (" > 0" if positive else ""), value)
+    return float(value)
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -43,12 +95,17 @@ def check_config(
     pretrain_img_size: Sequence[int],
     out_indices: Sequence[int],
     frozen_stages: int,
+    qk_scale: Optional[float] = None,
+    flags: Optional[Dict[str, object]] = None,
 ) -> None:
-    """Validate :class:`~swin_backbone.SwinBackbone` constructor arguments."""
+    """Validate :class:`~swin_backbone.SwinBackbone` constructor arguments (``flags``: the
+    boolean switches by name)."""
     _positive_int("embed_dims", embed_dims)
     _positive_int("in_channels", in_channels)
     _positive_int("patch_size", patch_size)
-    _positive_int("window_size", window_size)
+    if isinstance(window_size, bool) or not isinstance(window_size, int) or not 1 <= window_size <= MAX_WINDOW_SIZE:
+        fail("window_size", f"an int in [1, {MAX_WINDOW_SIZE}] (one window's attention holds window_size**4 "
+             "scores per head, and smaller maps are padded up to a whole window)", window_size)
     if not depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths):
         fail("depths", "a non-empty sequence of ints >= 1", depths)
     if len(num_heads) != len(depths):
@@ -61,12 +118,17 @@ def check_config(
                 f"num_heads[{i}]: expected a divisor of stage {i}'s channels "
                 f"(embed_dims * 2**{i} = {dims}), got {heads}"
             )
-    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or mlp_ratio <= 0:
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not 0 < mlp_ratio < math.inf:
         fail("mlp_ratio", "a number > 0", mlp_ratio)
+    check_model_size(embed_dims, depths, mlp_ratio)
+    if qk_scale is not None:
+        check_number("qk_scale", qk_scale, positive=True)
+    for flag, value in (flags or {}).items():
+        check_flag(flag, value)
     _rate("drop_rate", drop_rate)
     _rate("attn_drop_rate", attn_drop_rate)
     _rate("drop_path_rate", drop_path_rate)
-    if len(pretrain_img_size) != 2 or any(not isinstance(s, int) or s < patch_size for s in pretrain_img_size):
+    if not isinstance(pretrain_img_size, (list, tuple)) or len(pretrain_img_size) != 2 or any(not isinstance(s, int) or s < patch_size for s in pretrain_img_size):
         fail("pretrain_img_size", f"an int, (S,) or (H, W) of ints >= patch_size ({patch_size})", pretrain_img_size)
     num_stages = len(depths)
     if (
@@ -78,6 +140,36 @@ def check_config(
         fail("out_indices", f"a non-empty sequence of distinct stage indices in [0, {num_stages - 1}]", out_indices)
     if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= num_stages:
         fail("frozen_stages", f"an int in [-1, {num_stages}] (-1 freezes nothing)", frozen_stages)
+
+
+#: Largest model the constructor builds: 1e10 parameters (40 GB in fp32; Swin V2-G has 3e9).
+MAX_PARAMETERS = 10**10
+#: Most blocks over all stages.
+MAX_BLOCKS = 1024
+
+
+def estimated_parameters(embed_dims: int, depths: Sequence[int], mlp_ratio: float) -> int:
+    """Roughly the parameters of a Swin model: per block ``(4 + 2 mlp_ratio) C_i**2`` (qkv,
+    projection, MLP), per patch merging ``8 C_i**2``."""
+    total = 0.0
+    for i, depth in enumerate(depths):
+        dims = embed_dims * 2**i
+        total += depth * (4 + 2 * mlp_ratio) * dims**2 + (8 * dims**2 if i < len(depths) - 1 else 0)
+    return int(total)
+
+
+def check_model_size(embed_dims: int, depths: Sequence[int], mlp_ratio: float) -> None:
+    """Refuse sizes whose weights alone could not be allocated, before torch tries."""
+    if sum(depths) > MAX_BLOCKS:
+        fail("depths", f"at most {MAX_BLOCKS} blocks in all (each is a module built in Python; Swin V2-G has 50)",
+             tuple(depths))
+    params = estimated_parameters(embed_dims, depths, mlp_ratio)
+    if params > MAX_PARAMETERS:
+        raise ValueError(
+            f"embed_dims / depths / mlp_ratio: expected a model of at most {MAX_PARAMETERS:.0e} parameters, got "
+            f"embed_dims={embed_dims}, depths={tuple(depths)}, mlp_ratio={mlp_ratio}: about {params:.1e} "
+            f"parameters ({params * 4 / 1e9:.0f} GB in fp32)"
+        )
 
 
 def check_input(x: object, in_channels: int, weight: torch.Tensor) -> None:
@@ -166,3 +258,69 @@ def check_valid_sizes(
             "SwinDetDataPreprocessor / SwinSegDataPreProcessor: use the library's own preprocessor type)"
         )
     return pairs_ok
+
+
+# ---------------------------------------------------------------------------- images (FeatureExtractor)
+def _value_range(image: torch.Tensor) -> Tuple[float, float]:
+    flat = image.detach().reshape(-1)
+    if not flat.is_floating_point():
+        flat = flat.to(torch.int64)  # (uint16 / uint32 have no min / max kernels)
+    return float(flat.min()), float(flat.max())
+
+
+def check_image(name: str, image: object) -> None:
+    """Validate one image for :class:`~swin_backbone.features.FeatureExtractor`: an
+    ``(H, W, 3|4)`` / ``(H, W)`` array or a ``(3, H, W)`` tensor of uint8 (or integer) 0..255
+    values or finite floats on the 0..255 scale. Floats that look like 0..1 (or already
+    normalised) images get a warning: they run, but their features are not the model's."""
+    import warnings
+
+    import numpy as np
+
+    if isinstance(image, (str, bytes)) or type(image).__module__.startswith("PIL."):
+        fail(name, "an (H, W, 3) uint8 RGB array or a (3, H, W) tensor (read files with "
+             "swin_backbone.images.read_rgb(path))", type(image).__name__)
+    if isinstance(image, np.ndarray):
+        if image.ndim == 3 and image.shape[0] in (1, 3) and image.shape[2] not in (3, 4):
+            fail(name, "an (H, W, 3) array (channels last; for a (3, H, W) array pass "
+                 "image.transpose(1, 2, 0))", f"an array of shape {image.shape}")
+        if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
+            fail(name, "an (H, W, 3) RGB, (H, W, 4) RGBA or (H, W) grey array", f"an array of shape {image.shape}")
+        if image.dtype.kind not in "uif":
+            fail(name, "uint8 (0..255) or float pixel values", f"an array of dtype {image.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(image))
+        shape = tuple(image.shape)
+    elif isinstance(image, torch.Tensor):
+        shape = tuple(image.shape)
+        if image.dim() == 3 and shape[0] != 3 and shape[-1] in (3, 4):
+            fail(name, "a (3, H, W) tensor (channels first; for an (H, W, 3) tensor pass "
+                 "image.permute(2, 0, 1))", f"a tensor of shape {shape}")
+        if image.dim() != 3 or shape[0] != 3:
+            fail(name, "a (3, H, W) RGB tensor", f"a tensor of shape {shape}")
+        if image.dtype == torch.bool or image.is_complex():
+            fail(name, "uint8 (0..255) or float pixel values", f"a tensor of dtype {image.dtype}")
+        if image.device.type == "meta":
+            fail(name, "a tensor with data (cpu or cuda)", "a tensor on the meta device")
+        tensor = image
+    else:
+        fail(name, "an (H, W, 3) uint8 RGB array or a (3, H, W) tensor", type(image).__name__)
+    spatial = shape[:2] if isinstance(image, np.ndarray) else shape[1:]
+    if min(spatial) < 1:
+        fail(name, "height and width >= 1", f"shape {shape}")
+    if tensor.dtype == torch.uint8:
+        return
+    if not tensor.is_floating_point():
+        low, high = _value_range(tensor)
+        if low < 0 or high > 255:
+            fail(name, "integer pixel values in 0..255 (scale 16-bit images to 8 bits first)",
+                 f"{tensor.dtype} values from {low:g} to {high:g}")
+        return
+    if not bool(torch.isfinite(tensor).all()):
+        fail(name, "finite pixel values", "NaN or inf values")
+    low, high = _value_range(tensor)
+    if 0 < high <= 1 and low >= 0:
+        warnings.warn(f"{name}: float values in [0, 1] (max {high:g}); FeatureExtractor expects the 0..255 scale "
+                      "(mean/std are in 0..255 units): multiply by 255", UserWarning, stacklevel=4)
+    elif low < -1 or high > 256:
+        warnings.warn(f"{name}: float values from {low:g} to {high:g}, outside 0..255; FeatureExtractor expects "
+                      "unnormalised 0..255 RGB (it subtracts mean and divides by std itself)", UserWarning, stacklevel=4)

@@ -866,14 +866,22 @@ class SavedResults(dict):
 
     def save(self) -> None:
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self, f, indent=2)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self, f, indent=2)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):  # never leave a half-written file behind
+                os.remove(tmp)
+            raise
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (:func:`check_args`): usage errors exit with status 2."""
+    parser = argparse.ArgumentParser(prog="swin-benchmark", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the CPU rows or the CUDA rows (default: cuda where available)")
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the numbers here")
@@ -899,6 +907,45 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--memory-size", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option checked before anything is built or timed: the error names the option,
+    what it expects and what it got."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: 'cuda' asked for, but CUDA is not available on this machine; expected --device cpu")
+    for option, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                               ("--train-size", args.train_size, 1), ("--upernet-size", args.upernet_size, 1),
+                               ("--batch", args.batch, 1)):
+        if value < low:
+            parser.error(f"{option}: expected an int >= {low}, got {value}")
+    for option, size in (("--eval-size", args.eval_size), ("--memory-size", args.memory_size)):
+        if size is not None and min(size) < 1:
+            parser.error(f"{option}: expected two sizes H W >= 1, got {' '.join(map(str, size))}")
+    if args.memory_child:
+        return  # the benchmark's own subprocess
+    if args.only and not args.ablate:
+        parser.error("--only: picks --ablate variants; expected it with --ablate")
+    if args.ablate:
+        try:
+            names = (ABLATIONS if args.v2 != "only" else {}).keys() | (set(V2_ABLATIONS) if args.v2 else set())
+            ablation_variants(sorted(names), args.only)
+        except ValueError as err:
+            parser.error(str(err))
+    if args.compile and args.device != "cuda":
+        parser.error("--compile: the torch.compile rows are CUDA rows; expected it with --device cuda")
+    if args.upernet and "::" not in args.upernet and not os.path.isfile(args.upernet):  # (mmseg::...: a package's)
+        parser.error(f"--upernet: no such config file {args.upernet!r}")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder):
+            parser.error(f"--json: expected a file path in an existing folder, got {args.json!r}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The benchmark the parsed ``args`` ask for; its results (also written to ``--json``)."""
     if args.memory_child:
         memory_child(args.memory_child, args.device, args.batch, args.memory_size, args.ablate_variant,
                      args.memory_dtype)
@@ -923,5 +970,18 @@ def main(argv=None) -> dict:
     return dict(results)
 
 
+def main(argv=None) -> int:
+    """Command-line entry point (``swin-benchmark``): the exit status. 0: done (the rows as
+    lines on stdout, the numbers in ``--json``); 2: a usage error; 1: a failure, in one line."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, OSError, RuntimeError, subprocess.CalledProcessError) as err:
+        text = " ".join(str(err).split())
+        print(f"swin-benchmark: error: {type(err).__name__}: {text}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

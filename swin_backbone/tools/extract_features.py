@@ -38,6 +38,7 @@ import glob
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -56,6 +57,8 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from ..torch_compat import load_supports_mmap
+from ..images import READERS, ImageReadError, LoaderSettings, decode_rgb, jpeg_truncated, read_bytes, resolve_reader
 from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size,
                         mean_pool, pca_rgb, resize_to, side_by_side, split_arch)
 
@@ -75,16 +78,50 @@ INDEX_FIELDS = ["image", "stage", "shape", "dtype", "file", "key"]
 
 
 # ---------------------------------------------------------------------------------- files
-def find_images(spec: str) -> Tuple[List[str], str]:
-    """Image paths (sorted) for a file, folder or glob, and the root their output paths are relative to."""
+def _inside(path: str, folder: Optional[str]) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (resolved: links, ``..``, case as stored)."""
+    if not folder:
+        return False
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def find_images(spec: str, exclude: Optional[str] = None) -> Tuple[List[str], str]:
+    """Image paths (sorted) for a file, folder or glob, and the root their output paths are
+    relative to. Nothing under ``exclude`` (the output folder) counts as an input: a second
+    run into ``IN/feats`` must not read its own ``--png`` visualisations as images."""
     if os.path.isdir(spec):
-        paths = [os.path.join(d, f) for d, _, files in os.walk(spec) for f in files if f.lower().endswith(IMAGE_EXTS)]
+        paths = []
+        for folder, subdirs, files in os.walk(spec):
+            subdirs[:] = sorted(d for d in subdirs if not _inside(os.path.join(folder, d), exclude))
+            paths += [os.path.join(folder, f) for f in files if f.lower().endswith(IMAGE_EXTS)]
         return sorted(paths), spec
     if os.path.isfile(spec):
         return [spec], os.path.dirname(spec) or "."
-    paths = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and p.lower().endswith(IMAGE_EXTS))
+    paths = sorted(p for p in glob.glob(spec, recursive=True)
+                   if os.path.isfile(p) and p.lower().endswith(IMAGE_EXTS) and not _inside(p, exclude))
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths]) if paths else "."
     return paths, root
+
+
+def output_names(paths: Sequence[str], root: str) -> Dict[str, str]:
+    """Each image's output name (relative to OUT_DIR, without suffix): its relative path
+    without the extension, or with it where two images would share a name (``x0.jpg`` and
+    ``x0.png`` -> ``x0.jpg`` and ``x0.png``, never one ``x0.npz`` for both). Names are compared
+    case-insensitively (macOS and Windows folders). Raises ``ValueError`` if names still collide."""
+    rel = {p: os.path.relpath(p, root) for p in paths}
+    stems = {p: os.path.splitext(r)[0] for p, r in rel.items()}
+    count: Dict[str, int] = {}
+    for stem in stems.values():
+        count[stem.lower()] = count.get(stem.lower(), 0) + 1
+    names = {p: stems[p] if count[stems[p].lower()] == 1 else rel[p] for p in paths}
+    seen: Dict[str, str] = {}
+    for p, name in names.items():
+        other = seen.setdefault(name.lower(), p)
+        if other != p:
+            raise ValueError(f"input: {other!r} and {p!r} would write the same outputs ({name}.*) in OUT_DIR; "
+                             "rename one of them")
+    return names
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -143,12 +180,15 @@ class OutputPlan:
     maps: bool = True
     png: bool = False
 
+    names: Optional[Dict[str, str]] = None  # path -> output name (output_names); None: the stem
+
     def key(self, path: str) -> str:
         """The image's path relative to the input root, ``/``-separated (its identity on disk)."""
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def base(self, path: str) -> str:
-        return os.path.join(self.out_dir, os.path.splitext(os.path.relpath(path, self.root))[0])
+        name = self.names.get(path) if self.names else None
+        return os.path.join(self.out_dir, name or os.path.splitext(os.path.relpath(path, self.root))[0])
 
     def _row(self, path: str, stage: int, shape: Sequence[int], file: str, key: str) -> dict:
         return dict(image=path, stage=stage, shape=list(shape), dtype="float32",
@@ -194,7 +234,8 @@ class OutputPlan:
                         if not self._ok(s, shape, dtype) or os.path.getsize(file) != offset + int(np.prod(shape)) * 4:
                             return None
                     else:
-                        t = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                        mmap = dict(mmap=True) if load_supports_mmap() else {}
+                        t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
                         if not isinstance(t, torch.Tensor) or not self._ok(s, tuple(t.shape), t.dtype):
                             return None
                         shape = tuple(t.shape)
@@ -320,9 +361,11 @@ class ImageJobs(Dataset):
     decoded ``(3, H, W)`` image (uint8; float32 if resized) and, for PNGs, the RGB image shown."""
 
     def __init__(self, paths: Sequence[str], plan: OutputPlan, resize: Optional[Tuple[int, int]],
-                 skip_complete: bool, pooled: Optional[Set[str]]) -> None:
+                 skip_complete: bool, pooled: Optional[Set[str]], reader: str = "auto",
+                 loader: LoaderSettings = LoaderSettings()) -> None:
         self.paths, self.plan, self.resize = list(paths), plan, resize
         self.skip_complete, self.pooled = skip_complete, pooled
+        self.reader, self.loader = resolve_reader(reader), loader
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -334,17 +377,23 @@ class ImageJobs(Dataset):
             if rows is not None:
                 return dict(i=i, status="done", rows=rows)
         try:
-            with Image.open(path) as im:
-                rgb = np.array(im.convert("RGB"))
-        except Exception as err:  # any decoder error, incl. truncated data: report, skip, go on
-            return dict(i=i, status="failed", error=f"{type(err).__name__}: {err}")
+            data = read_bytes(path)
+            rgb = decode_rgb(data, self.reader, self.loader, source=path)
+        except ImageReadError as err:  # not an image, damaged, or refused by mmcv: report, skip, go on
+            return dict(i=i, status="failed", error=str(err))
+        except Exception as err:  # any other decoder error
+            return dict(i=i, status="failed", error=f"{path}: {type(err).__name__}: {err}")
+        # mmcv (OpenCV) decodes a JPEG that was cut off with its missing part grey, as the
+        # detector would see it: extracted, but said.
+        note = (f"{path}: JPEG without its end-of-image marker (cut off?); read as mmcv reads it, the missing "
+                "part grey" if self.reader == "mmcv" and jpeg_truncated(data) else None)
         image = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
         if self.resize is not None:
             image = resize_to(image.float(), self.resize)
         shown = None
         if self.plan.png:
             shown = rgb if self.resize is None else np.asarray(Image.fromarray(rgb).resize(tuple(self.resize[::-1])))
-        return dict(i=i, status="ok", image=image, shown=shown)
+        return dict(i=i, status="ok", image=image, shown=shown, note=note)
 
 
 def default_workers(local_world_size: int = 1, device: str = "cuda") -> int:
@@ -471,6 +520,10 @@ class Progress:
             self.bar.close()
 
 
+class RankFailed(RuntimeError):
+    """A rank stopped on an error; its message (already printed) says why and how to finish."""
+
+
 class Terminated(Exception):
     """SIGTERM (torchrun stopping the job because another rank failed, or a scheduler)."""
 
@@ -494,6 +547,7 @@ class RankState:
     seconds: float = 0.0
     rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> rows
     failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
+    notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
     in_flight: List[str] = field(default_factory=list)
     pooled_file: Optional[str] = None
 
@@ -505,7 +559,7 @@ class RankState:
                     seconds=round(self.seconds, 3), images_per_second=round(self.new / max(self.seconds, 1e-9), 3),
                     failed=[dict(image=self.assigned[i], error=e) for i, e in sorted(self.failed.items())],
                     in_flight=self.in_flight, pending=[p for i, p in enumerate(self.assigned) if i not in finished],
-                    pooled_file=self.pooled_file, features=[r for i in done for r in self.rows[i]])
+                    pooled_file=self.pooled_file, notes=self.notes, features=[r for i in done for r in self.rows[i]])
 
     def path(self, out_dir: str) -> str:
         return os.path.join(out_dir, RANKS_DIR, f"rank-{self.rank:05d}-of-{self.world_size:05d}.json")
@@ -517,7 +571,7 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
     per-image valid sizes, else by size), a writer thread writes."""
     cuda = extractor.device.type == "cuda"
     jobs = ImageJobs(state.assigned, plan, tuple(args.resize) if args.resize else None,
-                     skip_complete=not args.overwrite, pooled=done_pooled)
+                     skip_complete=not args.overwrite, pooled=done_pooled, reader=args.reader, loader=args.loader)
     loader = DataLoader(jobs, batch_size=None, shuffle=False, num_workers=args.workers, collate_fn=_as_is,
                         pin_memory=cuda, prefetch_factor=max(2, args.batch_size) if args.workers else None)
     buckets: "OrderedDict[Optional[Tuple[int, int]], List[dict]]" = OrderedDict()
@@ -559,6 +613,8 @@ def _extract(args: argparse.Namespace, extractor: FeatureExtractor, plan: Output
                     state.failed[item["i"]] = item["error"]
                     progress.update(1)
                 else:
+                    if item.get("note"):
+                        state.notes.append(item["note"])
                     # One bucket where the backbone batches mixed sizes exactly, else one per size.
                     size = None if extractor.mixed_sizes else tuple(item["image"].shape[-2:])
                     buckets.setdefault(size, []).append(item)
@@ -592,7 +648,7 @@ def _settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
     return dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
                 checkpoint=ckpt, random_weights_seed=args.seed if args.random_weights else None,
                 stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=list(args.mean),
-                std=list(args.std), dtype=args.dtype)
+                std=list(args.std), dtype=args.dtype, reader=args.reader)
 
 
 def _check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -> None:
@@ -640,7 +696,9 @@ def _merge(args: argparse.Namespace, states: List[dict], paths: List[str], wall:
     ranks = [{k: s[k] for k in ("rank", "assigned", "images", "new", "resumed", "seconds", "images_per_second")}
              | dict(failed=len(s["failed"])) for s in states]
     pooled = [dict(file=s["pooled_file"], images=s["images"], rank=s["rank"]) for s in states if s["pooled_file"]]
-    summary = dict(images=images, new=new, resumed=resumed, failed=failed, seconds=round(wall, 3),
+    notes = [n for s in states for n in s.get("notes", [])]
+    summary = dict(images=images, new=new, resumed=resumed, failed=failed, notes=notes, reader=reader_label(args),
+                   seconds=round(wall, 3),
                    images_per_second=round(new / max(wall, 1e-9), 3), world_size=len(states), workers=args.workers,
                    batch_size=args.batch_size, weights=weights, warnings=warnings, pooled=pooled, ranks=ranks,
                    features=rows)
@@ -658,15 +716,22 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     """Extract this rank's share; on rank 0, merge and return the job's summary (other ranks:
     their own state)."""
     wall_start = time.perf_counter()
-    paths, root = find_images(args.input)
+    paths, root = find_images(args.input, exclude=args.out_dir)
     if not paths:
-        raise SystemExit(f"input {args.input!r}: no images found")
+        raise SystemExit(f"input {args.input!r}: no images found (files ending in {', '.join(IMAGE_EXTS)}"
+                         + (f"; {args.out_dir!r} is OUT_DIR, not searched" if _inside(args.out_dir, args.input) else "")
+                         + ")")
+    try:
+        names = output_names(paths, root)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     if args.workers is None:
         args.workers = default_workers(ctx.local_world_size, args.device)
+    _preprocessing(args)
     extractor = build_extractor(args, _device(args, ctx))
     probe = extractor.run_batch([torch.zeros(3, 64, 64)])[0]
     channels = OrderedDict((s, f.shape[0]) for s, f in probe.items())
-    plan = OutputPlan(args.out_dir, root, args.format, channels, maps=not args.no_maps, png=args.png)
+    plan = OutputPlan(args.out_dir, root, args.format, channels, maps=not args.no_maps, png=args.png, names=names)
     weights = dict(checkpoint=args.checkpoint, random=bool(args.random_weights),
                    seed=args.seed if args.random_weights else None)
     warnings = [RANDOM_WEIGHTS_WARNING] if args.random_weights else []
@@ -702,7 +767,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
                    f"(listed under 'pending' in {state.path(args.out_dir)}); run the same command again to finish them")
         print(message, file=sys.stderr, flush=True)
         if isinstance(err, Exception) and not isinstance(err, Terminated):
-            raise RuntimeError(message) from err
+            raise RankFailed(message) from err
         raise
     finally:
         progress.close()
@@ -731,12 +796,43 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
             os.remove(os.path.join(ranks_dir, name))
     for item in summary["failed"]:
         print(f"skipped {item['image']}: {item['error']}", file=sys.stderr)
+    for note in summary["notes"]:
+        print(f"warning: {note}", file=sys.stderr)
     for w in warnings:
         print(f"WARNING: {w}", file=sys.stderr)
     print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
           f"{ctx.world_size} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
-          f"{len(summary['failed'])} skipped, index in {os.path.join(args.out_dir, 'index.json')}", flush=True)
+          f"{len(summary['failed'])} skipped, images read with {summary['reader']}", flush=True)
+    print(f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
     return summary
+
+
+def reader_label(args: argparse.Namespace) -> str:
+    """How images were decoded, for the summary: mmcv's loader settings, or the Pillow fallback."""
+    if args.reader == "mmcv":
+        return f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
+    return "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)"
+
+
+def _preprocessing(args: argparse.Namespace) -> None:
+    """Decoder, loader settings and mean / std: with ``--config``, its test pipeline's
+    ``LoadImageFromFile`` and its data preprocessor's (unless --mean / --std are given)."""
+    args.reader = resolve_reader(args.reader)
+    args.loader = LoaderSettings()
+    if args.config:
+        from mmengine.config import Config
+
+        from ..images import loader_settings
+
+        cfg = Config.fromfile(args.config)
+        args.loader = loader_settings(cfg)
+        preprocessor = (cfg.get("model") or {}).get("data_preprocessor") or {}
+        if args.mean is None and preprocessor.get("mean") is not None:
+            args.mean = [float(v) for v in preprocessor["mean"]]
+        if args.std is None and preprocessor.get("std") is not None:
+            args.std = [float(v) for v in preprocessor["std"]]
+    args.mean = list(IMAGENET_MEAN) if args.mean is None else args.mean
+    args.std = list(IMAGENET_STD) if args.std is None else args.std
 
 
 def _main_thread() -> bool:
@@ -768,8 +864,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "for a larger --window-size (default: a published model's, else the window itself)")
     p.add_argument("--stages", type=int, nargs="+", help="output stages to keep (default: all)")
     p.add_argument("--resize", type=int, nargs=2, metavar=("H", "W"), help="resize every image (default: keep size)")
-    p.add_argument("--mean", type=float, nargs=3, default=IMAGENET_MEAN)
-    p.add_argument("--std", type=float, nargs=3, default=IMAGENET_STD)
+    p.add_argument("--mean", type=float, nargs=3, metavar=("R", "G", "B"),
+                   help="normalisation mean, 0..255 scale (default: the --config's data preprocessor's, else ImageNet's)")
+    p.add_argument("--std", type=float, nargs=3, metavar=("R", "G", "B"),
+                   help="normalisation std, 0..255 scale, > 0 (default: as --mean)")
+    p.add_argument("--reader", choices=READERS, default="auto",
+                   help="image decoding: mmcv (as mmdet's / mmseg's LoadImageFromFile: EXIF orientation, 16-bit, "
+                   "palette, CMYK...), pil (the same conversions with Pillow, for installs without mmcv) or auto "
+                   "(mmcv where installed; default)")
     p.add_argument("--batch-size", type=int, default=4, help="images per forward, all of one input size (default: 4)")
     p.add_argument("--workers", type=int, help="decoding processes per rank (default: CUDA: the rank's share of "
                    "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
@@ -785,6 +887,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="how long ranks wait for each other under torchrun, in minutes (default: 720)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check that needs no model and no image: a usage error (exit status 2) names the
+    option, what it expects and what it got, before anything is loaded."""
+    from ..features import check_device, check_stages
+    from ..model.validation import MAX_WINDOW_SIZE
+
+    check_paths(p, args.input, args.out_dir)
+    if args.config and not os.path.isfile(args.config):
+        p.error(f"--config: no such file {args.config!r}")
     if not args.checkpoint and not args.random_weights:
         p.error("--checkpoint: none given, so the backbone would have random weights and every feature would be "
                 "meaningless; pass --checkpoint FILE (any Swin format, or a detector/segmentor checkpoint), or "
@@ -792,7 +907,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.checkpoint and args.random_weights:
         p.error("--random-weights: not allowed with --checkpoint")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
-        p.error(f"--checkpoint: no such file {args.checkpoint!r}")
+        p.error(f"--checkpoint: {'a folder, expected a file' if os.path.isdir(args.checkpoint) else 'no such file'} "
+                f"{args.checkpoint!r}")
+    for option, values in (("--embed-dims", [args.embed_dims] if args.embed_dims is not None else None),
+                           ("--depths", args.depths), ("--num-heads", args.num_heads),
+                           ("--pretrained-window-sizes", args.pretrained_window_sizes)):
+        low = 0 if option == "--pretrained-window-sizes" else 1
+        if values is not None and min(values) < low:
+            p.error(f"{option}: expected ints >= {low}, got {' '.join(map(str, values))}")
+    if args.depths and args.num_heads and len(args.depths) != len(args.num_heads):
+        p.error(f"--num-heads: expected one per stage ({len(args.depths)} --depths), got {len(args.num_heads)}")
+    if args.window_size is not None and not 1 <= args.window_size <= MAX_WINDOW_SIZE:
+        p.error(f"--window-size: expected an int in [1, {MAX_WINDOW_SIZE}], got {args.window_size}")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        p.error(f"--{err}")
+    for option, values in (("--mean", args.mean), ("--std", args.std)):
+        if values is not None and not all(math.isfinite(v) and (v > 0 or option == "--mean") for v in values):
+            p.error(f"{option}: expected 3 finite numbers{' > 0' if option == '--std' else ''}, "
+                    f"got {' '.join(map(str, values))}")
+    if args.stages is not None and not args.config:
+        outputs = len(args.depths) if args.depths else 4  # --arch: every stage is an output
+        try:
+            check_stages(args.stages, outputs)
+        except ValueError as err:
+            p.error(f"--{err}")
+    elif args.stages is not None:
+        try:
+            check_stages(args.stages, None)
+        except ValueError as err:
+            p.error(f"--{err}")
     if args.config and (args.embed_dims or args.depths or args.num_heads):
         p.error("--embed-dims/--depths/--num-heads: only with --arch, not --config")
     if args.config and (args.window_size is not None or args.pretrained_window_sizes is not None):
@@ -813,14 +958,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--resize: expected two sizes >= 1, got {args.resize}")
     if args.no_maps and not (args.pool or args.png):
         p.error("--no-maps: nothing would be written; add --pool avg (or --png)")
-    if args.dist_timeout <= 0:
+    if not math.isfinite(args.dist_timeout) or args.dist_timeout <= 0:
         p.error(f"--dist-timeout: expected > 0 minutes, got {args.dist_timeout}")
-    return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """Command-line entry point (``swin-extract-features``); returns rank 0's summary
-    (``index.json``'s content) or, on other ranks, the rank's own state."""
+def check_paths(p: argparse.ArgumentParser, input_spec: str, out_dir: str) -> None:
+    """INPUT exists (a file, a folder or a glob); OUT_DIR is (or can become) a folder that is
+    not INPUT itself nor one of the input images."""
+    if not (os.path.exists(input_spec) or glob.has_magic(input_spec)):
+        p.error(f"input: no such file or folder {input_spec!r} (expected an image file, a folder or a glob)")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        p.error(f"out_dir: {out_dir!r} is a file; expected a folder (created if missing)")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"out_dir: {out_dir!r} cannot be created: {parent!r} is a file, not a folder")
+    if not os.access(parent if not os.path.exists(out_dir) else out_dir, os.W_OK | os.X_OK):
+        p.error(f"out_dir: {out_dir!r} is not writable")
+    if os.path.isdir(input_spec) and os.path.realpath(input_spec) == os.path.realpath(out_dir):
+        p.error(f"out_dir: {out_dir!r} is the input folder itself; expected another folder (a subfolder is "
+                "fine: it is never searched for images)")
+
+
+def extract(argv: Optional[Sequence[str]] = None) -> dict:
+    """Parse ``argv`` and extract: rank 0's summary (``index.json``'s content) or, on other
+    ranks, the rank's own state. Errors raise (usage errors: ``SystemExit(2)``); for the
+    command line use :func:`main`."""
     args = parse_args(argv)
     ctx = init_distributed(args.dist_timeout)
     try:
@@ -834,5 +998,34 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             dist.destroy_process_group()
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point (``swin-extract-features``): the exit status. 0: done (a
+    summary on stdout, the index in OUT_DIR); 2: a usage error (argparse); 1: a failure, said
+    in one line on stderr (also when not one image could be read)."""
+    prog = "swin-extract-features"
+    try:
+        summary = extract(argv)
+    except SystemExit as exit_:
+        if isinstance(exit_.code, str):  # our own SystemExit("why"): one line, status 1
+            print(f"{prog}: error: {exit_.code}", file=sys.stderr)
+            return 1
+        raise  # argparse: its usage message and status 2
+    except RankFailed:
+        return 1  # run() already said which rank, why, and how to finish
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    if summary.get("failed") and not summary.get("images") and "rank" not in summary:
+        print(f"{prog}: error: none of the {len(summary['failed'])} images could be read (each is listed above "
+              "and in index.json 'failed')", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {text}"
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

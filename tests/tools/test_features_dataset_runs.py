@@ -80,7 +80,7 @@ def images(tmp_path_factory):
 def reference(images, tmp_path_factory):
     """One uninterrupted 1-process run, decoding in the main process (--workers 0)."""
     out = tmp_path_factory.mktemp("reference")
-    summary = tool.main([str(images), str(out), "--pool", "avg", "--workers", "0"] + SMALL)
+    summary = tool.extract([str(images), str(out), "--pool", "avg", "--workers", "0"] + SMALL)
     return out, summary
 
 
@@ -119,7 +119,7 @@ def test_workers_and_same_size_batches_equal_single_image_api(reference, images)
 @pytest.mark.parametrize("fmt", ["npz", "npy", "pt"])
 def test_resume_after_a_crash_redoes_cut_off_files_only(tmp_path, images, reference, fmt):
     out = tmp_path / "out"
-    first = tool.main([str(images), str(out), "--pool", "avg", "--format", fmt, "--workers", "1"] + SMALL)
+    first = tool.extract([str(images), str(out), "--pool", "avg", "--format", fmt, "--workers", "1"] + SMALL)
     assert first["new"] == 8
     # The crash: one image's output cut off mid-file, one image never written, a partial
     # pooled file cut off, and leftovers of the shard written by the crashed run gone.
@@ -130,7 +130,7 @@ def test_resume_after_a_crash_redoes_cut_off_files_only(tmp_path, images, refere
     shard = out / "pooled" / "shard-00000-of-00001.npz"
     (out / "pooled" / "partial-00000-of-00001-x.1.npz").write_bytes(shard.read_bytes()[:100])
     untouched = {p: p.stat().st_mtime_ns for p in files if p not in (cut, lost)}
-    again = tool.main([str(images), str(out), "--pool", "avg", "--format", fmt, "--workers", "1"] + SMALL)
+    again = tool.extract([str(images), str(out), "--pool", "avg", "--format", fmt, "--workers", "1"] + SMALL)
     # stage files of one image share a base name: --format npy / pt cut or lost one stage of one image each
     redone = {os.path.basename(str(p)).split(".")[0] for p in (cut, lost)}
     assert again["new"] == len(redone) and again["resumed"] == 8 - len(redone) and again["images"] == 8
@@ -156,37 +156,37 @@ def test_resume_after_a_crash_redoes_cut_off_files_only(tmp_path, images, refere
 def test_pooled_only_run_resumes_from_its_shard(tmp_path, images, reference):
     out = tmp_path / "out"
     args = [str(images), str(out), "--pool", "avg", "--no-maps"] + SMALL
-    first = tool.main(args)
+    first = tool.extract(args)
     assert first["new"] == 8 and first["features"] == [] and not list(out.rglob("img*"))
-    again = tool.main(args)
+    again = tool.extract(args)
     assert again["new"] == 0 and again["resumed"] == 8
     assert_same_features(pooled(out), pooled(reference[0]))
 
 
 def test_random_weights_need_saying_so_and_are_flagged(tmp_path, images, capsys):
     with pytest.raises(SystemExit) as err:
-        tool.main([str(images), str(tmp_path / "x"), "--arch", "tiny", "--png"])
+        tool.extract([str(images), str(tmp_path / "x"), "--arch", "tiny", "--png"])
     assert err.value.code == 2
     message = capsys.readouterr().err
     assert "--checkpoint" in message and "--random-weights" in message
     assert not (tmp_path / "x").exists()
     out = tmp_path / "y"
-    summary = tool.main([str(images / "nested"), str(out)] + SMALL)
+    summary = tool.extract([str(images / "nested"), str(out)] + SMALL)
     index = json.load(open(out / "index.json"))
     assert index["weights"]["random"] is True and "RANDOM WEIGHTS" in index["warnings"][0]
     assert summary["warnings"] == index["warnings"]
     assert "WARNING: RANDOM WEIGHTS" in capsys.readouterr().err
     # a rerun with other weights into the same folder is refused, --overwrite redoes it
     with pytest.raises(SystemExit, match="out_dir .*other settings.*random_weights_seed"):
-        tool.main([str(images / "nested"), str(out), "--seed", "1"] + SMALL)
-    assert tool.main([str(images / "nested"), str(out), "--seed", "1", "--overwrite"] + SMALL)["new"] == 3
+        tool.extract([str(images / "nested"), str(out), "--seed", "1"] + SMALL)
+    assert tool.extract([str(images / "nested"), str(out), "--seed", "1", "--overwrite"] + SMALL)["new"] == 3
 
 
 def test_argument_errors_name_the_argument(tmp_path, images, capsys):
     for extra, name in [(["--workers", "-1"], "--workers"), (["--batch-size", "0"], "--batch-size"),
                         (["--no-maps"], "--no-maps"), (["--checkpoint", str(tmp_path / "none.pth")], "--random-weights")]:
         with pytest.raises(SystemExit):
-            tool.main([str(images), str(tmp_path / "o")] + SMALL + extra)
+            tool.extract([str(images), str(tmp_path / "o")] + SMALL + extra)
         assert name in capsys.readouterr().err
     assert 1 <= tool.default_workers() <= 8 and tool.default_workers(4096) == 1
     assert tool.default_workers(4096, "cpu") == 0 and tool.default_workers(1, "cpu") in (0, 1)

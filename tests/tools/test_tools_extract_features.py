@@ -85,7 +85,7 @@ def test_tool_writes_features_index_and_pngs(tmp_path, photos, fmt, capsys):
     src = tmp_path / "images"
     _write_inputs(src, photos)
     out = tmp_path / "features"
-    summary = tool.main([str(src), str(out), "--arch", "tiny", "--stages", "0", "2", "--format", fmt,
+    summary = tool.extract([str(src), str(out), "--arch", "tiny", "--stages", "0", "2", "--format", fmt,
                          "--png", "--no-progress", "--batch-size", "2", "--random-weights"])
     assert summary["images"] == 3
     failed = sorted(os.path.basename(f["image"]) for f in summary["failed"])
@@ -115,12 +115,12 @@ def test_tool_rerun_skips_complete_and_overwrite_redoes(tmp_path, photos):
     _write_inputs(src, photos)
     out = tmp_path / "features"
     args = [str(src), str(out), "--arch", "tiny", "--no-progress", "--random-weights"]
-    tool.main(args)
+    tool.extract(args)
     first = {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")}
-    again = tool.main(args)
+    again = tool.extract(args)
     assert again["images"] == 3 and again["new"] == 0 and again["resumed"] == 3
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")} == first  # not rewritten
-    redone = tool.main(args + ["--overwrite"])
+    redone = tool.extract(args + ["--overwrite"])
     assert redone["new"] == 3 and redone["resumed"] == 0
     second = {p: p.stat().st_mtime_ns for p in out.rglob("*.npz")}
     assert first.keys() == second.keys() and all(second[p] > first[p] for p in first)
@@ -130,7 +130,7 @@ def test_tool_rerun_skips_complete_and_overwrite_redoes(tmp_path, photos):
 def test_tool_from_config_and_glob(tmp_path, photos):
     src = tmp_path / "images"
     _write_inputs(src, photos)
-    summary = tool.main([str(src / "astro*.jpg"), str(tmp_path / "f"), "--config",
+    summary = tool.extract([str(src / "astro*.jpg"), str(tmp_path / "f"), "--config",
                          "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py", "--no-progress", "--random-weights"])
     assert summary["images"] == 1 and not summary["failed"]
 
@@ -193,7 +193,7 @@ def test_tool_v2_preset_with_a_timm_checkpoint(tmp_path, timm_v2_checkpoint):
     Image.fromarray(square).save(src / "square.png")
     Image.fromarray(rng.randint(0, 255, (75, 130, 3), dtype=np.uint8)).save(src / "odd.png")
     out = tmp_path / "features"
-    summary = tool.main([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
+    summary = tool.extract([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
     assert summary["images"] == 2 and not summary["failed"]
     settings = json.load(open(out / "settings.json"))
     assert settings["model"]["arch"] == "v2-tiny" and settings["model"]["window_size"] == 8
@@ -212,12 +212,12 @@ def test_tool_v2_preset_with_a_timm_checkpoint(tmp_path, timm_v2_checkpoint):
             want = torch.nn.functional.layer_norm(y, y.shape[-1:]).permute(0, 3, 1, 2)[0]
             torch.testing.assert_close(torch.from_numpy(got[f"stage{s}"]), want, rtol=1e-4, atol=1e-4)
     # a rerun with the same settings resumes; a V1 arch on the V2 checkpoint is refused with the V2 names
-    again = tool.main([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
+    again = tool.extract([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
     assert again["resumed"] == 2 and again["new"] == 0
     from swin_backbone import CheckpointError
 
     with pytest.raises(CheckpointError, match="v2-tiny"):
-        tool.main([str(src), str(tmp_path / "v1"), "--arch", "tiny", "--checkpoint", str(ckpt), "--no-progress"])
+        tool.extract([str(src), str(tmp_path / "v1"), "--arch", "tiny", "--checkpoint", str(ckpt), "--no-progress"])
 
 
 def test_v2_published_name_and_fine_tune_windows_in_the_tool(tmp_path, timm_v2_checkpoint):
@@ -226,7 +226,7 @@ def test_v2_published_name_and_fine_tune_windows_in_the_tool(tmp_path, timm_v2_c
     src.mkdir()
     Image.fromarray(np.random.RandomState(2).randint(0, 255, (96, 64, 3), dtype=np.uint8)).save(src / "a.png")
     out = tmp_path / "f"
-    tool.main([str(src), str(out), "--arch", "swinv2_tiny_window16_256", "--checkpoint", str(ckpt),
+    tool.extract([str(src), str(out), "--arch", "swinv2_tiny_window16_256", "--checkpoint", str(ckpt),
                "--pretrained-window-sizes", "8", "--stages", "3", "--no-progress"])
     settings = json.load(open(out / "settings.json"))["model"]
     assert settings["window_size"] == 16 and settings["pretrained_window_sizes"] == 8

@@ -1,0 +1,82 @@
+"""The console scripts as users run them: the installed entry points in subprocesses (with
+PYTHONPATH at this checkout, so that the code under test is what runs). Exit status 0 on
+success with the summary as readable lines on stdout (never a dict dump), 2 on usage errors,
+1 on failures with one line saying why."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
+         "--random-weights", "--no-progress", "--workers", "0"]
+
+
+def script(name):
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.isfile(path):
+        pytest.skip(f"{name} is not installed beside {sys.executable} (pip install -e .)")
+    return path
+
+
+def run(name, *args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run([script(name), *map(str, args)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=cwd or ROOT)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imgs")
+    rng = np.random.RandomState(0)
+    for name in ("a.png", "b.jpg"):
+        Image.fromarray(rng.randint(0, 256, (24, 32, 3), dtype=np.uint8)).save(root / name)
+    return root
+
+
+def test_extract_features_success_exits_0_with_readable_lines(images, tmp_path):
+    proc = run("swin-extract-features", images, tmp_path / "out", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done: 2 images" in proc.stdout and "index:" in proc.stdout
+    assert "{" not in proc.stdout + proc.stderr  # no dict dump anywhere
+    assert json.load(open(tmp_path / "out" / "index.json"))["images"] == 2
+
+
+def test_extract_features_usage_error_exits_2(images, tmp_path):
+    proc = run("swin-extract-features", images, tmp_path / "out", *SMALL, "--stages", "7")
+    assert proc.returncode == 2
+    assert "--stages" in proc.stderr and "usage:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_extract_features_failure_exits_1_with_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = run("swin-extract-features", tmp_path / "empty", tmp_path / "out", *SMALL)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "no images found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_python_m_and_the_repository_wrapper_give_the_same_statuses(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    (tmp_path / "empty").mkdir()
+    wrapper = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "extract_features.py"),
+                              str(tmp_path / "none"), str(tmp_path / "o")] + SMALL,
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert wrapper.returncode == 2 and "input" in wrapper.stderr, wrapper.stderr
+    module = subprocess.run([sys.executable, "-m", "swin_backbone.tools.extract_features",
+                             str(tmp_path / "empty"), str(tmp_path / "o")] + SMALL,
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert module.returncode == 1 and "no images found" in module.stderr, module.stderr
+
+
+def test_benchmark_success_exits_0_without_a_dict_dump(tmp_path):
+    # the benchmark's smallest real run: one memory measurement in its own child mode
+    pytest.importorskip("mmdet")
+    proc = run("swin-benchmark", "--device", "cpu", "--memory-child", "ours", "--batch", "1", "--memory-size", "8", "8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"] >= 0
+    assert "{" not in proc.stderr
