@@ -210,7 +210,7 @@ class FeatureExtractor:
                   embed_dims: Optional[int] = None, depths: Optional[Sequence[int]] = None,
                   num_heads: Optional[Sequence[int]] = None, seed: Optional[int] = None,
                   pretrained_window_sizes: Optional[Union[int, Sequence[int]]] = None,
-                  **kwargs) -> "FeatureExtractor":
+                  attention: str = "auto", **kwargs) -> "FeatureExtractor":
         """A Swin V1 or V2 preset (+ a checkpoint of any supported format of that version).
 
         ``arch``: a V1 preset (``'tiny'`` ... ``'large'``), a V2 preset (``'v2-tiny'`` ...
@@ -221,7 +221,8 @@ class FeatureExtractor:
         ``pretrained_window_sizes`` (V2 only): the window(s) the checkpoint was pre-trained
         with, for a larger ``window_size`` (see :class:`~swin_backbone.SwinV2Backbone`).
         Without a checkpoint the weights are random: ``seed`` makes them reproducible
-        (every process of a sharded run must build the same model).
+        (every process of a sharded run must build the same model). ``attention``: the
+        backbone's attention kernel setting (``'auto'``, ``'sdpa'``, ``'triton'``).
         """
         from .model.backbone import SwinBackbone
         from .model.v2 import SwinV2Backbone
@@ -231,7 +232,7 @@ class FeatureExtractor:
         if seed is not None:
             torch.manual_seed(seed)
         common = dict(arch=name, embed_dims=embed_dims, depths=depths, num_heads=num_heads, window_size=window,
-                      out_indices=out_indices, drop_path_rate=0.0)
+                      out_indices=out_indices, drop_path_rate=0.0, attention=attention)
         if version == 2:
             backbone = SwinV2Backbone(pretrained_window_sizes=pretrained_window_sizes, **common)
         elif pretrained_window_sizes is not None:
@@ -247,9 +248,10 @@ class FeatureExtractor:
 
     @classmethod
     def from_config(cls, config: str, checkpoint: Optional[str] = None, seed: Optional[int] = None,
-                    **kwargs) -> "FeatureExtractor":
+                    attention: Optional[str] = None, **kwargs) -> "FeatureExtractor":
         """The backbone of an mmdet / mmseg config, with a whole-model or backbone checkpoint
-        (without one the weights are random, reproducible with ``seed``)."""
+        (without one the weights are random, reproducible with ``seed``); ``attention``
+        overrides the config's attention kernel setting."""
         from mmengine.config import Config
         from mmengine.registry import DefaultScope, init_default_scope
 
@@ -264,6 +266,8 @@ class FeatureExtractor:
         backbone_cfg = cfg.model.backbone.copy()
         backbone_cfg.pop("init_cfg", None)
         backbone_cfg.pop("pretrained", None)
+        if attention is not None:
+            backbone_cfg["attention"] = attention
         if seed is not None:
             torch.manual_seed(seed)
         with DefaultScope.overwrite_default_scope(scope):

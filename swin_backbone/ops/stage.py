@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..torch_compat import HAS_CUSTOM_OP, assume_constant_result, matmul_allows_tf32
+from ..torch_compat import HAS_CUSTOM_OP, assume_constant_result, has_fp32_precision, matmul_allows_tf32
 from . import kernel_choice
 from .planner import Plan
 from .windows import WindowLayout, get_image_windows, get_window_layout, window_partition
@@ -317,7 +317,7 @@ class _ieee_fp32:
 
     def __enter__(self):
         matmul = torch.backends.cuda.matmul
-        self.new_api = hasattr(matmul, "fp32_precision")
+        self.new_api = has_fp32_precision(matmul)
         self.old = matmul.fp32_precision if self.new_api else matmul.allow_tf32
         if self.new_api:
             matmul.fp32_precision = "ieee"

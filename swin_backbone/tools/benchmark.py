@@ -74,6 +74,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint, ops
+from swin_backbone.torch_compat import has_fp32_precision
 
 ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7)
 
@@ -237,9 +238,9 @@ def _tf32_flags() -> List[Tuple[object, str, object, object]]:
     matmul = torch.backends.cuda.matmul
     conv = getattr(torch.backends.cudnn, "conv", None)
     return [
-        (matmul, "fp32_precision", "tf32", "ieee") if hasattr(matmul, "fp32_precision")
+        (matmul, "fp32_precision", "tf32", "ieee") if has_fp32_precision(matmul)
         else (matmul, "allow_tf32", True, False),
-        (conv, "fp32_precision", "tf32", "ieee") if conv is not None and hasattr(conv, "fp32_precision")
+        (conv, "fp32_precision", "tf32", "ieee") if conv is not None and has_fp32_precision(conv)
         else (torch.backends.cudnn, "allow_tf32", True, False),
     ]
 
@@ -897,6 +898,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile", nargs="?", const="also", choices=("also", "only"),
                         help="CUDA: add torch.compile rows (minutes of compiling); '--compile only': just those")
     parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
+    parser.add_argument("--report", action="store_true",
+                        help="with --device cuda: first the GPU report (machine, versions, every attention kernel "
+                             "verified and timed at Swin-T / Swin-B shapes), then the rows")
     parser.add_argument("--v2", nargs="?", const="also", choices=("also", "only"),
                         help="add the Swin V2 rows (ours vs timm / torchvision, same weights; minutes on a "
                         "2-core CPU); '--v2 only': just those; with --ablate: SwinV2Backbone's ablation too (or only)")
@@ -934,6 +938,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             ablation_variants(sorted(names), args.only)
         except ValueError as err:
             parser.error(str(err))
+    if args.report and args.device != "cuda":
+        parser.error(f"--report: the GPU report; expected it with --device cuda, got --device {args.device}")
     if args.compile and args.device != "cuda":
         parser.error("--compile: the torch.compile rows are CUDA rows; expected it with --device cuda")
     if args.upernet and "::" not in args.upernet and not os.path.isfile(args.upernet):  # (mmseg::...: a package's)
@@ -956,6 +962,10 @@ def run(args: argparse.Namespace) -> dict:
                    date=time.strftime("%Y-%m-%d"))
     print(f"device {args.device}, torch {torch.__version__}" + (
         f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
+    if args.report:
+        from .gpu_report import report
+
+        results.update(gpu_report=report())
     if args.ablate:
         run_ablations(args, results)
     else:

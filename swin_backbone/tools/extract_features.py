@@ -669,7 +669,9 @@ def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
     common = dict(stages=args.stages, mean=args.mean, std=args.std, resize=args.resize,
                   batch_size=args.batch_size, device=device, dtype=args.dtype, seed=args.seed)
     if args.config:
-        return FeatureExtractor.from_config(args.config, args.checkpoint, **common)
+        return FeatureExtractor.from_config(args.config, args.checkpoint, attention=args.attention, **common)
+    if args.attention is not None:
+        common["attention"] = args.attention
     return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
                                       embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
                                       pretrained_window_sizes=args.pretrained_window_sizes, **common)
@@ -877,6 +879,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--attention", choices=("auto", "sdpa", "triton"),
+                   help="the attention kernel on CUDA (default: the backbone's, 'auto': measured on this GPU; "
+                        "SWIN_BACKBONE_ATTENTION overrides it)")
     p.add_argument("--format", choices=("npz", "npy", "pt"), default="npz")
     p.add_argument("--png", action="store_true", help="also write a PCA visualisation per stage")
     p.add_argument("--pool", choices=("avg",), help="also write one mean-pooled vector per image and stage "

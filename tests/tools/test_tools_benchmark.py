@@ -412,3 +412,20 @@ def test_benchmark_cuda_compile_only_runs_just_the_compiled_rows(monkeypatch):
     assert rows and all(k.startswith("compiled_") for k in rows), sorted(results)
     assert set(results["sdpa_kernels"]) == {"compiled_eval_bf16", "compiled_eval_bf16_no_triton",
                                             "compiled_train_bf16", "compiled_train_bf16_no_triton"}
+
+
+def test_report_is_a_cuda_option(capsys):
+    # swin-benchmark --device cuda --report is the GPU report; without CUDA it says so in one
+    # line (naming --device) and exits non-zero, before building anything.
+    from swin_backbone.tools import benchmark
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.parse_args(["--device", "cuda", "--report"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--device" in err and "CUDA is not available" in err
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--device", "cpu", "--report"])
+    assert "--report: the GPU report; expected it with --device cuda" in capsys.readouterr().err

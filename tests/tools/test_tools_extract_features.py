@@ -236,3 +236,20 @@ def test_v2_published_name_and_fine_tune_windows_in_the_tool(tmp_path, timm_v2_c
     torch.testing.assert_close(torch.from_numpy(np.load(out / "a.npz")["stage3"]), want[3])
     with pytest.raises(SystemExit):
         tool.parse_args([str(src), str(out), "--arch", "tiny", "--pretrained-window-sizes", "8", "--random-weights"])
+
+
+def test_attention_setting_reaches_the_backbone(tmp_path):
+    from swin_backbone.features import FeatureExtractor
+    from swin_backbone.tools.extract_features import parse_args
+
+    fx = FeatureExtractor.from_arch(None, embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8),
+                                    attention="sdpa", seed=0)
+    assert fx.backbone.attention == "sdpa"
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        FeatureExtractor.from_arch(None, embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8),
+                                   attention="fast", seed=0)
+    (tmp_path / "in").mkdir()
+    inp, out = str(tmp_path / "in"), str(tmp_path / "out")
+    assert parse_args([inp, out, "--random-weights", "--attention", "triton"]).attention == "triton"
+    with pytest.raises(SystemExit):
+        parse_args([inp, out, "--random-weights", "--attention", "fast"])
