@@ -32,7 +32,7 @@ case "$STACK" in
         NUMPY_SPEC=""            # numpy 2.x
         WITH_MMCV=1
         CXX_STD=20               # torch 2.14's headers need C++20; mmcv hard-codes -std=c++17
-        EXTRAS="mmdet,mmseg,onnx,test"
+        EXTRAS="mmdet,mmseg,onnx,test,hf"
         ;;
     torch2.1)
         VENV="${VENV:-$ROOT/.venv-torch2.1}"
