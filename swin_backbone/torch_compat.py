@@ -405,6 +405,12 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
         "torch.compile on this Python (torch >= 2.1 on Python 3.11, >= 2.4 on 3.12)",
         "torch.compile raises in torch itself; the model runs eagerly",
     ),
+    "compile_one_graph": (
+        lambda: compile_unsupported_reason() is None and HAS_CUSTOM_OP,
+        "torch.compile tracing a whole forward as one graph (seen on torch 2.14; torch 2.1's dynamo "
+        "splits it into 80-96 graphs; versions between not tested, so torch >= 2.4 is assumed)",
+        "torch.compile runs the forward as several graphs (graph breaks: slower compiled code)",
+    ),
     "custom_op": (
         lambda: HAS_CUSTOM_OP,
         "torch.library.custom_op (torch >= 2.4)",

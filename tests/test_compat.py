@@ -110,10 +110,11 @@ def _expected_missing():
     version = torch_compat.torch_version()
     py = sys.version_info[:2]
     if version == (2, 0):
-        missing = {"sdpa_scale", "custom_op", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa"}
+        missing = {"sdpa_scale", "custom_op", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa",
+                   "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 11) else set())
     if version == (2, 1):
-        missing = {"custom_op", "export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa"}
+        missing = {"custom_op", "export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa", "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 12) else set())
     if version >= (2, 6):
         return set()

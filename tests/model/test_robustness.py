@@ -152,7 +152,7 @@ def test_inference_mode_then_training_at_the_same_size():
 
 # ---------------------------------------------------------------- compile and export
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.torch_feature("compile")
+@pytest.mark.torch_feature("compile_one_graph")
 def test_torch_compile_dynamic_matches_eager_without_recompiles(train):
     # One graph serves three sizes (no recompile per size), in eval and in training, where
     # the gradients match eager too. The backend runs dynamo's graph as captured (inductor's

@@ -90,7 +90,7 @@ def test_cpu_reaches_flash_sdpa_never_math(train, fixup_share):
 
 
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.torch_feature("compile")
+@pytest.mark.torch_feature("compile_one_graph")
 def test_tracing_sees_only_plain_ops(train):
     # Under torch.compile the planner hands the tracer plain torch ops: none of the
     # hand-written autograd functions, no chunked loops, and one graph for the whole forward.
