@@ -36,7 +36,6 @@ arguments, so it is tested on the CPU with injected candidates.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -462,7 +461,3 @@ def known(sig: Signature) -> Optional[Choice]:
     """The decision already made for ``sig`` in this process (no measurement)."""
     return DECISIONS.choices.get(sig)
 
-
-def signature_id(sig: Signature) -> str:
-    """A short stable name for ``sig`` (for logs and reports)."""
-    return hashlib.sha1(sig.key().encode()).hexdigest()[:10]

@@ -160,12 +160,12 @@ def _shape_reason(window: int, head_dim: int, height: int, width: int, mask_padd
         return f"window {window} (at most {int(MAX_TOKENS ** 0.5)})"
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (at most {MAX_HEAD_DIM})"
-    if not mask_padding and not plan_is_unpadded(height, width, window):
+    if not mask_padding and not _unpadded(height, width, window):
         return "mask_padding=False on a padded map"
     return None
 
 
-def plan_is_unpadded(height: int, width: int, window: int) -> bool:
+def _unpadded(height: int, width: int, window: int) -> bool:
     """Whether a ``height x width`` map needs no window padding (``False`` while unknown)."""
     return isinstance(height, int) and isinstance(width, int) and height % window == 0 and width % window == 0
 
