@@ -81,9 +81,9 @@ def arch_names() -> str:
 
 def to_tensor(image: ImageLike, name: str = "image") -> torch.Tensor:
     """``(H, W, 3)`` uint8 RGB array (``(H, W, 4)``: alpha dropped), ``(H, W)`` grey, or
-    ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255 (:func:`~swin_backbone.model.validation.check_image`:
+    ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255 (:func:`~swin_backbone.validation.check_image`:
     anything else is a ``ValueError`` naming ``name``; floats in 0..1 get a warning)."""
-    from .model.validation import check_image
+    from .validation import check_image
 
     check_image(name, image)
     if isinstance(image, np.ndarray):
@@ -96,7 +96,7 @@ def to_tensor(image: ImageLike, name: str = "image") -> torch.Tensor:
 def check_device(device: object) -> torch.device:
     """``torch.device(device)`` for ``'cpu'``, ``'cuda'`` or ``'cuda:N'`` that exists here;
     anything else is a ``ValueError`` naming ``device`` (not torch's parser or driver error)."""
-    from .model.validation import fail
+    from .validation import fail
 
     try:
         parsed = torch.device(device)  # type: ignore[arg-type]
@@ -115,7 +115,7 @@ def check_device(device: object) -> torch.device:
 def check_stages(stages: object, num_outputs: Optional[int]) -> Optional[List[int]]:
     """``None`` or a list of distinct output indices ``0 <= s < num_outputs`` (``None``:
     unknown until the first forward)."""
-    from .model.validation import fail, is_int
+    from .validation import fail, is_int
 
     if stages is None:
         return None
@@ -165,7 +165,7 @@ class FeatureExtractor:
         dtype: str = "fp32",
         mixed_sizes: Optional[bool] = None,
     ) -> None:
-        from .model.validation import check_flag, check_int, check_number, fail
+        from .validation import check_flag, check_int, check_number, fail
 
         if not isinstance(backbone, nn.Module):
             fail("backbone", "a torch.nn.Module (e.g. SwinBackbone), or use FeatureExtractor.from_arch / from_config",
@@ -361,7 +361,7 @@ class FeatureExtractor:
     def __call__(self, images: Sequence[ImageLike]) -> List[Dict[int, torch.Tensor]]:
         """Features of ``images`` (a list of arrays / tensors, or a 4-D batch): one
         ``{stage: (C, h, w) float32 cpu tensor}`` per image."""
-        from .model.validation import fail
+        from .validation import fail
 
         if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim != 4:
             fail("images", "a list of images (or a 4-D batch); for one image pass [image]",

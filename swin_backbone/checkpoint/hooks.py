@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 from mmengine.logging import print_log
 from torch import nn
 
-from ..torch_compat import register_load_state_dict_pre_hook
+from ..model.backbone import LOAD_STATE_DICT_PRE_HOOKS
 from .formats import detect_format, prefixed
 
 
@@ -49,6 +49,5 @@ def _convert_on_load(
     )
 
 
-def register_state_dict_hooks(module: nn.Module) -> None:
-    """Attach the converting pre-hook to a backbone."""
-    register_load_state_dict_pre_hook(module, _convert_on_load)
+# Every backbone built from now on converts keys as they arrive.
+LOAD_STATE_DICT_PRE_HOOKS.append(_convert_on_load)

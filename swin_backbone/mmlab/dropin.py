@@ -29,7 +29,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from ..model.validation import fail
+from ..validation import fail
 
 #: An mmengine ``init_cfg``: one dict or a list of them.
 InitCfg = Union[Mapping[str, Any], List[Mapping[str, Any]]]
@@ -53,7 +53,7 @@ class MMLabArgs:
         init_cfg: the mmengine init config, ``Pretrained`` where ``pretrained`` was given.
 
     Values are only translated here; whether they are valid ints is checked afterwards by
-    :func:`~swin_backbone.model.validation.check_config` with the other arguments.
+    :func:`~swin_backbone.validation.check_config` with the other arguments.
     """
 
     patch_size: int

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +15,9 @@ from torch import nn
 from ..mmlab.dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, SwinStage
 from .. import ops
-from ..torch_compat import is_compiling
+from ..torch_compat import is_compiling, register_load_state_dict_pre_hook
 from ..mmlab.valid_sizes import attached_valid_sizes
-from .validation import check_config, check_input, check_int, check_int_sequence, check_valid_sizes
+from ..validation import check_config, check_input, check_int, check_int_sequence, check_valid_sizes
 
 #: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
 ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
@@ -27,6 +27,10 @@ ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
     "large": dict(embed_dims=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
 }
 ARCH_ALIASES = {"t": "tiny", "s": "small", "b": "base", "l": "large"}
+
+#: ``load_state_dict`` pre-hooks every backbone gets: the checkpoint package adds its
+#: key converter here when the package is imported (it sits above the model).
+LOAD_STATE_DICT_PRE_HOOKS: List[Callable[..., None]] = []
 
 
 def resolve_arch(
@@ -255,10 +259,8 @@ class SwinBackbone(BaseModule):
                 "SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
                 logger="current",
             )
-        # Late import: the checkpoint package imports this module's ARCH_SETTINGS.
-        from ..checkpoint.hooks import register_state_dict_hooks
-
-        register_state_dict_hooks(self)
+        for hook in LOAD_STATE_DICT_PRE_HOOKS:
+            register_load_state_dict_pre_hook(self, hook)
         self._freeze_stages()
 
     def stage_options(self, index: int) -> Dict[str, Any]:

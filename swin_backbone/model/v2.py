@@ -26,7 +26,7 @@ from .. import ops
 from ..ops.windows import WindowLayout
 from .backbone import SwinBackbone
 from .blocks import DropPath, Mlp
-from .validation import check_int, check_int_sequence, fail
+from ..validation import check_int, check_int_sequence, fail
 
 #: Swin V2 presets: the V1 sizes (Liu et al. 2022, table 1), plus huge / giant as mmpretrain
 #: defines them (the paper's giant; "huge" heads are not published by the authors).

@@ -425,6 +425,14 @@ class DistContext:
         if self.initialized:
             self._collective(dist.barrier)
 
+    def close(self) -> None:
+        """Leave the job once every rank is done. The barrier first: gloo's teardown, entered
+        while a peer is still working (rank 0 writing the index), can hang at exit (pytorch#75097)."""
+        if self.initialized:
+            self.barrier()
+            dist.destroy_process_group()
+            self.initialized = False
+
     def gather(self, obj: Any) -> Optional[List[Any]]:
         """Every rank's ``obj`` on rank 0 (``None`` elsewhere); waits for all ranks."""
         if not self.initialized:
@@ -900,7 +908,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every check that needs no model and no image: a usage error (exit status 2) names the
     option, what it expects and what it got, before anything is loaded."""
     from ..features import check_device, check_stages
-    from ..model.validation import MAX_WINDOW_SIZE
+    from ..validation import MAX_WINDOW_SIZE
 
     check_paths(p, args.input, args.out_dir)
     if args.config and not os.path.isfile(args.config):
@@ -992,15 +1000,16 @@ def extract(argv: Optional[Sequence[str]] = None) -> dict:
     command line use :func:`main`."""
     args = parse_args(argv)
     ctx = init_distributed(args.dist_timeout)
-    try:
-        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun shows the failing rank's traceback
-            from torch.distributed.elastic.multiprocessing.errors import record
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun shows the failing rank's traceback
+        from torch.distributed.elastic.multiprocessing.errors import record
 
-            return record(run)(args, ctx)
-        return run(args, ctx)
-    finally:
-        if ctx.initialized:
-            dist.destroy_process_group()
+        result = record(run)(args, ctx)
+    else:
+        result = run(args, ctx)
+    # Only after a success: a failed rank's peers may be inside a collective, and tearing the
+    # group down under them can hang; torchrun ends them instead.
+    ctx.close()
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,7 +11,7 @@ from typing import Dict, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
-from ..torch_compat import autocast_enabled
+from .torch_compat import autocast_enabled
 
 
 def fail(name: str, expected: str, got: object) -> NoReturn:
