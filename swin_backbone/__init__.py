@@ -5,7 +5,8 @@ Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone
 can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
 """
 from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
-from .model.backbone import ARCH_SETTINGS, SwinBackbone
+from .model.backbone import SwinBackbone
+from .model.presets import ARCH_SETTINGS
 from .model.v2 import SwinV2Backbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
 from .mmlab.preprocessors import register_preprocessors

@@ -24,60 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model.presets import V2_PREFIX, arch_names, default_window_size, split_arch  # noqa: F401 (public here)
+
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 ImageLike = Union[np.ndarray, torch.Tensor]
-
-#: Prefix of the Swin V2 presets among :meth:`FeatureExtractor.from_arch`'s (and
-#: ``swin-extract-features --arch``'s) names: ``v2-tiny`` ... ``v2-giant`` (or ``v2-t`` ...).
-V2_PREFIX = "v2-"
-#: The window of a Swin V1 preset unless one is given (the published models').
-V1_DEFAULT_WINDOW = 7
-
-
-def split_arch(arch: Optional[str]) -> Tuple[int, Optional[str]]:
-    """``(Swin version, the backbone's own arch name)`` of a :meth:`FeatureExtractor.from_arch` name.
-
-    ``'tiny'`` ... ``'large'`` (or ``'t'`` ...; or ``None`` with explicit sizes): Swin V1
-    (:class:`~swin_backbone.SwinBackbone`). ``'v2-tiny'`` ... ``'v2-giant'`` (or ``'v2-t'`` ...),
-    or a published Swin V2 name such as ``'swinv2_tiny_window8_256'`` (which also sets the
-    window and the pre-training windows): Swin V2 (:class:`~swin_backbone.SwinV2Backbone`).
-    Case does not matter; unknown names are left for the backbone to refuse.
-    """
-    from .model.v2 import PUBLISHED_V2
-
-    if isinstance(arch, str):
-        name = arch.lower()
-        if name.startswith(V2_PREFIX):
-            return 2, name[len(V2_PREFIX):]
-        if name in PUBLISHED_V2:
-            return 2, name
-    return 1, arch
-
-
-def default_window_size(arch: Optional[str]) -> int:
-    """The window a :meth:`FeatureExtractor.from_arch` name runs with unless one is given:
-    7 for Swin V1, 8 for a V2 preset, a published V2 model's own (e.g. 16 for
-    ``swinv2_tiny_window16_256``)."""
-    from .model.v2 import PUBLISHED_V2
-
-    version, name = split_arch(arch)
-    if version == 1:
-        return V1_DEFAULT_WINDOW
-    return PUBLISHED_V2.get(name, {}).get("window_size", 8)
-
-
-def arch_names() -> str:
-    """Every name :meth:`FeatureExtractor.from_arch` takes, for help texts."""
-    from .model.backbone import ARCH_SETTINGS
-    from .model.v2 import PUBLISHED_V2, V2_ARCH_SETTINGS
-
-    return (f"Swin V1: {', '.join(ARCH_SETTINGS)} (window 7); Swin V2: "
-            f"{', '.join(V2_PREFIX + a for a in V2_ARCH_SETTINGS)} (window 8), or a published V2 model "
-            f"(its window and pre-training windows): {', '.join(PUBLISHED_V2)}")
-
 
 def to_tensor(image: ImageLike, name: str = "image") -> torch.Tensor:
     """``(H, W, 3)`` uint8 RGB array (``(H, W, 4)``: alpha dropped), ``(H, W)`` grey, or

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, NoReturn, Optional, Sequence, Tuple
+from typing import Dict, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -87,7 +87,7 @@ def check_config(
     num_heads: Tuple[int, ...],
     in_channels: int,
     patch_size: int,
-    window_size: int,
+    window_size: Union[int, Sequence[int]],
     mlp_ratio: float,
     drop_rate: float,
     attn_drop_rate: float,
@@ -97,17 +97,17 @@ def check_config(
     frozen_stages: int,
     qk_scale: Optional[float] = None,
     flags: Optional[Dict[str, object]] = None,
-) -> None:
+) -> Tuple[int, ...]:
     """Validate :class:`~swin_backbone.SwinBackbone` constructor arguments (``flags``: the
-    boolean switches by name)."""
+    boolean switches by name); returns the window of each stage."""
     _positive_int("embed_dims", embed_dims)
     _positive_int("in_channels", in_channels)
     _positive_int("patch_size", patch_size)
-    if isinstance(window_size, bool) or not isinstance(window_size, int) or not 1 <= window_size <= MAX_WINDOW_SIZE:
-        fail("window_size", f"an int in [1, {MAX_WINDOW_SIZE}] (one window's attention holds window_size**4 "
-             "scores per head, and smaller maps are padded up to a whole window)", window_size)
     if not depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths):
         fail("depths", "a non-empty sequence of ints >= 1", depths)
+    windows = check_per_stage("window_size", window_size, len(depths), 1, MAX_WINDOW_SIZE,
+                              ": one window's attention holds window_size**4 scores per head, and smaller maps "
+                              "are padded up to a whole window")
     if len(num_heads) != len(depths):
         fail("num_heads", f"one entry per stage ({len(depths)} stages)", num_heads)
     for i, heads in enumerate(num_heads):
@@ -140,6 +140,18 @@ def check_config(
         fail("out_indices", f"a non-empty sequence of distinct stage indices in [0, {num_stages - 1}]", out_indices)
     if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= num_stages:
         fail("frozen_stages", f"an int in [-1, {num_stages}] (-1 freezes nothing)", frozen_stages)
+    return windows
+
+
+def check_per_stage(name: str, value: object, num_stages: int, minimum: int, maximum: Optional[int] = None,
+                    why: str = "") -> Tuple[int, ...]:
+    """An int or one int per stage, each in ``[minimum, maximum]`` -> ``num_stages`` ints."""
+    values = (value,) * num_stages if is_int(value) else value
+    bound = f">= {minimum}" if maximum is None else f">= {minimum} and <= {maximum} (in [{minimum}, {maximum}]{why})"
+    if (not isinstance(values, (list, tuple)) or len(values) != num_stages
+            or any(not is_int(v) or v < minimum or (maximum is not None and v > maximum) for v in values)):
+        fail(name, f"an int {bound}, or one per stage ({num_stages} stages)", value)
+    return tuple(int(v) for v in values)
 
 
 #: Largest model the constructor builds: 1e10 parameters (40 GB in fp32; Swin V2-G has 3e9).

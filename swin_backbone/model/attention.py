@@ -55,7 +55,7 @@ class WindowAttention(nn.Module):
         runs on real tokens only.
         """
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        qkv = ops.norm_qkv(x, norm, self.qkv, layout, self.num_heads, plan)
+        qkv = ops.norm_qkv(x, norm, self.qkv.weight, self.qkv.bias, layout, plan)
         out = ops.window_attention(
             qkv, self.relative_position_bias_table, self.window_size, layout, self.num_heads, self.scale,
             self.attn_drop_rate, plan,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -13,50 +13,16 @@ from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
 from ..mmlab.dropin import InitCfg, translate_mmlab_args
-from .blocks import PatchEmbed, SwinStage
+from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
+from .presets import resolve_arch
 from .. import ops
 from ..torch_compat import is_compiling, register_load_state_dict_pre_hook
 from ..mmlab.valid_sizes import attached_valid_sizes
-from ..validation import check_config, check_input, check_int, check_int_sequence, check_valid_sizes
-
-#: The published Swin-T / S / B / L settings (Liu et al. 2021, table 1).
-ARCH_SETTINGS: Dict[str, Dict[str, Tuple[int, ...]]] = {
-    "tiny": dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
-    "small": dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
-    "base": dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
-    "large": dict(embed_dims=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48)),
-}
-ARCH_ALIASES = {"t": "tiny", "s": "small", "b": "base", "l": "large"}
+from ..validation import check_config, check_input, check_valid_sizes
 
 #: ``load_state_dict`` pre-hooks every backbone gets: the checkpoint package adds its
 #: key converter here when the package is imported (it sits above the model).
 LOAD_STATE_DICT_PRE_HOOKS: List[Callable[..., None]] = []
-
-
-def resolve_arch(
-    arch: Optional[str],
-    embed_dims: Optional[int],
-    depths: Optional[Sequence[int]],
-    num_heads: Optional[Sequence[int]],
-) -> Tuple[int, Tuple[int, ...], Tuple[int, ...]]:
-    """Explicit ``embed_dims`` / ``depths`` / ``num_heads`` override the ``arch`` preset."""
-    preset: Dict[str, Tuple[int, ...]] = {}
-    if arch is not None:
-        if not isinstance(arch, str) or ARCH_ALIASES.get(arch.lower(), arch.lower()) not in ARCH_SETTINGS:
-            raise ValueError(
-                f"arch: expected one of {sorted(ARCH_SETTINGS)} (or {sorted(ARCH_ALIASES)}), got {arch!r}"
-            )
-        preset = ARCH_SETTINGS[ARCH_ALIASES.get(arch.lower(), arch.lower())]
-    values = dict(preset, **{k: v for k, v in dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads).items() if v is not None})
-    missing = [k for k in ("embed_dims", "depths", "num_heads") if k not in values]
-    if missing:
-        raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
-    # Checked, not converted: int('abc') would fail cryptically and int(33.9) silently truncate.
-    return (
-        check_int("embed_dims", values["embed_dims"], minimum=1),
-        check_int_sequence("depths", values["depths"], "a list or tuple of ints >= 1, one per stage"),
-        check_int_sequence("num_heads", values["num_heads"], "a list or tuple of ints >= 1, one per stage"),
-    )
 
 
 class SwinBackbone(BaseModule):
@@ -70,7 +36,7 @@ class SwinBackbone(BaseModule):
         num_heads: attention heads per stage.
         in_channels: image channels.
         patch_size: patch-embedding stride (= kernel): ``P`` or ``(P, P)``.
-        window_size: attention window (7; 12 for the 384-pretrained models).
+        window_size: attention window (7; 12 for the 384-pretrained models), or one per stage.
         mlp_ratio: MLP hidden width / embed width.
         qkv_bias: learnable bias in the qkv projections.
         qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
@@ -129,6 +95,13 @@ class SwinBackbone(BaseModule):
         init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads
             any supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
 
+        The last arguments make variants (as torchvision's ``block=`` / ``downsample_layer=``;
+        :class:`~swin_backbone.SwinV2Backbone` is one):
+
+        block, merging: the block and patch-merging classes; they take the arguments of
+            :class:`~swin_backbone.model.blocks.SwinBlock` / ``PatchMerging``.
+        block_options: per stage, per block, extra keyword arguments for ``block``.
+
     Shapes:
         input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one
         ``(B, C * 2**i, H_i, W_i)`` tensor per ``i`` in ``out_indices``, where
@@ -143,7 +116,7 @@ class SwinBackbone(BaseModule):
         num_heads: Optional[Sequence[int]] = None,
         in_channels: int = 3,
         patch_size: int = 4,
-        window_size: int = 7,
+        window_size: Union[int, Sequence[int]] = 7,
         mlp_ratio: float = 4.0,
         qkv_bias: bool = True,
         qk_scale: Optional[float] = None,
@@ -166,8 +139,12 @@ class SwinBackbone(BaseModule):
         pretrained: Optional[str] = None,
         convert_weights: bool = False,
         init_cfg: Optional[InitCfg] = None,
+        block: Callable[..., nn.Module] = SwinBlock,
+        merging: Callable[..., nn.Module] = PatchMerging,
+        block_options: Optional[Sequence[Sequence[Mapping[str, Any]]]] = None,
     ) -> None:
-        embed_dims, depths, num_heads = resolve_arch(arch, embed_dims, depths, num_heads)
+        values, _ = resolve_arch(arch, 1, embed_dims=embed_dims, depths=depths, num_heads=num_heads)
+        embed_dims, depths, num_heads = values["embed_dims"], values["depths"], values["num_heads"]
         # mmdet / mmseg SwinTransformer argument forms -> ours (ValueError where impossible)
         mmlab = translate_mmlab_args(
             num_stages=len(depths),
@@ -182,7 +159,7 @@ class SwinBackbone(BaseModule):
         super().__init__(init_cfg=mmlab.init_cfg)
         patch_size, pretrain_img_size = mmlab.patch_size, mmlab.pretrain_img_size
         out_indices = tuple(out_indices) if isinstance(out_indices, (list, tuple)) else out_indices
-        check_config(
+        windows = check_config(
             embed_dims=embed_dims,
             depths=depths,
             num_heads=num_heads,
@@ -207,7 +184,8 @@ class SwinBackbone(BaseModule):
         self.num_heads = num_heads
         self.in_channels = in_channels
         self.patch_size = patch_size
-        self.window_size = window_size
+        self.window_sizes = windows
+        self.window_size = windows[0] if len(set(windows)) == 1 else windows
         self.out_indices = tuple(sorted(out_indices))
         self.frozen_stages = frozen_stages
         self.use_abs_pos_embed = use_abs_pos_embed
@@ -248,7 +226,10 @@ class SwinBackbone(BaseModule):
                     pad_small_map=pad_small_map,
                     mask_padding=mask_padding,
                     with_cp=with_cp,
-                    **self.stage_options(i),
+                    window_size=windows[i],
+                    block=block,
+                    merging=merging,
+                    block_options=None if block_options is None else block_options[i],
                 )
             )
         for i in self.out_indices:
@@ -262,11 +243,6 @@ class SwinBackbone(BaseModule):
         for hook in LOAD_STATE_DICT_PRE_HOOKS:
             register_load_state_dict_pre_hook(self, hook)
         self._freeze_stages()
-
-    def stage_options(self, index: int) -> Dict[str, Any]:
-        """Stage ``index``'s own :class:`SwinStage` arguments: its window here; variants
-        (Swin V2) add their block and merging classes. Called during ``__init__``."""
-        return dict(window_size=self.window_size)
 
     # ------------------------------------------------------------------ freezing
     def frozen_modules(self) -> List[nn.Module]:

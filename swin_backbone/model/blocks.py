@@ -5,14 +5,14 @@ stage the blocks work on the flat ``(B, H * W, C)`` view of the same memory.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 from .. import ops
-from ..ops.windows import WindowLayout, ceil_div, effective_window, pad_amount
+from ..ops.windows import WindowLayout, effective_window, pad_amount
 from .attention import WindowAttention
 
 
@@ -112,7 +112,7 @@ class SwinBlock(nn.Module):
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         # The residual goes into the branch's fresh output (x + y == y + x exactly).
         x = self.drop_path(self.attn(x, self.norm1, layout, plan)).add_(x)
-        return ops.mlp_residual(x, self.norm2, self.mlp, self.drop_path, plan)
+        return ops.mlp_residual(x, self.mlp, self.norm2, True, self.drop_path, plan)
 
 
 class PatchMerging(nn.Module):

@@ -16,7 +16,7 @@ stages, output norms, freezing, checkpointing, the planner and its kernels) is V
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,54 +24,13 @@ from torch import nn
 
 from .. import ops
 from ..ops.windows import WindowLayout
+from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
 from .blocks import DropPath, Mlp
-from ..validation import check_int, check_int_sequence, fail
-
-#: Swin V2 presets: the V1 sizes (Liu et al. 2022, table 1), plus huge / giant as mmpretrain
-#: defines them (the paper's giant; "huge" heads are not published by the authors).
-V2_ARCH_SETTINGS: Dict[str, Dict[str, Any]] = {
-    "tiny": dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), extra_norm_every_n_blocks=0),
-    "small": dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), extra_norm_every_n_blocks=0),
-    "base": dict(embed_dims=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), extra_norm_every_n_blocks=0),
-    "large": dict(embed_dims=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), extra_norm_every_n_blocks=0),
-    "huge": dict(embed_dims=352, depths=(2, 2, 18, 2), num_heads=(8, 16, 32, 64), extra_norm_every_n_blocks=6),
-    "giant": dict(embed_dims=512, depths=(2, 2, 42, 4), num_heads=(16, 32, 64, 128), extra_norm_every_n_blocks=6),
-}
-V2_ARCH_ALIASES = {"t": "tiny", "s": "small", "b": "base", "l": "large", "h": "huge", "g": "giant"}
-
-#: The published V2 models (official repository / timm names): preset, window and the
-#: pre-training windows of the fine-tuned ones. ``arch=`` accepts these names too.
-PUBLISHED_V2: Dict[str, Dict[str, Any]] = {
-    "swinv2_tiny_window8_256": dict(arch="tiny", window_size=8),
-    "swinv2_tiny_window16_256": dict(arch="tiny", window_size=16),
-    "swinv2_small_window8_256": dict(arch="small", window_size=8),
-    "swinv2_small_window16_256": dict(arch="small", window_size=16),
-    "swinv2_base_window8_256": dict(arch="base", window_size=8),
-    "swinv2_base_window16_256": dict(arch="base", window_size=16),
-    "swinv2_base_window12_192": dict(arch="base", window_size=12),
-    "swinv2_base_window12to16_192to256": dict(arch="base", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
-    "swinv2_base_window12to24_192to384": dict(arch="base", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
-    "swinv2_large_window12_192": dict(arch="large", window_size=12),
-    "swinv2_large_window12to16_192to256": dict(arch="large", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
-    "swinv2_large_window12to24_192to384": dict(arch="large", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
-}
+from .presets import DEFAULT_WINDOW, resolve_arch
 
 #: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
 CPB_HIDDEN_DIMS = 512
-
-
-class _QKVProjection:
-    """``F.linear(x, weight, bias)`` with V2's ``bias = [q_bias, 0, v_bias]`` (or none): the
-    ``weight`` / ``bias`` / call interface of the ``nn.Linear`` that :func:`ops.norm_qkv` takes."""
-
-    __slots__ = ("weight", "bias")
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class WindowAttentionV2(nn.Module):
@@ -123,12 +82,11 @@ class WindowAttentionV2(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop_rate)
 
-    def qkv_projection(self) -> _QKVProjection:
-        """The qkv projection with the ``[q_bias, 0, v_bias]`` bias."""
-        bias = None
-        if self.q_bias is not None:
-            bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
-        return _QKVProjection(self.qkv.weight, bias)
+    def qkv_bias(self) -> Optional[torch.Tensor]:
+        """The qkv projection's bias: ``[q_bias, 0, v_bias]`` (``None`` without q / v biases)."""
+        if self.q_bias is None:
+            return None
+        return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
     def position_bias_table(self) -> torch.Tensor:
         """``((2 tw - 1)**2, nH)``: ``16 * sigmoid(cpb_mlp(log-spaced coordinates))``."""
@@ -138,7 +96,7 @@ class WindowAttentionV2(nn.Module):
         """``proj(attention(windows(x)))``: ``(B, H * W, C)`` -> ``(B, H * W, C)`` (no norm
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        qkv = ops.norm_qkv(x, _IDENTITY, self.qkv_projection(), layout, self.num_heads, plan)  # type: ignore[arg-type]
+        qkv = ops.norm_qkv(x, None, self.qkv.weight, self.qkv_bias(), layout, plan)
         qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
@@ -147,7 +105,7 @@ class WindowAttentionV2(nn.Module):
 
     def inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
         """The row-major cosine-prepared ``qkv`` of ``x``, the position bias table and sizes."""
-        qkv = ops.cosine_qkv(self.qkv_projection()(x), self.logit_scale, self.num_heads)
+        qkv = ops.cosine_qkv(F.linear(x, self.qkv.weight, self.qkv_bias()), self.logit_scale, self.num_heads)
         return ops.AttentionInputs(qkv, self.position_bias_table(), self.window_size, self.num_heads, 1.0)
 
     def extra_repr(self) -> str:
@@ -155,9 +113,6 @@ class WindowAttentionV2(nn.Module):
             f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
             f"pretrained_window_size={self.pretrained_window_size}"
         )
-
-
-_IDENTITY = nn.Identity()
 
 
 class SwinBlockV2(nn.Module):
@@ -207,7 +162,7 @@ class SwinBlockV2(nn.Module):
         # The residual goes into the branch's fresh output (LayerNorm's backward does not
         # need its output, so adding into it in place is safe).
         x = self.drop_path(self.norm1(self.attn(x, layout, plan))).add_(x)
-        x = ops.mlp_post_norm_residual(x, self.mlp, self.norm2, self.drop_path, plan)
+        x = ops.mlp_residual(x, self.mlp, self.norm2, False, self.drop_path, plan)
         return x if self.norm3 is None else self.norm3(x)
 
     def reset_post_norms(self) -> None:
@@ -239,57 +194,6 @@ class PatchMergingV2(nn.Module):
         return self.norm(self.reduction(ops.merge_patches(x, plan)))
 
 
-def _per_stage(name: str, value: Union[int, Sequence[int]], num_stages: int, minimum: int) -> Tuple[int, ...]:
-    """An int or one int per stage -> a tuple of ``num_stages`` ints ``>= minimum``."""
-    values = (value,) * num_stages if isinstance(value, int) and not isinstance(value, bool) else value
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) != num_stages
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
-    ):
-        fail(name, f"an int >= {minimum} or one per stage ({num_stages} stages)", value)
-    return tuple(values)
-
-
-def resolve_v2_arch(
-    arch: Optional[str],
-    embed_dims: Optional[int],
-    depths: Optional[Sequence[int]],
-    num_heads: Optional[Sequence[int]],
-    extra_norm_every_n_blocks: Optional[int],
-) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``(architecture, published defaults)``: ``embed_dims`` / ``depths`` / ``num_heads`` /
-    ``extra_norm_every_n_blocks`` from the preset (explicit values override it), and the
-    ``window_size`` / ``pretrained_window_sizes`` of a published model name."""
-    published: Dict[str, Any] = {}
-    preset: Dict[str, Any] = {}
-    if arch is not None:
-        key = arch.lower() if isinstance(arch, str) else arch
-        if isinstance(key, str) and key in PUBLISHED_V2:
-            published = dict(PUBLISHED_V2[key])
-            key = published.pop("arch")
-        key = V2_ARCH_ALIASES.get(key, key) if isinstance(key, str) else key
-        if not isinstance(key, str) or key not in V2_ARCH_SETTINGS:
-            fail(
-                "arch",
-                f"one of {sorted(V2_ARCH_SETTINGS)} (or {sorted(V2_ARCH_ALIASES)}), or a published model name "
-                f"({', '.join(sorted(PUBLISHED_V2))})",
-                arch,
-            )
-        preset = dict(V2_ARCH_SETTINGS[key])
-    given = dict(embed_dims=embed_dims, depths=depths, num_heads=num_heads, extra_norm_every_n_blocks=extra_norm_every_n_blocks)
-    values = dict(preset, **{k: v for k, v in given.items() if v is not None})
-    missing = [k for k in ("embed_dims", "depths", "num_heads") if k not in values]
-    if missing:
-        raise ValueError(f"arch=None needs explicit {', '.join(missing)}")
-    values.setdefault("extra_norm_every_n_blocks", 0)
-    # Checked, not converted (as SwinBackbone's resolve_arch): the caller builds tuples of them.
-    values["embed_dims"] = check_int("embed_dims", values["embed_dims"], minimum=1)
-    for name in ("depths", "num_heads"):
-        values[name] = check_int_sequence(name, values[name], "a list or tuple of ints >= 1, one per stage")
-    return values, published
-
-
 class SwinV2Backbone(SwinBackbone):
     """Swin Transformer V2 backbone emitting stage 1-4 feature maps, correct at any input size.
 
@@ -299,7 +203,7 @@ class SwinV2Backbone(SwinBackbone):
     Args:
         arch: ``'tiny'``, ``'small'``, ``'base'``, ``'large'``, ``'huge'``, ``'giant'`` (or
             their initials), or a published model name such as
-            ``'swinv2_base_window12to16_192to256'`` (:data:`PUBLISHED_V2`), which also sets
+            ``'swinv2_base_window12to16_192to256'`` (:data:`~swin_backbone.model.presets.PUBLISHED_V2`), which also sets
             ``window_size`` and ``pretrained_window_sizes`` unless they are given.
         window_size: the attention window, an int or one per stage (default 8, or the
             published model's).
@@ -336,48 +240,24 @@ class SwinV2Backbone(SwinBackbone):
     ) -> None:
         if qk_scale is not None:
             fail("qk_scale", "None (Swin V2's cosine attention learns its scale: logit_scale)", qk_scale)
-        values, published = resolve_v2_arch(arch, embed_dims, depths, num_heads, extra_norm_every_n_blocks)
-        depths_t = tuple(values["depths"])
-        num_stages = len(depths_t) if depths_t else 0
-        window = window_size if window_size is not None else published.get("window_size", 8)
-        pretrained = (
-            pretrained_window_sizes if pretrained_window_sizes is not None else published.get("pretrained_window_sizes", 0)
-        )
-        windows = _per_stage("window_size", window, num_stages, 1)
-        pretrained_t = _per_stage("pretrained_window_sizes", pretrained, num_stages, 0)
-        extra = values["extra_norm_every_n_blocks"]
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-            fail("extra_norm_every_n_blocks", "an int >= 0", extra)
-        # Read by stage_options() while SwinBackbone.__init__ builds the stages (plain
-        # attributes may be set before nn.Module.__init__).
-        self._v2_windows = windows
-        self._v2_pretrained_windows = pretrained_t
-        self._v2_extra_norm = extra
-        super().__init__(
-            arch=None,
-            embed_dims=values["embed_dims"],
-            depths=depths_t,
-            num_heads=tuple(values["num_heads"]),
-            window_size=max(windows),
-            **kwargs,
-        )
-        self.window_size = windows[0] if len(set(windows)) == 1 else windows  # type: ignore[assignment]
-        self.window_sizes = windows
-        self.pretrained_window_sizes = pretrained_t
+        values, published = resolve_arch(arch, 2, embed_dims=embed_dims, depths=depths, num_heads=num_heads,
+                                         extra_norm_every_n_blocks=extra_norm_every_n_blocks)
+        depths, extra = values["depths"], values.get("extra_norm_every_n_blocks", 0)
+        window = window_size if window_size is not None else published.get("window_size", DEFAULT_WINDOW[2])
+        if pretrained_window_sizes is None:
+            pretrained_window_sizes = published.get("pretrained_window_sizes", 0)
+        pretrained = check_per_stage("pretrained_window_sizes", pretrained_window_sizes, len(depths), 0)
+        check_int("extra_norm_every_n_blocks", extra, minimum=0)
+        options = [
+            [dict(pretrained_window_size=pretrained[i], extra_norm=bool(extra) and (j + 1) % extra == 0)
+             for j in range(depth)]
+            for i, depth in enumerate(depths)
+        ]
+        super().__init__(arch=None, embed_dims=values["embed_dims"], depths=depths, num_heads=values["num_heads"],
+                         window_size=window, block=SwinBlockV2, merging=PatchMergingV2, block_options=options,
+                         **kwargs)
+        self.pretrained_window_sizes = pretrained
         self.extra_norm_every_n_blocks = extra
-
-    def stage_options(self, index: int) -> Dict[str, Any]:
-        depth = self.depths[index]
-        n = self._v2_extra_norm
-        return dict(
-            window_size=self._v2_windows[index],
-            block=SwinBlockV2,
-            merging=PatchMergingV2,
-            block_options=[
-                dict(pretrained_window_size=self._v2_pretrained_windows[index], extra_norm=bool(n) and (j + 1) % n == 0)
-                for j in range(depth)
-            ],
-        )
 
     def _default_init(self) -> None:
         super()._default_init()

@@ -18,18 +18,19 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import attention as _attention
-from .chunked import mlp_residual_, norm_nchw_by_rows
+from . import recompute as _recompute
+from .chunked import add_by_rows_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from . import kernel_choice as _kernel_choice
 from .kernel_choice import resolve_attention as check_attention
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .stage import AttentionInputs, finish_forward, plan_stage, stage_layouts
 from .triton_ops import fused_window_attention
-from .recompute import norm_linear as _norm_linear
-from .recompute import norm_mlp as _norm_mlp
+from .recompute import mlp_branch
 from .windows import WindowLayout, merge_2x2, straddles, window_partition, zero_beyond_valid, zero_straddles_
 
 def clear_caches() -> None:
@@ -48,10 +49,11 @@ __all__ = [
     "Plan",
     "check_attention",
     "clear_caches",
+    "continuous_position_bias",
+    "cosine_qkv",
     "finish_forward",
     "mask_input",
     "merge_patches",
-    "mlp_post_norm_residual",
     "mlp_residual",
     "norm_linear",
     "norm_qkv",
@@ -62,6 +64,7 @@ __all__ = [
     "plan_forward",
     "plan_stage",
     "project",
+    "stage_layouts",
     "window_attention",
 ]
 
@@ -69,21 +72,25 @@ __all__ = [
 def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, plan: Plan) -> torch.Tensor:
     """``linear(norm(x))``, ``(..., C)`` -> ``(..., C_out)``."""
     if plan.save_memory:
-        return _norm_linear(x, norm, linear)
+        return _recompute.norm_linear(x, norm, linear.weight, linear.bias)
     return linear(norm(x))
 
 
-def norm_qkv(x: torch.Tensor, norm: nn.Module, qkv: nn.Linear, layout: WindowLayout, num_heads: int, plan: Plan) -> torch.Tensor:
-    """LayerNorm, (shifted) window partition and qkv projection of ``(B, H * W, C)`` tokens.
+def norm_qkv(
+    x: torch.Tensor, norm: Optional[nn.Module], weight: torch.Tensor, bias: Optional[torch.Tensor],
+    layout: WindowLayout, plan: Plan,
+) -> torch.Tensor:
+    """LayerNorm (``None``: none, Swin V2), (shifted) window partition and qkv projection
+    ``F.linear(.., weight, bias)`` of ``(B, H * W, C)`` tokens.
 
     Returns ``(B, nW * N, 3C)`` in ``layout``'s window order, or ``(B, H * W, 3C)`` row-major
     tokens for the fused Triton kernel (which gathers its windows itself).
     """
-    if plan.attention == "triton":
-        return norm_linear(x, norm, qkv, plan)
-    if plan.save_memory:
-        return _norm_linear(x, norm, qkv, layout)
-    return qkv(window_partition(norm(x), layout))
+    windows = None if plan.attention == "triton" else layout
+    if norm is not None and plan.save_memory:
+        return _recompute.norm_linear(x, norm, weight, bias, windows)
+    x = x if norm is None else norm(x)
+    return F.linear(x if windows is None else window_partition(x, windows), weight, bias)
 
 
 def window_attention(
@@ -158,36 +165,22 @@ def project(tokens: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return _attention._project(tokens, linear)
 
 
-def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: nn.Module, drop_path: nn.Module, plan: Plan) -> torch.Tensor:
-    """``x + drop_path(mlp(norm(x)))`` for ``(B, L, C)`` tokens that the caller owns.
-
-    ``mlp`` has ``fc1``, ``act`` (GELU), ``fc2`` and ``drop``. CPU inference adds into ``x``
-    in place, a row chunk at a time; training keeps only the inputs for backward.
-    """
-    if plan.chunk_bytes and not plan.grad and not plan.stochastic:
-        return mlp_residual_(x, norm, mlp.fc1, mlp.fc2, plan.chunk_bytes)
-    if plan.save_memory and not plan.dropout:
-        return drop_path(_norm_mlp(x, norm, mlp.fc1, mlp.fc2, plan.chunk_bytes)).add_(x)
-    return drop_path(mlp(norm(x))).add_(x)
-
-
-def mlp_post_norm_residual(
-    x: torch.Tensor, mlp: nn.Module, norm: nn.Module, drop_path: nn.Module, plan: Plan
+def mlp_residual(
+    x: torch.Tensor, mlp: nn.Module, norm: nn.Module, norm_first: bool, drop_path: nn.Module, plan: Plan
 ) -> torch.Tensor:
-    """``x + drop_path(norm(mlp(x)))`` (Swin V2's post-norm MLP residual) for ``(B, L, C)``
-    tokens that the caller owns: :func:`mlp_residual` with the norm after the MLP.
+    """The MLP residual of ``(B, L, C)`` tokens that the caller owns: ``x + drop_path(mlp(norm(x)))``
+    with the norm first (Swin V1), ``x + drop_path(norm(mlp(x)))`` with it after (Swin V2).
 
     ``mlp`` has ``fc1``, ``act`` (GELU), ``fc2`` and ``drop``. CPU inference adds into ``x``
     in place, a row chunk at a time; training keeps only the inputs for backward
-    (:func:`~swin_backbone.ops.recompute.mlp_norm`).
+    (:func:`~.recompute.mlp`).
     """
-    from . import chunked as _chunked, recompute as _recompute
-
     if plan.chunk_bytes and not plan.grad and not plan.stochastic:
-        return _chunked.mlp_post_norm_residual_(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)
+        return add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, norm_first), mlp.fc1.out_features,
+                            plan.chunk_bytes)
     if plan.save_memory and not plan.dropout:
-        return drop_path(_recompute.mlp_norm(x, mlp.fc1, mlp.fc2, norm, plan.chunk_bytes)).add_(x)
-    return drop_path(norm(mlp(x))).add_(x)
+        return drop_path(_recompute.mlp(x, mlp.fc1, mlp.fc2, norm, norm_first, plan.chunk_bytes)).add_(x)
+    return drop_path(mlp_branch(x, mlp, norm, norm_first)).add_(x)
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:

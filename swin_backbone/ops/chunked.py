@@ -11,10 +11,9 @@ GPUs run whole tensors: there chunks would only multiply kernel launches.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -34,22 +33,12 @@ def chunk_slices(total: int, step: int) -> List[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def mlp_residual_(x: torch.Tensor, norm: nn.Module, fc1: nn.Linear, fc2: nn.Linear, chunk_bytes: int) -> torch.Tensor:
-    """``x += fc2(gelu(fc1(norm(x))))`` in row chunks, in place, without autograd.
-
-    The residual goes into ``x`` (which the caller owns) instead of a new map-sized tensor:
-    an allocation that large comes from the OS page by page, which makes the add slower.
-
-    Args:
-        x: ``(..., C)`` contiguous tokens, modified in place.
-    Returns:
-        ``x``.
-    """
-    return _add_by_rows_(x, lambda rows: fc2(F.gelu(fc1(norm(rows)))), fc1.out_features, chunk_bytes)
-
-
-def _add_by_rows_(x: torch.Tensor, branch, hidden: int, chunk_bytes: int) -> torch.Tensor:
-    """``x += branch(x)`` a row chunk at a time (chunks sized for ``hidden`` channels)."""
+def add_by_rows_(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
+                 chunk_bytes: int) -> torch.Tensor:
+    """``x += branch(x)`` for ``(..., C)`` contiguous tokens ``x``, a row chunk at a time
+    (chunks sized for ``hidden`` channels), in place, without autograd: the inference MLP
+    residual. Into ``x`` (which the caller owns) instead of a new map-sized tensor: an
+    allocation that large comes from the OS page by page, which makes the add slower."""
     rows = x.view(-1, x.shape[-1])
     for part in chunk_slices(rows.shape[0], chunk_rows(hidden, x.element_size(), chunk_bytes)):
         chunk = rows[part]
@@ -70,18 +59,3 @@ def norm_nchw_by_rows(x: torch.Tensor, norm: nn.Module, chunk_bytes: int) -> tor
             out = part.new_empty(batch, channels, height, width)
         out[:, :, rows] = part
     return out
-
-
-def mlp_post_norm_residual_(
-    x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int
-) -> torch.Tensor:
-    """``x += norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP residual) in row chunks, in
-    place, without autograd: the V2 counterpart of :func:`mlp_residual_`.
-
-    Args:
-        x: ``(..., C)`` contiguous tokens, modified in place.
-    Returns:
-        ``x``.
-    """
-    return _add_by_rows_(x, lambda rows: norm(fc2(F.gelu(fc1(rows)))), fc1.out_features, chunk_bytes)
-

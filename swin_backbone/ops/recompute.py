@@ -13,7 +13,7 @@ or while ``torch.compile`` traces (inductor makes its own choices there).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,11 @@ def _linear_backward(grad: torch.Tensor, inputs: torch.Tensor, weight: torch.Ten
     return grad_in, grad_w, grad_b
 
 
-class _NormMlp(torch.autograd.Function):
-    """``fc2(gelu(fc1(layer_norm(x))))`` (LayerNorm optional) that saves ``x``, the LayerNorm
-    statistics and ``h = fc1(...)`` for backward, not the LayerNorm or GELU outputs.
+class _Mlp(torch.autograd.Function):
+    """``fc2(gelu(fc1(x)))`` with a LayerNorm before it (``norm_first``: Swin V1's pre-norm
+    branch), after it (Swin V2's post-norm branch) or none, saving for backward only ``x``,
+    ``h = fc1(...)`` and the LayerNorm's statistics (post-norm: and its input ``y``), not the
+    LayerNorm or GELU outputs, which are recomputed.
 
     The GELU -> fc2 forward and the whole backward run in row chunks (chunked.py): GELU, the
     recomputed LayerNorm output and every gradient exist a chunk at a time, and each bias /
@@ -58,85 +60,106 @@ class _NormMlp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps: float, w1, b1, w2, b2, chunk_bytes: int):
+    def forward(ctx, x, w1, b1, w2, b2, norm_weight, norm_bias, eps: float, norm_first: bool, chunk_bytes: int):
         rows = x.reshape(-1, x.shape[-1])
-        mean = rstd = None
-        normed, ln_dtype = rows, rows.dtype
-        if norm_weight is not None:
+        pre, post = norm_weight is not None and norm_first, norm_weight is not None and not norm_first
+        mean = rstd = y = None
+        ln_dtype = rows.dtype
+        if pre:
             ln_dtype = _layer_norm_dtype(rows, norm_weight, norm_bias, eps)
-            normed, mean, rstd = torch.native_layer_norm(rows.to(ln_dtype), (rows.shape[-1],), norm_weight, norm_bias, eps)
-        h = F.linear(normed, w1, b1)  # autocast applies here as for nn.Linear
+            rows, mean, rstd = torch.native_layer_norm(rows.to(ln_dtype), (rows.shape[-1],), norm_weight, norm_bias, eps)
+        h = F.linear(rows, w1, b1)  # autocast applies here as for nn.Linear
         # In the output's shape, so that what is returned is no view (a caller may add a
         # residual into it in place, which autograd forbids on views made in here).
-        result = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
-        ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, w1, h, w2)
-        ctx.eps, ctx.chunk_bytes, ctx.ln_dtype = eps, chunk_bytes, ln_dtype
+        out = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
+        if post:
+            y, ln_dtype = out, _layer_norm_dtype(out, norm_weight, norm_bias, eps)
+            out, mean, rstd = torch.native_layer_norm(y.to(ln_dtype), (y.shape[-1],), norm_weight, norm_bias, eps)
+        ctx.save_for_backward(x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias)
+        ctx.eps, ctx.pre, ctx.post, ctx.chunk_bytes, ctx.ln_dtype = eps, pre, post, chunk_bytes, ln_dtype
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
-        return result
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, mean, rstd, norm_weight, norm_bias, w1, h, w2 = ctx.saved_tensors
-        needs = ctx.needs_input_grad  # x, norm_weight, norm_bias, eps, w1, b1, w2, b2
-        dtype, channels = h.dtype, x.shape[-1]
+        x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # x, w1, b1, w2, b2, norm_weight, norm_bias, eps, norm_first, chunk_bytes
+        pre, post, ln_dtype = ctx.pre, ctx.post, ctx.ln_dtype
+        dtype, channels, width = h.dtype, x.shape[-1], w2.shape[0]
         acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
         w1c, w2c = w1.to(dtype), w2.to(dtype)
-        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, grad.shape[-1]).to(dtype)
+        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, width)
+        if mean is not None:
+            mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
 
-        def zeros(shape, needed):
-            return rows.new_zeros(shape, dtype=acc) if needed else None
+        def zeros(shape, needed, like=acc):
+            return rows.new_zeros(shape, dtype=like) if needed else None
 
         def empty(shape, needed):  # written by the first chunk's matmul: no zero-fill pass
             return rows.new_empty(shape, dtype=acc) if needed else None
 
+        ln_acc = torch.promote_types(ln_dtype, torch.float32)
+        norm_width = width if post else channels
+        grad_nw, grad_nb = zeros(norm_width, needs[5], ln_acc), zeros(norm_width, needs[6], ln_acc)
         grad_x = torch.empty_like(rows) if needs[0] else None
-        grad_nw, grad_nb = zeros(channels, needs[1]), zeros(channels, needs[2])
-        grad_w1, grad_b1 = empty(w1.shape, needs[4]), zeros(w1.shape[0], needs[5])
-        grad_w2 = empty(w2.shape, needs[6])
-        below_fc1 = any(needs[:3])
+        grad_w1, grad_b1 = empty(w1.shape, needs[1]), zeros(w1.shape[0], needs[2])
+        grad_w2, grad_b2 = empty(w2.shape, needs[3]), zeros(w2.shape[0], needs[4])
+        below_fc1 = needs[0] or (pre and (needs[5] or needs[6]))  # the gradient of fc1's input
+        below_fc2 = below_fc1 or needs[1] or needs[2]
         for i, part in enumerate(_row_parts(h, ctx.chunk_bytes)):
-            act = F.gelu(h[part])
+            g = grad_rows[part]
+            if post:
+                g, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
+                    g.to(ln_dtype), y.view(-1, width)[part].to(ln_dtype), (width,), mean[part], rstd[part],
+                    norm_weight, norm_bias, [below_fc2 or needs[3] or needs[4], needs[5], needs[6]])
+                _add(grad_nw, dnw)
+                _add(grad_nb, dnb)
+                if g is None:
+                    continue
+            g = g.to(dtype)
+            if grad_b2 is not None:
+                grad_b2 += g.sum(0, dtype=acc)
             if grad_w2 is not None:
-                _accumulate_mm(grad_w2, grad_rows[part].t(), act, first=i == 0)
-            if not (below_fc1 or needs[4] or needs[5]):
+                _accumulate_mm(grad_w2, g.t(), F.gelu(h[part]), first=i == 0)
+            if not below_fc2:
                 continue
-            grad_h = torch.ops.aten.gelu_backward(grad_rows[part] @ w2c, h[part])
+            grad_h = torch.ops.aten.gelu_backward(g @ w2c, h[part])
             if grad_b1 is not None:
                 grad_b1 += grad_h.sum(0, dtype=acc)
             if grad_w1 is not None:
-                normed = rows[part]
-                if norm_weight is not None:
-                    normed = torch.native_layer_norm(
-                        normed.to(ctx.ln_dtype), (channels,), norm_weight, norm_bias, ctx.eps)[0]
-                _accumulate_mm(grad_w1, grad_h.t(), normed.to(dtype), first=i == 0)
+                inputs = rows[part]
+                if pre:
+                    inputs = torch.native_layer_norm(inputs.to(ln_dtype), (channels,), norm_weight, norm_bias, ctx.eps)[0]
+                _accumulate_mm(grad_w1, grad_h.t(), inputs.to(dtype), first=i == 0)
             if not below_fc1:
                 continue
-            grad_normed = (grad_h @ w1c).to(ctx.ln_dtype)
-            if norm_weight is None:
-                grad_x[part] = grad_normed
-                continue
-            dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-                grad_normed, rows[part].to(ctx.ln_dtype), (channels,), mean[part], rstd[part], norm_weight, norm_bias,
-                list(needs[:3]),
-            )
+            grad_in = grad_h @ w1c
+            if pre:
+                grad_in, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
+                    grad_in.to(ln_dtype), rows[part].to(ln_dtype), (channels,), mean[part], rstd[part], norm_weight,
+                    norm_bias, [needs[0], needs[5], needs[6]])
+                _add(grad_nw, dnw)
+                _add(grad_nb, dnb)
             if grad_x is not None:
-                grad_x[part] = dx
-            if grad_nw is not None:
-                grad_nw += dnw
-            if grad_nb is not None:
-                grad_nb += dnb
+                grad_x[part] = grad_in
         b1_dtype, b2_dtype = ctx.bias_dtypes
         return (
             None if grad_x is None else grad_x.view(x.shape),
-            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
-            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
-            None,
             None if grad_w1 is None else grad_w1.to(w1.dtype),
             None if grad_b1 is None else grad_b1.to(b1_dtype),
             None if grad_w2 is None else grad_w2.to(w2.dtype),
-            grad_rows.sum(0, dtype=acc).to(b2_dtype) if needs[7] else None,
+            None if grad_b2 is None else grad_b2.to(b2_dtype),
+            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
+            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
+            None,
+            None,
             None,
         )
+
+
+def _add(total: Optional[torch.Tensor], part: Optional[torch.Tensor]) -> None:
+    if total is not None:
+        total += part
 
 
 def _gelu_linear(h: torch.Tensor, w2: torch.Tensor, b2, lead_shape, chunk_bytes: int) -> torch.Tensor:
@@ -215,23 +238,11 @@ class _NormLinear(torch.autograd.Function):
         return grad_x, grad_nw, grad_nb, None, grad_w, grad_b, None
 
 
-def norm_mlp(x: torch.Tensor, norm: Optional[nn.Module], fc1: nn.Linear, fc2: nn.Linear, chunk_bytes: int = 0) -> torch.Tensor:
-    """``fc2(gelu(fc1(norm(x))))`` (``norm`` may be None) keeping only ``x``, the LayerNorm
-    statistics and ``fc1``'s output for backward (:class:`_NormMlp`).
-
-    Args:
-        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
-        chunk_bytes: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
-    """
-    if norm is None or _fusable(norm, x):
-        nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
-        return _NormMlp.apply(x, nw, nb, eps, fc1.weight, fc1.bias, fc2.weight, fc2.bias, chunk_bytes)
-    return fc2(F.gelu(fc1(norm(x))))
-
-
-def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Optional[WindowLayout] = None) -> torch.Tensor:
-    """``linear(window_partition(norm(x), layout))`` (no partition when ``layout`` is None),
-    keeping only ``x`` and the LayerNorm statistics for backward (:class:`_NormLinear`).
+def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                layout: Optional[WindowLayout] = None) -> torch.Tensor:
+    """``F.linear(window_partition(norm(x), layout), weight, bias)`` (no partition when
+    ``layout`` is None), keeping only ``x`` and the LayerNorm statistics for backward
+    (:class:`_NormLinear`).
 
     Args:
         x: ``(B, L, C)`` tokens (``L = H * W`` of ``layout``) or any ``(..., C)`` without one.
@@ -240,93 +251,9 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, layout: Opt
         ``(B, nW * N, C_out)`` with a layout, else ``(..., C_out)``.
     """
     if _fusable(norm, x):
-        return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias, layout)
+        return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, weight, bias, layout)
     normed = norm(x)
-    return linear(normed if layout is None else window_partition(normed, layout))
-
-
-class _MlpNorm(torch.autograd.Function):
-    """``layer_norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP branch) that saves ``x``,
-    ``h = fc1(x)``, the LayerNorm's input ``y`` and statistics for backward, not the GELU
-    output (which fc2's backward needs: recomputed from ``h``).
-
-    As :class:`_NormMlp`, the GELU -> fc2 forward and the whole backward (here including the
-    LayerNorm's) run in row chunks; fp16 / bf16 run as one chunk. Under autocast the
-    LayerNorm runs in the dtype ``nn.LayerNorm`` would (fp32 on CUDA, the input's on the CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, norm_weight, norm_bias, eps: float, chunk_bytes: int):
-        rows = x.reshape(-1, x.shape[-1])
-        h = F.linear(rows, w1, b1)  # autocast applies here as for nn.Linear
-        y = _gelu_linear(h, w2, b2, x.shape[:-1], chunk_bytes)
-        ln_dtype = _layer_norm_dtype(y, norm_weight, norm_bias, eps)
-        out, mean, rstd = torch.native_layer_norm(y.to(ln_dtype), (y.shape[-1],), norm_weight, norm_bias, eps)
-        ctx.save_for_backward(x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias)
-        ctx.chunk_bytes, ctx.ln_dtype = chunk_bytes, ln_dtype
-        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias = ctx.saved_tensors
-        needs = ctx.needs_input_grad  # x, w1, b1, w2, b2, norm_weight, norm_bias, eps, chunk_bytes
-        dtype, channels, width = h.dtype, x.shape[-1], y.shape[-1]
-        acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
-        w1c, w2c = w1.to(dtype), w2.to(dtype)
-        rows, grad_rows = x.reshape(-1, channels), grad.reshape(-1, width)
-        y_rows, mean, rstd = y.view(-1, width), mean.reshape(-1, 1), rstd.reshape(-1, 1)
-
-        def zeros(shape, needed, like=acc):
-            return rows.new_zeros(shape, dtype=like) if needed else None
-
-        def empty(shape, needed):  # written by the first chunk's matmul: no zero-fill pass
-            return rows.new_empty(shape, dtype=acc) if needed else None
-
-        ln_acc = torch.promote_types(ctx.ln_dtype, torch.float32)
-        grad_nw, grad_nb = zeros(width, needs[5], ln_acc), zeros(width, needs[6], ln_acc)
-        grad_x = torch.empty_like(rows) if needs[0] else None
-        grad_w1, grad_b1 = empty(w1.shape, needs[1]), zeros(w1.shape[0], needs[2])
-        grad_w2, grad_b2 = empty(w2.shape, needs[3]), zeros(w2.shape[0], needs[4])
-        below_norm = any(needs[:5])
-        below_fc2 = any(needs[:3])
-        for i, part in enumerate(_row_parts(h, ctx.chunk_bytes)):
-            dy, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-                grad_rows[part].to(ctx.ln_dtype), y_rows[part].to(ctx.ln_dtype), (width,), mean[part], rstd[part],
-                norm_weight, norm_bias, [below_norm, needs[5], needs[6]],
-            )
-            if grad_nw is not None:
-                grad_nw += dnw
-            if grad_nb is not None:
-                grad_nb += dnb
-            if not below_norm:
-                continue
-            dy = dy.to(dtype)
-            if grad_b2 is not None:
-                grad_b2 += dy.sum(0, dtype=acc)
-            if grad_w2 is not None:
-                _accumulate_mm(grad_w2, dy.t(), F.gelu(h[part]), first=i == 0)
-            if not below_fc2:
-                continue
-            grad_h = torch.ops.aten.gelu_backward(dy @ w2c, h[part])
-            if grad_b1 is not None:
-                grad_b1 += grad_h.sum(0, dtype=acc)
-            if grad_w1 is not None:
-                _accumulate_mm(grad_w1, grad_h.t(), rows[part].to(dtype), first=i == 0)
-            if grad_x is not None:
-                grad_x[part] = grad_h @ w1c
-        b1_dtype, b2_dtype = ctx.bias_dtypes
-        return (
-            None if grad_x is None else grad_x.view(x.shape),
-            None if grad_w1 is None else grad_w1.to(w1.dtype),
-            None if grad_b1 is None else grad_b1.to(b1_dtype),
-            None if grad_w2 is None else grad_w2.to(w2.dtype),
-            None if grad_b2 is None else grad_b2.to(b2_dtype),
-            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
-            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
-            None,
-            None,
-        )
+    return F.linear(normed if layout is None else window_partition(normed, layout), weight, bias)
 
 
 def _layer_norm_dtype(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.dtype:
@@ -337,19 +264,27 @@ def _layer_norm_dtype(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return F.layer_norm(y.new_empty(0, y.shape[-1]), (y.shape[-1],), weight, bias, eps).dtype
 
 
-def mlp_norm(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: nn.Module, chunk_bytes: int = 0) -> torch.Tensor:
-    """``norm(fc2(gelu(fc1(x))))`` (Swin V2's post-norm MLP branch) keeping only ``x``,
-    ``fc1``'s output and the LayerNorm's input and statistics for backward (:class:`_MlpNorm`).
+def mlp(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: Optional[nn.Module], norm_first: bool,
+        chunk_bytes: int = 0) -> torch.Tensor:
+    """``fc2(gelu(fc1(norm(x))))`` (``norm_first``) or ``norm(fc2(gelu(fc1(x))))``, keeping
+    only ``x``, ``fc1``'s output and the LayerNorm's statistics (and input) for backward
+    (:class:`_Mlp`).
 
     Args:
-        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` over ``fc2``'s output (anything
-            else runs unfused).
+        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
         chunk_bytes: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
     Returns:
         ``(..., C_out)``, a tensor of its own (a residual may be added into it in place).
     """
-    if _fusable(norm, x):
-        return _MlpNorm.apply(
-            x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm.weight, norm.bias, norm.eps, chunk_bytes
-        )
-    return norm(fc2(F.gelu(fc1(x))))
+    if norm is None or _fusable(norm, x):
+        nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+        return _Mlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, nw, nb, eps, norm_first, chunk_bytes)
+    return mlp_branch(x, lambda rows: fc2(F.gelu(fc1(rows))), norm, norm_first)
+
+
+def mlp_branch(x: torch.Tensor, mlp: Callable[[torch.Tensor], torch.Tensor], norm: Optional[nn.Module],
+               norm_first: bool) -> torch.Tensor:
+    """The MLP branch as plain calls: ``mlp(norm(x))`` (``norm_first``) or ``norm(mlp(x))``."""
+    if norm is None:
+        return mlp(x)
+    return mlp(norm(x)) if norm_first else norm(mlp(x))

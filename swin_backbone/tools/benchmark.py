@@ -94,8 +94,8 @@ ABLATIONS: Dict[str, Dict[str, object]] = {
 #: ``--ablate --v2`` variants (names of :data:`ABLATIONS`): every one reaches SwinV2Backbone
 #: through the same ``ops`` functions as V1. sdpa, recompute_attention and fixup_share:
 #: ``WindowAttentionV2`` runs ``ops.window_attention`` (kernel and masked-window strategy of
-#: the plan) on V1's stage layouts; save_memory: ``ops.norm_qkv`` (identity norm),
-#: ``ops.cosine_qkv`` and ``ops.mlp_post_norm_residual``; chunk_bytes: the latter's inference
+#: the plan) on V1's stage layouts; save_memory: ``ops.norm_qkv`` (no norm),
+#: ``ops.cosine_qkv`` and ``ops.mlp_residual`` (norm after); chunk_bytes: the latter's inference
 #: and training paths, the recompute attention's backward and ``ops.output_nchw``.
 V2_ABLATIONS: Tuple[str, ...] = tuple(ABLATIONS)
 

@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..model.backbone import ARCH_SETTINGS
+from ..model.presets import ARCH_SETTINGS
 from ..ops import kernel_choice
 from ..ops import stage as stage_ops
 from ..ops.windows import output_size

@@ -256,7 +256,7 @@ def test_float64_gradcheck_through_recompute_kernel_and_cosine_prep():
 
 def _with_scale(attn, scale):
     def run(t, layout, plan):
-        qkv = ops.norm_qkv(t, torch.nn.Identity(), attn.qkv_projection(), layout, attn.num_heads, plan)
+        qkv = ops.norm_qkv(t, None, attn.qkv.weight, attn.qkv_bias(), layout, plan)
         qkv = ops.cosine_qkv(qkv, scale, attn.num_heads)
         out = ops.window_attention(qkv, attn.position_bias_table(), attn.window_size, layout, attn.num_heads, 1.0, 0.0, plan)
         return ops.project(out, attn.proj)

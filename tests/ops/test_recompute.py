@@ -5,7 +5,7 @@ from torch import nn
 
 from swin_backbone.model.blocks import Mlp
 from swin_backbone.torch_compat import autocast_enabled
-from swin_backbone.ops.recompute import _NormLinear, norm_linear, norm_mlp
+from swin_backbone.ops.recompute import _NormLinear, mlp as recompute_mlp, norm_linear
 from swin_backbone.ops.windows import build_window_layout, window_partition
 
 
@@ -40,7 +40,7 @@ def test_norm_linear_matches_modules(size, shift, bias):
         shape = (2, size[0] * size[1], 8)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     params = [x, norm.weight, norm.bias, linear.weight] + ([linear.bias] if bias else [])
-    out = norm_linear(x, norm, linear, layout)
+    out = norm_linear(x, norm, linear.weight, linear.bias, layout)
     assert out.grad_fn.name() == "_NormLinearBackward"
     normed = norm(x)
     ref = linear(normed if layout is None else window_partition(normed, layout))
@@ -65,11 +65,11 @@ def test_functions_record_nothing_without_grad():
     norm, linear = _modules()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     with torch.no_grad():
-        assert norm_linear(x, norm, linear).grad_fn is None
+        assert norm_linear(x, norm, linear.weight, linear.bias).grad_fn is None
     for p in (*norm.parameters(), *linear.parameters()):
         p.requires_grad_(False)
-    assert norm_linear(x, norm, linear).grad_fn is None
-    torch.testing.assert_close(norm_linear(x, norm, linear), linear(norm(x)))
+    assert norm_linear(x, norm, linear.weight, linear.bias).grad_fn is None
+    torch.testing.assert_close(norm_linear(x, norm, linear.weight, linear.bias), linear(norm(x)))
 
 
 def test_norm_linear_under_bf16_autocast():
@@ -79,7 +79,7 @@ def test_norm_linear_under_bf16_autocast():
     # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
     # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = norm_linear(x, norm, linear)
+        out = norm_linear(x, norm, linear.weight, linear.bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = linear(norm(x))
     assert out.dtype == ref.dtype == torch.bfloat16
@@ -98,17 +98,17 @@ def test_memory_saving_mlp_matches_autograd(chunk_budget, with_norm):
     norm, _ = _modules(8, 8)
     norm = norm if with_norm else None
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, chunk_budget)
-    assert out.grad_fn.name() == "_NormMlpBackward"
+    out = recompute_mlp(x, mlp.fc1, mlp.fc2, norm, True, chunk_budget)
+    assert out.grad_fn.name() == "_MlpBackward"
     ref = mlp.fc2(mlp.act(mlp.fc1(x if norm is None else norm(x))))
     torch.testing.assert_close(out, ref)
     params = [x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
     params += [] if norm is None else [norm.weight, norm.bias]
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
         torch.testing.assert_close(a, b)
-    assert torch.autograd.gradcheck(lambda t, *ps: norm_mlp(t, norm, mlp.fc1, mlp.fc2, chunk_budget), (x, *params[1:]))
+    assert torch.autograd.gradcheck(lambda t, *ps: recompute_mlp(t, mlp.fc1, mlp.fc2, norm, True, chunk_budget), (x, *params[1:]))
     with torch.no_grad():
-        assert norm_mlp(x, norm, mlp.fc1, mlp.fc2).grad_fn is None
+        assert recompute_mlp(x, mlp.fc1, mlp.fc2, norm, True).grad_fn is None
 
 
 def test_memory_saving_mlp_partial_gradients():
@@ -118,8 +118,8 @@ def test_memory_saving_mlp_partial_gradients():
     for p in (*norm.parameters(), mlp.fc1.weight):
         p.requires_grad_(False)
     x = torch.randn(2, 5, 8, dtype=torch.float64)
-    out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 8)
-    assert out.grad_fn.name() == "_NormMlpBackward"
+    out = recompute_mlp(x, mlp.fc1, mlp.fc2, norm, True, 3 * 32 * 8)
+    assert out.grad_fn.name() == "_MlpBackward"
     ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
     params = [mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
     for a, b in zip(torch.autograd.grad(out.sum(), params), torch.autograd.grad(ref.sum(), params)):
@@ -134,10 +134,10 @@ def test_memory_saving_mlp_under_bf16_autocast():
     # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
     # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = norm_mlp(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 4)
+        out = recompute_mlp(x, mlp.fc1, mlp.fc2, norm, True, 3 * 32 * 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = mlp.fc2(mlp.act(mlp.fc1(norm(x))))
-    assert out.grad_fn.name() == "_NormMlpBackward" and out.dtype == ref.dtype == torch.bfloat16
+    assert out.grad_fn.name() == "_MlpBackward" and out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)  # bias added after rounding
     for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
         assert a.dtype == b.dtype == torch.float32
@@ -146,27 +146,27 @@ def test_memory_saving_mlp_under_bf16_autocast():
 
 @pytest.mark.parametrize("rows", [0, 1, 10])
 def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
-    from swin_backbone.ops.chunked import mlp_residual_
+    from swin_backbone import ops
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
         ref = x + mlp(norm(x))
-        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2, max(chunk_budget, 1))
+        got = ops.add_by_rows_(x, lambda rows: ops.mlp_branch(rows, mlp, norm, True), 32, max(chunk_budget, 1))
     assert got is x  # in place
     torch.testing.assert_close(got, ref)
 
 
 def test_chunked_mlp_residual_under_autocast():
-    from swin_backbone.ops.chunked import mlp_residual_
+    from swin_backbone import ops
 
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
-        got = mlp_residual_(x, norm, mlp.fc1, mlp.fc2, 3 * 32 * 2)
+        got = ops.add_by_rows_(x, lambda rows: ops.mlp_branch(rows, mlp, norm, True), 32, 3 * 32 * 2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
@@ -241,7 +241,7 @@ def test_memory_saving_functions_serve_autocast_training(rule, version, monkeypa
     # V1: per block norm -> qkv and norm -> MLP (4 blocks), and stage 1's patch merging;
     # V2: per block the post-norm MLP (its qkv has no norm before it, its merging a norm after).
     expected = {"v1": 9, "v2": 4}[version]
-    functions = ("_NormLinearBackward", "_NormMlpBackward", "_MlpNormBackward")
+    functions = ("_NormLinearBackward", "_MlpBackward")
     x = torch.randn(2, 3, 40, 36)
     results = []
     for save_memory in (True, False):
@@ -273,7 +273,7 @@ def test_norm_linear_with_fp32_norm_on_bf16_tokens_under_autocast(monkeypatch):
     # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
     # forward (no grad) for a later use with grad in the same region.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = norm_linear(x, norm, linear)
+        out = norm_linear(x, norm, linear.weight, linear.bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = linear(norm(x))
     assert out.grad_fn.name() == "_NormLinearBackward"

@@ -6,8 +6,12 @@ from torch import nn
 
 from swin_backbone import ops
 from swin_backbone.model.blocks import DropPath, Mlp
-from swin_backbone.ops.chunked import mlp_post_norm_residual_
-from swin_backbone.ops.recompute import _MlpNorm, mlp_norm
+from swin_backbone.ops.chunked import add_by_rows_
+from swin_backbone.ops.recompute import _Mlp, mlp, mlp_branch
+
+
+def mlp_norm(x, fc1, fc2, norm, chunk_bytes=0):
+    return mlp(x, fc1, fc2, norm, False, chunk_bytes)
 
 
 def _mlp_norm_modules(c=8, hidden=32, dtype=torch.float64):
@@ -34,7 +38,7 @@ def test_chunked_post_norm_mlp_residual_matches_plain(chunk_budget, rows):
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
         ref = x + norm(mlp(x))
-        got = mlp_post_norm_residual_(x, mlp.fc1, mlp.fc2, norm, max(chunk_budget, 1))
+        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, False), 32, max(chunk_budget, 1))
     assert got is x  # in place
     torch.testing.assert_close(got, ref)
 
@@ -44,7 +48,7 @@ def test_chunked_post_norm_mlp_residual_under_autocast():
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + norm(mlp(x))
-        got = mlp_post_norm_residual_(x.clone(), mlp.fc1, mlp.fc2, norm, 3 * 32 * 2)
+        got = add_by_rows_(x.clone(), lambda rows: mlp_branch(rows, mlp, norm, False), 32, 3 * 32 * 2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
@@ -53,7 +57,7 @@ def test_mlp_norm_matches_autograd(chunk_budget):
     mlp, norm = _mlp_norm_modules()
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, chunk_budget)
-    assert out.grad_fn.name() == "_MlpNormBackward"
+    assert out.grad_fn.name() == "_MlpBackward"
     ref = norm(mlp(x))
     torch.testing.assert_close(out, ref)
     params = [x, *mlp.parameters(), *norm.parameters()]
@@ -70,7 +74,7 @@ def test_mlp_norm_gradcheck(chunk):
     x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
 
     def fn(x, w1, b1, w2, b2, nw, nb):
-        return _MlpNorm.apply(x, w1, b1, w2, b2, nw, nb, norm.eps, chunk)
+        return _Mlp.apply(x, w1, b1, w2, b2, nw, nb, norm.eps, False, chunk)
 
     params = (x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, norm.weight, norm.bias)
     assert torch.autograd.gradcheck(fn, params)
@@ -85,7 +89,7 @@ def test_mlp_norm_partial_gradients(frozen):
         p.requires_grad_(False)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=frozen != "input_and_fc1")
     out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, 3 * 32 * 8)
-    assert out.grad_fn.name() == "_MlpNormBackward"
+    assert out.grad_fn.name() == "_MlpBackward"
     ref = norm(mlp(x))
     params = [p for p in (x, *mlp.parameters(), *norm.parameters()) if p.requires_grad]
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
@@ -103,7 +107,7 @@ def test_mlp_norm_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = norm(mlp(x))
     # the LayerNorm's dtype follows autocast's rule for nn.LayerNorm (on the CPU: its input's)
-    assert out.grad_fn.name() == "_MlpNormBackward" and out.dtype == ref.dtype
+    assert out.grad_fn.name() == "_MlpBackward" and out.dtype == ref.dtype
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # fc2's bias added after rounding
     for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
         assert a.dtype == b.dtype == torch.float32
@@ -129,15 +133,15 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
     plan = ops.plan_for(x, grad=situation != "inference", dropout=situation == "dropout")
     with torch.set_grad_enabled(situation != "inference"):
         ref = x + norm(mlp(x))
-        got = ops.mlp_post_norm_residual(x.detach().clone() if situation == "inference" else x * 1, mlp, norm,
-                                         DropPath(0.0), plan)
+        got = ops.mlp_residual(x.detach().clone() if situation == "inference" else x * 1, mlp, norm, False,
+                               DropPath(0.0), plan)
     torch.testing.assert_close(got, ref)
     if situation == "inference":
         assert plan.chunk_bytes > 0 and got.grad_fn is None
         return
     backward = got.grad_fn.next_functions[0][0].name()
     # training keeps only the inputs; with dropout active the plain modules run (autograd)
-    assert (backward == "_MlpNormBackward") == (situation == "training")
+    assert (backward == "_MlpBackward") == (situation == "training")
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
     torch.testing.assert_close(gx, rx)
