@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.windows import WindowLayout
+from ..ops.layouts import WindowLayout
 
 
 class WindowAttention(nn.Module):

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 from .. import ops
-from ..ops.windows import WindowLayout, effective_window, pad_amount
+from ..ops.layouts import WindowLayout
+from ..ops.windows import effective_window, pad_amount
 from .attention import WindowAttention
 
 
@@ -75,7 +76,7 @@ class SwinBlock(nn.Module):
     """Pre-norm (shifted-)window attention + MLP, each with a residual and stochastic depth.
 
     The block itself holds no size-dependent state: the stage hands it a
-    :class:`~swin_backbone.ops.windows.WindowLayout` with the gather indices and mask.
+    :class:`~swin_backbone.ops.layouts.WindowLayout` with the gather indices and mask.
     """
 
     def __init__(

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.windows import WindowLayout
+from ..ops.layouts import WindowLayout
 from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
 from .blocks import DropPath, Mlp

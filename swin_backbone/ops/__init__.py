@@ -4,7 +4,10 @@ Each function takes the :class:`~swin_backbone.ops.planner.Plan` decided once pe
 :func:`plan_forward` and runs the implementation it names; nothing here or in the model asks
 about devices or grad modes again. The implementations live in the submodules:
 
-* :mod:`.windows`: pure window / shift / padding arithmetic, cached layouts, token gathers;
+* :mod:`.windows`: pure window / shift / padding arithmetic and masks;
+* :mod:`.layouts`: a map size's window layout (gathers, mask), the ops' caches, token gathers;
+* :mod:`.image_sizes`: per-image valid sizes in a padded batch;
+* :mod:`.stage` / :mod:`.kernel_choice`: a stage's layouts and attention kernel, measured on CUDA;
 * :mod:`.attention`: window attention kernels (SDPA, plain, CPU recompute);
 * :mod:`.triton_attention`: the fused CUDA kernel (where triton is available);
 * :mod:`.recompute`: LayerNorm -> linear / MLP autograd functions that keep only their inputs;
@@ -22,27 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention as _attention
+from . import kernel_choice as _kernel_choice
 from . import recompute as _recompute
 from .chunked import add_by_rows_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
-from . import kernel_choice as _kernel_choice
+from .image_sizes import merge_2x2, straddles, zero_beyond_valid, zero_straddles_
 from .kernel_choice import resolve_attention as check_attention
+from .layouts import WindowLayout, clear_caches, window_partition
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
+from .recompute import mlp_branch
 from .stage import AttentionInputs, finish_forward, plan_stage, stage_layouts
 from .triton_ops import fused_window_attention
-from .recompute import mlp_branch
-from .windows import WindowLayout, merge_2x2, straddles, window_partition, zero_beyond_valid, zero_straddles_
-
-def clear_caches() -> None:
-    """Drop every cache of the ops: window layouts, indices, image windows, Swin V2's
-    coordinate tables, and the applicability answers of the fused kernel (the measured
-    kernel decisions are not a cache of this kind: :func:`.kernel_choice.forget`)."""
-    from . import cosine, stage, windows
-
-    windows.clear_caches()
-    cosine.clear_caches()
-    stage._static_reason_cached.cache_clear()
-
 
 __all__ = [
     "AttentionInputs",
@@ -105,7 +98,8 @@ def window_attention(
 ) -> torch.Tensor:
     """Multi-head attention inside each window with a relative position bias.
 
-    The computation, whichever kernel runs it, is :func:`~.attention.reference_window_attention`.
+    The computation, whichever kernel runs it, is :func:`~.attention.reference_window_attention`
+    (there with the projections).
 
     Args:
         qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
@@ -137,7 +131,7 @@ def window_attention(
         return _attention.redo_image_windows_in_tokens(out, qkv, bias, layout, num_heads, scale, plan.align_masks)
     bias = _attention.relative_position_bias(table, layout.window, table_window)
     fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
-    return _attention.window_attention(
+    return _attention.run_kernel(
         qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, plan.attention, fixup,
         plan.chunk_bytes, plan.align_masks,
     )

@@ -1,7 +1,9 @@
-"""Window multi-head self-attention with a relative position bias: the implementations.
+"""Window multi-head self-attention with a relative position bias: the algorithm and its kernels.
 
-Each computes ``softmax(q k^T * scale + bias + mask) v`` inside every window and returns the
-result in row-major token order; :func:`window_attention` runs the one the plan names
+:func:`reference_window_attention` is the whole algorithm in plain torch, to hold against the
+paper. Every kernel is the same computation, fused (tested against it): each computes
+``softmax(q k^T * scale + bias + mask) v`` inside every window and returns the result in
+row-major token order; :func:`run_kernel` runs the one the plan names
 (:mod:`swin_backbone.ops.planner` decides):
 
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the bias (+ region mask) as an additive
@@ -27,7 +29,57 @@ from torch import nn
 
 from ..torch_compat import scaled_dot_product_attention
 from .chunked import chunk_rows, chunk_slices
-from .windows import ImageWindows, WindowLayout, get_relative_position_index, window_reverse
+from .image_sizes import ImageWindows
+from .layouts import WindowLayout, get_relative_position_index, window_reverse
+from .windows import padded_size, relative_position_index, window_attention_mask
+
+
+def reference_window_attention(
+    x: torch.Tensor,
+    qkv: nn.Linear,
+    proj: nn.Linear,
+    table: torch.Tensor,
+    table_window: int,
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    num_heads: int,
+    scale: float,
+    mask_padding: bool = True,
+) -> torch.Tensor:
+    """(Shifted) window multi-head self-attention (Liu et al. 2021, section 3.2), written out.
+
+    Args:
+        x: ``(B, H * W, C)`` row-major tokens (after the block's norm).
+        qkv, proj: the input and output projections; table: ``((2 tw - 1) ** 2, nH)``
+            relative position bias table of a ``tw = table_window`` window.
+        window, shift: the window ``ws`` and the cyclic shift (0 or ``ws // 2``).
+        mask_padding: padding tokens form their own region (real tokens never attend to them).
+    Returns:
+        ``(B, H * W, C)``.
+    """
+    batch, _, channels = x.shape
+    hp, wp = padded_size(height, window), padded_size(width, window)
+    n, head_dim = window * window, channels // num_heads
+    # 1. Pad bottom / right to whole windows, then shift cyclically by -shift.
+    x = F.pad(x.view(batch, height, width, channels), (0, 0, 0, wp - width, 0, hp - height))
+    x = torch.roll(x, (-shift, -shift), (1, 2))
+    # 2. Cut into nW windows of N tokens and project: (B, nW, N, 3, nH, d) -> q, k, v (B, nW, nH, N, d).
+    x = x.view(batch, hp // window, window, wp // window, window, channels).transpose(2, 3).reshape(batch, -1, n, channels)
+    q, k, v = qkv(x).view(batch, -1, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5).unbind(0)
+    # 3. Scaled dot product + relative position bias B[dy, dx]; after a shift (or on padding)
+    #    tokens of different regions must not attend to each other: an additive mask.
+    bias = table[relative_position_index(window, table_window, x.device)].view(n, n, num_heads).permute(2, 0, 1)
+    logits = q @ k.transpose(-2, -1) * scale + bias
+    mask = window_attention_mask(height, width, window, shift, mask_padding, x.device, logits.dtype)
+    if mask is not None:
+        logits = logits + mask[:, None]
+    out = logits.softmax(-1) @ v
+    # 4. Merge the windows, undo the shift, crop the padding, project.
+    out = out.transpose(2, 3).reshape(batch, hp // window, wp // window, window, window, channels)
+    out = torch.roll(out.transpose(2, 3).reshape(batch, hp, wp, channels), (shift, shift), (1, 2))
+    return proj(out[:, :height, :width].reshape(batch, height * width, channels))
 
 
 def relative_position_bias(table: torch.Tensor, window: int, table_window: int) -> torch.Tensor:
@@ -69,7 +121,7 @@ def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, 
     return (mask.unsqueeze(1) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
 
 
-def window_attention(
+def run_kernel(
     qkv: torch.Tensor,
     bias: torch.Tensor,
     layout: WindowLayout,
@@ -239,10 +291,6 @@ def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: f
     windows that images' edges cut, gathered as one) they are SDPA's batch, with no copy.
     """
     _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not torch.is_grad_enabled():
-        # CPU SDPA picks its slow math kernel for a mask that requires grad, even under
-        # no_grad (as inside _RecomputedAttention.forward), where no gradient can flow anyway.
-        attn_bias = attn_bias.detach()
     if not per_window:
         q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
         out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
@@ -294,7 +342,9 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, fixup: bool,
                 chunk_bytes: int, align: bool):
-        out = attention_in_windows(qkv, bias, layout, num_heads, scale, 0.0, _sdpa, fixup, align)
+        # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad, even
+        # here, where no gradient can flow through it.
+        out = attention_in_windows(qkv, bias.detach(), layout, num_heads, scale, 0.0, _sdpa, fixup, align)
         out = layout.to_tokens(out)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, chunk_bytes

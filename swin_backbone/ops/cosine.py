@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .planner import Plan
-from .windows import size_cache
+from .layouts import size_cache
 
 #: Upper clamp of ``logit_scale`` (the official ``log(1 / 0.01)``), a Python float so that
 #: the clamp works on every device (the official code builds a CPU tensor here).
@@ -181,15 +181,9 @@ class _CosineQKV(torch.autograd.Function):
         return grad_heads, grad_scale
 
 
-def clear_caches() -> None:
-    """Drop the cached coordinate tables."""
-    get_log_spaced_coords.cache_clear()
-
-
 __all__: Sequence[str] = (
     "BIAS_SCALE",
     "LOGIT_SCALE_MAX",
-    "clear_caches",
     "continuous_position_bias",
     "cosine_qkv",
     "get_log_spaced_coords",

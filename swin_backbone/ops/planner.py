@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..torch_compat import compute_dtype, is_compiling, is_exporting
+from .layouts import register_cache
 
 #: Window-attention implementations (see :mod:`swin_backbone.ops.attention`). A forward's plan
 #: may also say ``"auto"``: each stage's kernel is then chosen by measurement
@@ -106,7 +107,7 @@ class Plan:
             plan is for (input pixels for the forward's plan, tokens for a stage's);
             ``None``: every image fills the map (the shared masks alone, as without).
         stage_valid_sizes: the forward's plan only: ``valid_sizes`` of each stage's map
-            (:func:`~swin_backbone.ops.windows.stage_valid_sizes`), ``None`` per stage where
+            (:func:`~swin_backbone.ops.image_sizes.stage_valid_sizes`), ``None`` per stage where
             every image fills it.
     """
 
@@ -192,7 +193,8 @@ def _stage_valid_sizes(
     size: Tuple[int, int], valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
 ) -> Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]:
     """Per stage, the images' valid sizes on its map, ``None`` where all fill the map."""
-    from .windows import output_size, stage_valid_sizes
+    from .image_sizes import stage_valid_sizes
+    from .windows import output_size
 
     maps = output_size(size[0], size[1], patch_size, num_stages)
     per_stage = stage_valid_sizes(valid_sizes, patch_size, num_stages)
@@ -274,7 +276,7 @@ def _decide(
     )
 
 
-_decide_cached = lru_cache(maxsize=64)(_decide)
+_decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches are part of the key)
 
 
 def _exporting() -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..torch_compat import autocast_enabled, is_compiling
 from .chunked import chunk_rows, chunk_slices
-from .windows import WindowLayout, window_partition
+from .layouts import WindowLayout, window_partition
 
 
 def _fusable(norm: Optional[nn.Module], x: torch.Tensor) -> bool:

@@ -20,7 +20,8 @@ import torch
 from ..torch_compat import HAS_CUSTOM_OP, assume_constant_result, has_fp32_precision, matmul_allows_tf32
 from . import kernel_choice
 from .planner import Plan
-from .windows import WindowLayout, get_image_windows, get_window_layout, window_partition
+from .image_sizes import get_image_windows
+from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache, window_partition
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,13 @@ def stage_layouts(
     """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift.
 
     With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
-    windows that the images' boundaries cut (:class:`~swin_backbone.ops.windows.ImageWindows`).
+    windows that the images' boundaries cut (:class:`~swin_backbone.ops.image_sizes.ImageWindows`).
     """
-    regular = get_window_layout(height, width, window, 0, mask_padding, device, plan.mask_dtype, plan.align_masks)
-    shifted = None
-    if shift > 0:
-        shifted = get_window_layout(height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
+    def layout(shift: int) -> WindowLayout:
+        args = (height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
+        return build_window_layout(*args, tracing=True) if plan.tracing else get_window_layout(*args)
+
+    regular, shifted = layout(0), layout(shift) if shift > 0 else None
     if plan.valid_sizes is None:
         return regular, shifted
     return _with_images(regular, plan), None if shifted is None else _with_images(shifted, plan)
@@ -179,6 +181,7 @@ def _say_once(message: str, level: int) -> None:
         kernel_choice._log(message, level)
 
 
+@register_cache
 @lru_cache(maxsize=16)
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
@@ -209,6 +212,7 @@ def _static_reason(dtype: str, device_type: str, device_index: Optional[int], wi
     return _static_reason_cached(dtype, device_type, device_index, window, num_heads, head_dim, _interpreting())
 
 
+@register_cache
 @lru_cache(maxsize=256)
 def _static_reason_cached(dtype: str, device_type: str, device_index: Optional[int], window: int, num_heads: int,
                           head_dim: int, interpreting: bool) -> str:

@@ -51,7 +51,7 @@ reference on the user's GPU and times it against SDPA before it runs (launch set
 The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
 reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
 launches anything and works without a GPU, without the interpreter and without triton
-installed (:func:`supports` then returns False). The interpreter (CPU tensors, for tests)
+installed (:func:`unsupported_reason` then says so). The interpreter (CPU tensors, for tests)
 needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..torch_compat import matmul_allows_tf32
-from .windows import get_relative_position_index
+from .layouts import get_relative_position_index
 
 try:  # triton is optional: the module must import (and answer ``supports``) without it
     import triton
@@ -73,7 +73,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-__all__ = ["triton_window_attention", "supports", "unsupported_reason", "TARGET_PROGRAMS"]
+__all__ = ["triton_window_attention", "unsupported_reason", "TARGET_PROGRAMS"]
 
 #: Program instances a launch aims for (several waves on a large GPU); windows are grouped so
 #: that ``nH * G`` stays near it. Also bounds the table-gradient buffer ``(G, nH, N, N)``.
@@ -367,28 +367,6 @@ def _triton_version() -> Tuple[int, ...]:
         digits = "".join(ch for ch in part if ch.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts)
-
-
-def supports(
-    qkv: torch.Tensor,
-    window: int,
-    num_heads: int,
-    *,
-    height: Optional[int] = None,
-    width: Optional[int] = None,
-    mask_padding: bool = True,
-    dropout_p: float = 0.0,
-) -> bool:
-    """Whether :func:`triton_window_attention` applies (see :func:`unsupported_reason`).
-
-    True for fp32 / fp16 / bf16 ``qkv`` on CUDA (bf16 on compute capability >= 8), or on CPU
-    while ``TRITON_INTERPRET=1`` (fp32 and fp16 there), with ``window <= 8``,
-    ``head_dim <= 128``, no dropout, and ``mask_padding=True`` unless the map needs no
-    padding. Under ``torch.compile`` the kernel runs as a custom operator (:mod:`.triton_ops`).
-    """
-    return unsupported_reason(
-        qkv, window, num_heads, height=height, width=width, mask_padding=mask_padding, dropout_p=dropout_p
-    ) is None
 
 
 @dataclass(frozen=True)

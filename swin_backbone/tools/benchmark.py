@@ -467,7 +467,7 @@ def padded_batch(size: Sequence[int], device: str) -> Tuple[torch.Tensor, List[T
     width, one on height, both cutting windows."""
     h, w = size
     sizes = [(h, w - 17), (h - 50, w)]
-    return ops.windows.zero_beyond_valid(torch.randn(2, 3, h, w, device=device), sizes, 2, inplace=True), sizes
+    return ops.image_sizes.zero_beyond_valid(torch.randn(2, 3, h, w, device=device), sizes, 2, inplace=True), sizes
 
 
 def valid_sizes_overhead(model: torch.nn.Module, size: Sequence[int], device: str, iters: int, warmup: int,

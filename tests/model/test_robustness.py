@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone
-from swin_backbone.ops import windows as W
+from swin_backbone.ops import layouts as L, windows as W
 
 from ..conftest import small_arch
 
@@ -98,7 +98,7 @@ def test_autocast_finite_and_close(model, dtype):
 
 def test_masks_do_not_overflow_in_half_precision():
     for dtype in (torch.float16, torch.bfloat16):
-        layout = W.get_window_layout(10, 13, 7, 3, True, torch.device("cpu"), dtype)
+        layout = L.get_window_layout(10, 13, 7, 3, True, torch.device("cpu"), dtype)
         assert layout.mask.dtype == dtype and torch.isfinite(layout.mask).all()
 
 
@@ -139,7 +139,7 @@ def test_cache_is_keyed_by_size_and_dtype(model):
 
 def test_inference_mode_then_training_at_the_same_size():
     # Layouts cached during an inference_mode forward must still work in a training step.
-    W.clear_caches()
+    L.clear_caches()
     model = SwinBackbone(**small_arch())
     model.init_weights()
     x = torch.randn(1, 3, 52, 68)

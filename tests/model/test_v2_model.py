@@ -244,7 +244,7 @@ def test_every_kernel_gives_the_same_v2_features():
 
 
 def test_float64_gradcheck_through_recompute_kernel_and_cosine_prep():
-    from swin_backbone.ops.windows import get_window_layout
+    from swin_backbone.ops.layouts import get_window_layout
 
     attn = _randomize(WindowAttentionV2(8, 2, 4)).double()
     layout = get_window_layout(5, 6, 4, 2, True, torch.device("cpu"), torch.float64)

@@ -8,7 +8,7 @@ import torch
 
 from swin_backbone import SwinBackbone, ops
 from swin_backbone.mmlab.valid_sizes import attach_valid_sizes, attached_valid_sizes
-from swin_backbone.ops import windows as W
+from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 
 from ..ops.test_windows import DeviceSyncs
 
@@ -120,12 +120,12 @@ def test_layouts_of_images_that_fill_are_shared():
     # An image that fills the batch adds no per-image window; only images whose boundary
     # cuts a window do, and only those windows.
     h, w, ws = 17, 23, 4
-    assert W.image_windows(h, w, ws, 2, ((h, w), (h, w)), torch.device("cpu"), torch.float32) is None
-    images = W.image_windows(h, w, ws, 2, ((h, w), (9, 23)), torch.device("cpu"), torch.float32)
+    assert V.image_windows(h, w, ws, 2, ((h, w), (h, w)), torch.device("cpu"), torch.float32) is None
+    images = V.image_windows(h, w, ws, 2, ((h, w), (9, 23)), torch.device("cpu"), torch.float32)
     num_windows = (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert images.windows.min() >= num_windows  # all of image 1
     # image 1 (rows < 9) is cut by the window rows holding its row 8 and 9
-    per_image, _ = W.image_window_masks(h, w, ws, 2, (9, 23), torch.device("cpu"), torch.float32)
+    per_image, _ = V.image_window_masks(h, w, ws, 2, (9, 23), torch.device("cpu"), torch.float32)
     assert 0 < per_image.numel() < num_windows
     assert torch.equal(images.windows, per_image + num_windows)
 
@@ -250,7 +250,7 @@ def test_forward_never_waits_for_the_device(monkeypatch, train, align):
     real = torch.is_autocast_enabled
     # meta has no autocast state; the planner asks for the input's device type
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and a[0] == "meta" else real(*a))
-    W.clear_caches()  # every layout and image window built in this forward
+    L.clear_caches()  # every layout and image window built in this forward
     model = _model().to("meta").train(train)
     size, sizes = BATCHES["mixed"]
     x = torch.empty(len(sizes), 3, *size, device="meta")

@@ -5,8 +5,9 @@ import torch
 
 from swin_backbone import ops
 from swin_backbone.model.attention import WindowAttention
-from swin_backbone.ops.attention import per_window_bias, relative_position_bias, sdpa_ready, window_attention
-from swin_backbone.ops.windows import build_window_layout, relative_position_index
+from swin_backbone.ops.attention import per_window_bias, relative_position_bias, run_kernel, sdpa_ready
+from swin_backbone.ops.layouts import build_window_layout
+from swin_backbone.ops.windows import relative_position_index
 
 KERNELS = ("sdpa", "plain", "recompute")
 
@@ -77,7 +78,7 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
     def fn(qkv, bias):
-        return window_attention(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, chunk)
+        return run_kernel(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, chunk)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
@@ -86,9 +87,9 @@ def test_bad_kernel_arguments_raise():
     layout = _layout(7, 7, 0)
     qkv, bias = torch.zeros(1, 49, 6), torch.zeros(1, 49, 49)
     with pytest.raises(ValueError, match="kernel: expected 'sdpa', 'plain' or 'recompute', got 'flash'"):
-        window_attention(qkv, bias, layout, 1, 1.0, kernel="flash")
+        run_kernel(qkv, bias, layout, 1, 1.0, kernel="flash")
     with pytest.raises(ValueError, match="dropout_p=0.5"):
-        window_attention(qkv, bias, layout, 1, 1.0, 0.5, kernel="recompute")
+        run_kernel(qkv, bias, layout, 1, 1.0, 0.5, kernel="recompute")
     with pytest.raises(ValueError, match="attention: expected one of"):
         ops.plan_for(qkv, attention="flash")
 
@@ -101,14 +102,14 @@ def test_masked_keys_get_no_weight():
     heads, d = 1, 2
     qkv = torch.randn(1, layout.index.numel(), 3 * heads * d)
     bias = torch.zeros(heads, 49, 49)
-    base = window_attention(qkv, bias, layout, heads, d**-0.5)
+    base = run_kernel(qkv, bias, layout, heads, d**-0.5)
     win = int(layout.masked_windows[0])
     mask = layout.mask[win]
     query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
     other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
     qkv2 = qkv.clone()
     qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
-    out2 = window_attention(qkv2, bias, layout, heads, d**-0.5)
+    out2 = run_kernel(qkv2, bias, layout, heads, d**-0.5)
     token = int(layout.index[win * 49 + query])  # the query's row-major position
     torch.testing.assert_close(out2[0, token], base[0, token])
     assert not torch.allclose(out2, base)  # the changed value does reach its own region
@@ -155,3 +156,32 @@ def test_masked_windows_are_the_last_row_and_column():
     n_h, n_w = 2, 3
     expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
     assert set(layout.masked_windows.tolist()) == expected
+
+
+@pytest.mark.parametrize("size,shift,mask_padding", [((14, 14), 3, True), ((9, 12), 3, True), ((9, 12), 0, True),
+                                                     ((9, 12), 3, False), ((5, 3), 0, False), ((5, 3), 3, True)])
+@pytest.mark.parametrize("kernel", ["plain", "sdpa", "recompute"])
+def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, kernel):
+    # The block's attention (norm -> qkv -> kernel -> projection), whichever kernel runs it,
+    # computes what the plain reference function computes (values and gradients).
+    from swin_backbone import ops
+    from swin_backbone.model.attention import WindowAttention
+    from swin_backbone.ops.attention import reference_window_attention
+
+    torch.manual_seed(0)
+    (h, w), window, heads = size, 7, 2
+    attn = WindowAttention(16, heads, window).double()
+    norm = torch.nn.LayerNorm(16).double()
+    with torch.no_grad():
+        attn.relative_position_bias_table.normal_(0, 1)
+    x = torch.randn(2, h * w, 16, dtype=torch.float64, requires_grad=True)
+    plan = ops.plan_for(x, attention=kernel, grad=True)
+    layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype)
+    got = attn(x, norm, layout, plan)
+    ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, window, h, w,
+                                     window, shift, heads, attn.scale, mask_padding)
+    torch.testing.assert_close(got, ref)
+    params = [x, attn.relative_position_bias_table, attn.qkv.weight, norm.weight]
+    probe = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(got, params, probe), torch.autograd.grad(ref, params, probe)):
+        torch.testing.assert_close(a, b)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import planner
-from swin_backbone.ops import windows as W
+from swin_backbone.ops import layouts as L, windows as W
 
 from ..conftest import small_arch
 
@@ -174,9 +174,9 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monk
     assert counts[0] == counts[1]
     # The masks were built once in the compute dtype (bf16 under autocast) and cached.
     dtype = torch.bfloat16 if autocast else torch.float32
-    before = W.get_window_layout.cache_info()
-    layout = W.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True)  # stage 1 of 61x75
-    assert W.get_window_layout.cache_info().misses == before.misses
+    before = L.get_window_layout.cache_info()
+    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True)  # stage 1 of 61x75
+    assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
 
 

@@ -6,7 +6,7 @@ from torch import nn
 from swin_backbone.model.blocks import Mlp
 from swin_backbone.torch_compat import autocast_enabled
 from swin_backbone.ops.recompute import _NormLinear, mlp as recompute_mlp, norm_linear
-from swin_backbone.ops.windows import build_window_layout, window_partition
+from swin_backbone.ops.layouts import build_window_layout, window_partition
 
 
 def _modules(c_in=8, c_out=12, dtype=torch.float64):

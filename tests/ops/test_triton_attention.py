@@ -26,17 +26,13 @@ import torch
 triton = pytest.importorskip("triton", minversion="3.0", reason="triton >= 3.0 is not installed")
 
 from swin_backbone.ops import triton_attention  # noqa: E402
-from swin_backbone.ops.attention import window_attention  # noqa: E402
+from swin_backbone.ops.attention import run_kernel  # noqa: E402
 from swin_backbone.ops.triton_attention import (  # noqa: E402
-    supports,
     triton_window_attention,
     unsupported_reason,
 )
-from swin_backbone.ops.windows import (  # noqa: E402
-    build_window_layout,
-    relative_position_index,
-    window_partition,
-)
+from swin_backbone.ops.layouts import build_window_layout, window_partition  # noqa: E402
+from swin_backbone.ops.windows import relative_position_index  # noqa: E402
 
 #: Whether this process can run kernels in the interpreter (see the module docstring).
 IN_PROCESS = triton_attention._library_interpreted()
@@ -85,7 +81,7 @@ def reference(qkv, table, height, width, window, shift, table_window, num_heads,
     layout = build_window_layout(height, width, window, shift, True, qkv.device, qkv.dtype)
     n = window * window
     bias = table[relative_position_index(window, table_window, qkv.device)].view(n, n, num_heads).permute(2, 0, 1)
-    return window_attention(window_partition(qkv, layout), bias, layout, num_heads, scale, 0.0, "plain")
+    return run_kernel(window_partition(qkv, layout), bias, layout, num_heads, scale, 0.0, "plain")
 
 
 def make_inputs(batch, height, width, table_window, num_heads, head_dim, dtype):
@@ -121,7 +117,7 @@ def test_matches_reference(interpreter, case, dtype):
     batch, height, width, window, shift, tw, heads, head_dim, per_program = CASES[case]
     qkv, table = make_inputs(batch, height, width, tw, heads, head_dim, dtype)
     scale = head_dim**-0.5
-    assert supports(qkv, window, heads, height=height, width=width)
+    assert unsupported_reason(qkv, window, heads, height=height, width=width) is None
 
     out = triton_window_attention(
         qkv, table, height, width, window, shift, tw, heads, scale, windows_per_program=per_program
@@ -196,26 +192,26 @@ def test_no_grad_and_table_without_grad(interpreter):
 
 def test_supports_interpreter_on(interpreter):
     qkv = torch.zeros(1, 99, 3 * 64)
-    assert supports(qkv, 7, 2, height=9, width=11)
-    assert supports(qkv.half(), 7, 2)
+    assert unsupported_reason(qkv, 7, 2, height=9, width=11) is None
+    assert unsupported_reason(qkv.half(), 7, 2) is None
     assert unsupported_reason(qkv, 7, 2) is None
-    assert not supports(qkv.bfloat16(), 7, 2)  # tl.dot in bf16 is wrong in the interpreter
+    assert unsupported_reason(qkv.bfloat16(), 7, 2) is not None  # tl.dot in bf16 is wrong in the interpreter
     with pytest.raises(ValueError, match="bfloat16"):
         triton_window_attention(qkv.bfloat16(), torch.zeros(169, 2), 9, 11, 7, 3, 7, 2, 0.25)
-    assert not supports(qkv.double(), 7, 2)
-    assert not supports(qkv, 7, 2, dropout_p=0.1)
-    assert not supports(qkv, 17, 2)  # 289 tokens per window
-    assert not supports(torch.zeros(1, 99, 3 * 256), 7, 1)  # head_dim 256
-    assert not supports(qkv, 7, 5)  # 64 channels, 5 heads
+    assert unsupported_reason(qkv.double(), 7, 2) is not None
+    assert unsupported_reason(qkv, 7, 2, dropout_p=0.1) is not None
+    assert unsupported_reason(qkv, 17, 2) is not None  # 289 tokens per window
+    assert unsupported_reason(torch.zeros(1, 99, 3 * 256), 7, 1) is not None  # head_dim 256
+    assert unsupported_reason(qkv, 7, 5) is not None  # 64 channels, 5 heads
     # mask_padding=False: fine without padding, not with it (or when it cannot be ruled out).
-    assert supports(torch.zeros(1, 98, 192), 7, 2, height=7, width=14, mask_padding=False)
-    assert not supports(qkv, 7, 2, height=9, width=11, mask_padding=False)
-    assert not supports(qkv, 7, 2, mask_padding=False)
+    assert unsupported_reason(torch.zeros(1, 98, 192), 7, 2, height=7, width=14, mask_padding=False) is None
+    assert unsupported_reason(qkv, 7, 2, height=9, width=11, mask_padding=False) is not None
+    assert unsupported_reason(qkv, 7, 2, mask_padding=False) is not None
 
 
 def test_supports_interpreter_off(no_interpreter):
     qkv = torch.zeros(1, 49, 3 * 64)
-    assert not supports(qkv, 7, 2)
+    assert unsupported_reason(qkv, 7, 2) is not None
     assert "TRITON_INTERPRET" in unsupported_reason(qkv, 7, 2)
     with pytest.raises(ValueError, match="cannot run here"):
         triton_window_attention(qkv, torch.zeros(169, 2), 7, 7, 7, 0, 7, 2, 0.25)
@@ -259,7 +255,6 @@ def test_imports_and_declines_without_triton(monkeypatch):
     spec.loader.exec_module(module)
     assert module.triton is None
     qkv = torch.zeros(1, 49, 3 * 64)
-    assert not module.supports(qkv, 7, 2)
     assert module.unsupported_reason(qkv, 7, 2) == "triton is not installed"
 
 
@@ -365,7 +360,7 @@ def test_per_image_windows_go_through_the_kernel(interpreter):
     valid = ((6, 5), (3, 7))
     # Tokens beyond an image are padding to it (unspecified values, zeroed in the backbone's
     # outputs): the two paths fill window padding differently there, so compare the images.
-    inside = ops.windows.valid_token_mask(6, 7, valid, x.device)[..., None]
+    inside = ops.image_sizes.valid_token_mask(6, 7, valid, x.device)[..., None]
     results = []
     for kernel in ("triton", "plain"):
         plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0, valid_sizes=valid)
@@ -630,7 +625,7 @@ def test_windows_above_8_and_old_triton_are_declined(interpreter, monkeypatch):
     # 12 x 12 windows need 256-row blocks: more shared memory than any GPU has (the compiler
     # report in docs/performance.md), so the kernel declines them instead of failing to launch.
     qkv = torch.zeros(1, 144, 3 * 16)
-    assert supports(qkv, 8, 2)
+    assert unsupported_reason(qkv, 8, 2) is None
     assert "window 12" in unsupported_reason(qkv, 12, 2)
     monkeypatch.setattr(triton, "__version__", "2.1.0")  # what torch 2.1 brings
     assert unsupported_reason(qkv, 8, 2) == "triton 2.1.0 is older than 3.0"

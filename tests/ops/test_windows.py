@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from swin_backbone.ops import windows as W
+from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 
 
 def reference_partition(x, h, w, ws, shift):
@@ -42,11 +42,11 @@ SIZES = [(1, 1), (7, 7), (8, 9), (13, 20), (14, 14), (3, 17), (25, 38)]
 def test_partition_matches_pad_roll_permute(size, ws, shift):
     h, w = size
     x = torch.randn(2, h * w, 5)
-    layout = W.build_window_layout(h, w, ws, shift, True, torch.device("cpu"), torch.float32)
-    got = W.window_partition(x, layout)
+    layout = L.build_window_layout(h, w, ws, shift, True, torch.device("cpu"), torch.float32)
+    got = L.window_partition(x, layout)
     torch.testing.assert_close(got, reference_partition(x, h, w, ws, shift), rtol=0, atol=0)
     # reverse undoes everything exactly
-    torch.testing.assert_close(W.window_reverse(got, layout), x, rtol=0, atol=0)
+    torch.testing.assert_close(L.window_reverse(got, layout), x, rtol=0, atol=0)
     assert layout.num_windows == (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert layout.has_padding == (h % ws != 0 or w % ws != 0)
 
@@ -55,17 +55,17 @@ def test_partition_matches_pad_roll_permute(size, ws, shift):
 def test_gather_gradients_match_autograd_reference(size, shift):
     h, w = size
     ws = 7
-    layout = W.build_window_layout(h, w, ws, shift, False, torch.device("cpu"), torch.float32)
+    layout = L.build_window_layout(h, w, ws, shift, False, torch.device("cpu"), torch.float32)
     x1 = torch.randn(2, h * w, 4, dtype=torch.float64, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_(True)
     probe = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64)
-    (W.window_partition(x1, layout) * probe).sum().backward()
+    (L.window_partition(x1, layout) * probe).sum().backward()
     (reference_partition(x2, h, w, ws, shift) * probe).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad)
     # and through reverse
     y = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: W.window_reverse(t, layout), (y,))
-    torch.autograd.gradcheck(lambda t: W.window_partition(t, layout), (x1.detach().requires_grad_(True),))
+    torch.autograd.gradcheck(lambda t: L.window_reverse(t, layout), (y,))
+    torch.autograd.gradcheck(lambda t: L.window_partition(t, layout), (x1.detach().requires_grad_(True),))
 
 
 @pytest.mark.parametrize("size", [(7, 7), (8, 9), (14, 21), (1, 1), (25, 38)])
@@ -130,13 +130,13 @@ def test_effective_window():
 
 
 def test_layout_cache_hits_and_keys():
-    W.clear_caches()
+    L.clear_caches()
     args = (10, 11, 7, 3, True, torch.device("cpu"))
-    a = W.get_window_layout(*args, torch.float32)
-    b = W.get_window_layout(*args, torch.float32)
-    c = W.get_window_layout(*args, torch.bfloat16)
+    a = L.get_window_layout(*args, torch.float32)
+    b = L.get_window_layout(*args, torch.float32)
+    c = L.get_window_layout(*args, torch.bfloat16)
     assert a is b and c is not a and c.mask.dtype == torch.bfloat16
-    info = W.get_window_layout.cache_info()
+    info = L.get_window_layout.cache_info()
     assert info.hits == 1 and info.misses == 2
 
 
@@ -156,8 +156,8 @@ def test_merge_reads_what_each_image_reads_alone(size):
     h, w = size
     valid = tuple((vh, vw) for vh in {1, max(h - 1, 1), h} for vw in {1, max(w - 2, 1), w})
     x = torch.randn(len(valid), h, w, 3) + 5  # non-zero everywhere beyond the images
-    got = W.merge_2x2(x.clone(), valid)
-    ref = W.zero_beyond_valid(x.clone(), valid, 1, inplace=True)
+    got = V.merge_2x2(x.clone(), valid)
+    ref = V.zero_beyond_valid(x.clone(), valid, 1, inplace=True)
     ref = F.pad(ref, (0, 0, 0, w % 2, 0, h % 2))
     ref = torch.cat([ref[:, 0::2, 0::2], ref[:, 1::2, 0::2], ref[:, 0::2, 1::2], ref[:, 1::2, 1::2]], -1)
     for b, (vh, vw) in enumerate(valid):
@@ -165,15 +165,15 @@ def test_merge_reads_what_each_image_reads_alone(size):
         torch.testing.assert_close(got[b, :ch, :cw], ref[b, :ch, :cw], rtol=0, atol=0)
     full = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))  # without valid sizes: the plain official gather
     full = torch.cat([full[:, 0::2, 0::2], full[:, 1::2, 0::2], full[:, 0::2, 1::2], full[:, 1::2, 1::2]], -1)
-    torch.testing.assert_close(W.merge_2x2(x), full, rtol=0, atol=0)
+    torch.testing.assert_close(V.merge_2x2(x), full, rtol=0, atol=0)
 
 
 def test_straddle_boxes_and_input_masking():
     from swin_backbone import ops
 
-    assert W.straddles(((8, 12), (4, 4)), 8, 12, 4) == ()  # multiples of the cell: nothing to zero
-    assert W.straddles(((6, 12),), 8, 12, 4) == ((0, 6, 8, 0, 12),)
-    assert W.straddles(((8, 9),), 8, 11, 4) == ((0, 0, 8, 9, 11),)  # capped at the map
+    assert V.straddles(((8, 12), (4, 4)), 8, 12, 4) == ()  # multiples of the cell: nothing to zero
+    assert V.straddles(((6, 12),), 8, 12, 4) == ((0, 6, 8, 0, 12),)
+    assert V.straddles(((8, 9),), 8, 11, 4) == ((0, 0, 8, 9, 11),)  # capped at the map
     x = torch.randn(2, 3, 8, 12) + 3
     plan = ops.plan_for(x, valid_sizes=((8, 12), (4, 4)))
     assert ops.mask_input(x, plan, 4) is x  # no patch straddles an edge: no copy
@@ -227,7 +227,7 @@ def test_lazy_layout_tensors_equal_the_eager_build(dtype, align):
     for (h, w), (ws, shift), mask_padding in itertools.product(
         SIZES + [(16, 16)], [(7, 0), (7, 3), (4, 2), (3, 1), (8, 4)], (True, False)
     ):
-        layout = W.build_window_layout(h, w, ws, shift, mask_padding, torch.device("cpu"), dtype, align)
+        layout = L.build_window_layout(h, w, ws, shift, mask_padding, torch.device("cpu"), dtype, align)
         assert layout.tensors == {}  # nothing built until read
         expected = reference_layout(h, w, ws, shift, mask_padding, dtype, align)
         for name in LAYOUT_NAMES:
@@ -239,25 +239,25 @@ def test_lazy_layout_tensors_equal_the_eager_build(dtype, align):
 def builder_calls(monkeypatch):
     """Calls of each layout tensor builder, by builder name."""
     calls = {}
-    for name, build in list(W._LAYOUT_BUILDERS.items()):
+    for name, build in list(L._LAYOUT_BUILDERS.items()):
         def counted(layout, build=build):
             calls[build.__name__] = calls.get(build.__name__, 0) + 1
             return build(layout)
-        monkeypatch.setitem(W._LAYOUT_BUILDERS, name, counted)
+        monkeypatch.setitem(L._LAYOUT_BUILDERS, name, counted)
     return calls
 
 
 def test_layout_builds_what_is_read_once(builder_calls):
     import dataclasses
 
-    layout = W.build_window_layout(13, 20, 7, 3, True, torch.device("cpu"), torch.float32, True)
+    layout = L.build_window_layout(13, 20, 7, 3, True, torch.device("cpu"), torch.float32, True)
     assert layout.num_windows == 6 and layout.has_padding and builder_calls == {}
     # The gathers (what the Triton path never reads either) build only the gathers.
     x = torch.randn(2, 13 * 20, 4)
-    torch.testing.assert_close(W.window_reverse(W.window_partition(x, layout), layout), x, rtol=0, atol=0)
+    torch.testing.assert_close(L.window_reverse(L.window_partition(x, layout), layout), x, rtol=0, atol=0)
     assert builder_calls == {"_build_gathers": 1} and "mask" not in layout.tensors
     # A copy with images shares what is built: reading through it builds once, for both.
-    images = W.image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), torch.device("cpu"), torch.float32, True)
+    images = V.image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), torch.device("cpu"), torch.float32, True)
     copy = dataclasses.replace(layout, images=images)
     assert copy.tensors is layout.tensors and builder_calls == {"_build_gathers": 1}
     assert copy.mask is layout.mask and copy.masked_windows is layout.masked_windows
@@ -267,13 +267,13 @@ def test_layout_builds_what_is_read_once(builder_calls):
 
 
 def test_layouts_built_in_inference_mode_serve_training():
-    W.clear_caches()
+    L.clear_caches()
     with torch.inference_mode():
-        layout = W.get_window_layout(9, 10, 4, 2, True, torch.device("cpu"), torch.float32)
+        layout = L.get_window_layout(9, 10, 4, 2, True, torch.device("cpu"), torch.float32)
         layout.index, layout.mask  # built on first use, inside inference mode
     assert not layout.index.is_inference() and not layout.mask.is_inference()
     x = torch.randn(1, 90, 3, requires_grad=True)
-    W.window_partition(x, layout).sum().backward()  # saves index for backward: no error
+    L.window_partition(x, layout).sum().backward()  # saves index for backward: no error
     assert x.grad is not None
 
 
@@ -328,11 +328,11 @@ def test_layout_builders_never_wait_for_the_device(align):
     for (h, w), (ws, shift), mask_padding in [((13, 20), (7, 3), True), ((14, 14), (7, 0), True),
                                               ((25, 38), (4, 2), False), ((8, 9), (7, 0), False)]:
         with DeviceSyncs() as syncs:
-            layout = W.build_window_layout(h, w, ws, shift, mask_padding, META, torch.float16, align)
+            layout = L.build_window_layout(h, w, ws, shift, mask_padding, META, torch.float16, align)
             got = {name: getattr(layout, name) for name in LAYOUT_NAMES}
         # One copy per tensor built on the CPU (window_masks is gathered on the device).
         syncs.assert_none(sum(got[name] is not None for name in LAYOUT_NAMES if name != "window_masks"))
-        expected = W.build_window_layout(h, w, ws, shift, mask_padding, cpu, torch.float16, align)
+        expected = L.build_window_layout(h, w, ws, shift, mask_padding, cpu, torch.float16, align)
         for name, t in got.items():
             e = getattr(expected, name)
             assert (t is None) == (e is None), name
@@ -345,22 +345,22 @@ def test_image_builders_never_wait_for_the_device(align):
     cpu = torch.device("cpu")
     h, w, ws, shift = 17, 23, 4, 2
     valid = ((17, 23), (9, 23), (5, 7), (17, 10))
-    W.clear_caches()
+    L.clear_caches()
     with DeviceSyncs() as syncs:
-        images = W.image_windows(h, w, ws, shift, valid, META, torch.float32, align)
+        images = V.image_windows(h, w, ws, shift, valid, META, torch.float32, align)
     syncs.assert_none(5)  # windows, masks, rows, real, real_rows
     with DeviceSyncs() as syncs:
-        windows, masks = W.image_window_masks(h, w, ws, shift, (5, 7), META, torch.float32, align)
+        windows, masks = V.image_window_masks(h, w, ws, shift, (5, 7), META, torch.float32, align)
     syncs.assert_none(2)
     with DeviceSyncs() as syncs:
-        keep = W.valid_token_mask(h, w, valid, META)
-        W.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
+        keep = V.valid_token_mask(h, w, valid, META)
+        V.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
     syncs.assert_none(2)  # the (B, 2) sizes, once per call
-    expected = W.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
+    expected = V.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
     for name in ("windows", "masks", "rows", "real", "real_rows"):
         t, e = getattr(images, name), getattr(expected, name)
         assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
-    ew, em = W.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
+    ew, em = V.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
     assert windows.shape == ew.shape and masks.shape == em.shape and masks.stride() == em.stride()
     assert keep.device == META and keep.shape == (4, h, w)
 
@@ -391,13 +391,13 @@ def reference_image_windows(h, w, ws, shift, valid_sizes, dtype):
 def test_image_windows_match_a_reference(size, ws, shift, align):
     h, w = size
     valid = ((h, w), (h - 4, w), (3, 5), (h, w - 6), (h - 1, w - 1))
-    got = W.image_windows(h, w, ws, shift, valid, torch.device("cpu"), torch.float32, align)
+    got = V.image_windows(h, w, ws, shift, valid, torch.device("cpu"), torch.float32, align)
     windows, masks, rows, real = reference_image_windows(h, w, ws, shift, valid, torch.float32)
     assert torch.equal(got.windows, windows) and torch.equal(got.masks, masks) and torch.equal(got.rows, rows)
     assert torch.equal(got.real, real.nonzero().squeeze(1)) and torch.equal(got.real_rows, rows[real])
     n = ws * ws
     assert got.masks.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
-    keep = W.valid_token_mask(h, w, valid, torch.device("cpu"))
+    keep = V.valid_token_mask(h, w, valid, torch.device("cpu"))
     for b, (vh, vw) in enumerate(valid):
         assert keep[b, :vh, :vw].all() and keep[b].sum() == vh * vw
 
@@ -408,13 +408,34 @@ def test_package_clear_caches_clears_every_ops_cache():
     import swin_backbone
     from swin_backbone.ops import cosine, stage
 
-    caches = [W.get_window_layout, W.get_relative_position_index, W.get_image_window_masks, W.get_image_windows,
+    caches = [L.get_window_layout, L.get_relative_position_index, V.get_image_window_masks, V.get_image_windows,
               cosine.get_log_spaced_coords, stage._static_reason_cached]
-    W.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
-    W.get_relative_position_index(7, 7, torch.device("cpu"))
-    W.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
+    L.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
+    L.get_relative_position_index(7, 7, torch.device("cpu"))
+    V.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
     cosine.get_log_spaced_coords(7, 0, torch.device("cpu"), torch.float32)
     stage._static_reason("float32", "cpu", None, 7, 2, 16)
     assert all(c.cache_info().currsize > 0 for c in caches), [c.cache_info() for c in caches]
     swin_backbone.clear_caches()
     assert [c.cache_info().currsize for c in caches] == [0] * len(caches)
+
+
+def test_every_cache_of_the_ops_has_one_owner():
+    # Every lru_cache in the ops' modules (directly, or inside a size_cache wrapper) is one
+    # that clear_caches() empties: a new cache cannot be forgotten there.
+    import functools
+    import importlib
+    import pkgutil
+
+    import swin_backbone.ops as ops_package
+
+    found = []
+    for info in pkgutil.iter_modules(ops_package.__path__):
+        module = importlib.import_module(f"swin_backbone.ops.{info.name}")
+        for name, value in vars(module).items():
+            cache = getattr(getattr(value, "cache_clear", None), "__self__", None)  # the lru_cache inside
+            if isinstance(cache, functools._lru_cache_wrapper):
+                found.append((f"{info.name}.{name}", cache))
+    assert len(found) >= 6, found
+    missing = [name for name, cache in found if not any(cache is c for c in L._CACHES)]
+    assert not missing, missing

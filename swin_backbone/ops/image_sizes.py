@@ -1,0 +1,255 @@
+"""Per-image valid sizes in a padded batch: the windows that images' edges cut, their
+masks, and the zeroing that makes each image of a batch read what it reads alone.
+
+An image that is only the top-left ``h x w`` of a batch map treats every token beyond it as
+padding; see :class:`ImageWindows`, :func:`straddles` and docs/image-exact-batches.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .layouts import CPU, size_cache, to_device
+from .windows import (
+    PAD_REGION, ceil_div, mask_buffer, mask_rows, output_size, padded_size, partition_grid, region_labels, row_length,
+    window_token_index,
+)
+
+#: Per image of a batch, the ``(h, w)`` that is the image on a map; ``None``: all fill it.
+ValidSizes = Optional[Tuple[Tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
+class ImageWindows:
+    """Windows of a batch whose mask differs per image: those an image's boundary cuts.
+
+    An image that is only the top-left ``h x w`` of a batch map treats every token beyond
+    it as padding (:func:`region_labels` with ``valid``). That changes the mask only of the
+    windows holding both tokens of the image and tokens beyond it; windows wholly beyond
+    the image keep the shared mask (nothing of the image reads their results).
+
+    Attributes:
+        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
+        masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
+            (8-aligned rows with ``align``, as :func:`window_attention_mask`).
+        rows: ``(K * N,)`` the row of the batch's flat ``(B * H * W)`` row-major tokens that
+            each position of those windows holds (the image's token 0 for window padding),
+            for kernels that read and write row-major tokens (the fused Triton one).
+        real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
+        real_rows: ``(R,)`` their rows, ``rows[real]`` (where results are written back).
+    """
+
+    windows: torch.Tensor
+    masks: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+    real: Optional[torch.Tensor] = None
+    real_rows: Optional[torch.Tensor] = None
+
+
+def image_window_masks(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    valid: Tuple[int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    align: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The windows of an ``height x width`` map that an image of ``valid = (h, w)`` cuts.
+
+    Padding is masked (``mask_padding=True``). Returns ``(k,)`` window indices and their
+    ``(k, N, N)`` masks: the windows holding a token of the image and a token of the map
+    beyond it, whose per-image labels thus differ from the shared ones. Computed on the CPU
+    (``nonzero`` there reads no device memory), one copy each to ``device``.
+    """
+    own = partition_grid(region_labels(height, width, window, shift, True, CPU, valid), window)
+    shared = partition_grid(region_labels(height, width, window, shift, True, CPU), window)
+    cut = (own != shared).any(1) & (own != PAD_REGION).any(1)
+    windows = cut.nonzero().squeeze(1)
+    buffer = mask_buffer(own.index_select(0, windows), dtype, align)
+    return to_device(windows, device), mask_rows(to_device(buffer, device), window * window)
+
+
+def image_windows(
+    height: int,
+    width: int,
+    window: int,
+    shift: int,
+    valid_sizes: Tuple[Tuple[int, int], ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    align: bool = False,
+) -> Optional[ImageWindows]:
+    """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``
+    of the ``height x width`` map; ``None`` where no image's boundary cuts a window.
+
+    Images that fill the map contribute nothing (they use the shared masks). Computed on the
+    CPU from the images' CPU masks (``nonzero`` there reads no device memory), one copy per
+    tensor to ``device``.
+    """
+    num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
+    windows, masks = [], []
+    for b, valid in enumerate(valid_sizes):
+        if tuple(valid) == (height, width):
+            continue
+        # The CPU entries: the windows' indices are read on the host below.
+        index, mask = get_image_window_masks(height, width, window, shift, tuple(valid), CPU, dtype, align)
+        if index.numel():
+            windows.append(index + b * num_windows)
+            masks.append(mask)
+    if not windows:
+        return None
+    n = window * window
+    masks = torch.cat(masks)  # dense rows: into a buffer of their own, aligned as the shared ones
+    buffer = torch.zeros(masks.shape[:-1] + (row_length(n, align),), dtype=dtype)
+    buffer.narrow(-1, 0, n).copy_(masks)
+    windows = torch.cat(windows)
+    # Row-major rows of the windows' positions (window_token_index marks padding H * W).
+    tokens = height * width
+    slots = ((windows % num_windows)[:, None] * n + torch.arange(n)).reshape(-1)
+    source = window_token_index(height, width, window, shift, CPU).index_select(0, slots)
+    real = source < tokens
+    first = (windows // num_windows).repeat_interleave(n) * tokens
+    rows = first + torch.where(real, source, torch.zeros_like(source))
+    real = real.nonzero().squeeze(1)
+    return ImageWindows(
+        windows=to_device(windows, device),
+        masks=mask_rows(to_device(buffer, device), n),
+        rows=to_device(rows, device),
+        real=to_device(real, device),
+        real_rows=to_device(rows.index_select(0, real), device),
+    )
+
+
+#: Cached :func:`image_window_masks`, per map size, window, shift and one image's valid size.
+get_image_window_masks = size_cache(maxsize=512)(image_window_masks)
+
+
+#: Cached :func:`image_windows`, per map size, window, shift and a whole batch's valid sizes.
+get_image_windows = size_cache(maxsize=128)(image_windows)
+
+
+def stage_valid_sizes(
+    valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
+) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Per stage, per image, the valid size on the stage's map (:func:`output_size` of each
+    image's valid size in input pixels): ``(num_stages, B)`` pairs."""
+    per_image = [output_size(h, w, patch_size, num_stages) for h, w in valid_sizes]
+    return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
+
+
+def valid_token_mask(
+    height: int, width: int, valid_sizes: Tuple[Tuple[int, int], ...], device: torch.device
+) -> torch.Tensor:
+    """``(B, H, W)`` bool: True where the token lies inside its image's valid size.
+
+    The ``(B, 2)`` sizes go to ``device`` with one non-blocking copy (``torch.tensor(...,
+    device=cuda)`` would make the host wait for the copy)."""
+    sizes = to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
+    rows = torch.arange(height, device=device)[None, :, None] < sizes[:, 0, None, None]
+    cols = torch.arange(width, device=device)[None, None, :] < sizes[:, 1, None, None]
+    return rows & cols
+
+
+def zero_beyond_valid(
+    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, inplace: bool
+) -> torch.Tensor:
+    """Zero every element of ``x`` beyond its image's valid ``(h, w)``.
+
+    Args:
+        x: a batch-first map whose height and width are dims ``height_dim`` and
+            ``height_dim + 1`` (``(B, C, H, W)``: 2; ``(B, H, W, C)``: 1).
+        inplace: write into ``x`` (only the regions beyond the images are touched); else
+            return a new tensor (autograd-friendly).
+    """
+    height, width = x.shape[height_dim], x.shape[height_dim + 1]
+    if not inplace:
+        keep = valid_token_mask(height, width, valid_sizes, x.device)
+        keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
+        return x.masked_fill(~keep, 0)
+    for b, (h, w) in enumerate(valid_sizes):
+        if h < height:
+            x[b].narrow(height_dim - 1, h, height - h).zero_()
+        if w < width:
+            x[b].narrow(height_dim - 1, 0, h).narrow(height_dim, w, width - w).zero_()
+    return x
+
+
+def straddles(
+    valid_sizes: Tuple[Tuple[int, int], ...], height: int, width: int, cell: int
+) -> Tuple[Tuple[int, int, int, int, int], ...]:
+    """What ``cell x cell`` cells straddling an image's edge read beyond the image.
+
+    A cell holding both pixels (tokens) of image ``b`` and pixels beyond it reads, alone,
+    zero padding there; every other cell beyond the image only feeds tokens that the image
+    never attends to (its own region) and that are zeroed in the outputs. So zeroing these
+    boxes is all that makes the batch read what the image alone reads.
+
+    Returns:
+        ``(b, row0, row1, col0, col1)`` boxes (non-empty, inside the ``height x width`` map):
+        rows ``h .. ceil(h / cell) * cell`` under the image's cells, and columns
+        ``w .. ceil(w / cell) * cell`` beside its rows.
+    """
+    boxes = []
+    for b, (h, w) in enumerate(valid_sizes):
+        h_end, w_end = min(ceil_div(h, cell) * cell, height), min(ceil_div(w, cell) * cell, width)
+        if h < h_end:
+            boxes.append((b, h, h_end, 0, w_end))
+        if w < w_end:
+            boxes.append((b, 0, h, w, w_end))
+    return tuple(boxes)
+
+
+def zero_straddles_(
+    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, cell: int
+) -> torch.Tensor:
+    """Zero, in place, the :func:`straddles` boxes of a batch-first map whose height and
+    width are dims ``height_dim`` and ``height_dim + 1``. Returns ``x``."""
+    height, width = x.shape[height_dim], x.shape[height_dim + 1]
+    for b, r0, r1, c0, c1 in straddles(valid_sizes, height, width, cell):
+        x[b].narrow(height_dim - 1, r0, r1 - r0).narrow(height_dim, c0, c1 - c0).zero_()
+    return x
+
+
+def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor:
+    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``.
+
+    Odd sizes are zero-padded bottom / right. Channel block ``k = 2 * dw + dh`` holds the
+    cell's token ``(dh, dw)``: ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]``
+    (the official order). With per-image ``valid_sizes`` (on this map), the tokens beyond an
+    image that a cell straddling its edge reads are zero in the result (:func:`straddles`),
+    as they are alone; ``x`` itself is never written.
+    """
+    b, h, w, c = x.shape
+    h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+    x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
+    # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
+    merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
+    if valid_sizes is not None:
+        cells = merged.view(b, h2, w2, 2, 2, c)
+        for i, r0, r1, c0, c1 in straddles(valid_sizes, h, w, 2):
+            if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
+                cells[i, r0 // 2, : ceil_div(c1, 2), :, 1].zero_()
+            else:  # column c0 right of an odd width: dw = 1 of the cells in its column
+                cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
+    return merged
+
+
+__all__ = [
+    "ImageWindows",
+    "ValidSizes",
+    "get_image_window_masks",
+    "get_image_windows",
+    "image_window_masks",
+    "image_windows",
+    "merge_2x2",
+    "stage_valid_sizes",
+    "straddles",
+    "valid_token_mask",
+    "zero_beyond_valid",
+    "zero_straddles_",
+]
