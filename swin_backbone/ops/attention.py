@@ -66,7 +66,8 @@ def reference_window_attention(
     x = F.pad(x.view(batch, height, width, channels), (0, 0, 0, wp - width, 0, hp - height))
     x = torch.roll(x, (-shift, -shift), (1, 2))
     # 2. Cut into nW windows of N tokens and project: (B, nW, N, 3, nH, d) -> q, k, v (B, nW, nH, N, d).
-    x = x.view(batch, hp // window, window, wp // window, window, channels).transpose(2, 3).reshape(batch, -1, n, channels)
+    x = x.view(batch, hp // window, window, wp // window, window, channels).transpose(2, 3)
+    x = x.reshape(batch, -1, n, channels)
     q, k, v = qkv(x).view(batch, -1, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5).unbind(0)
     # 3. Scaled dot product + relative position bias B[dy, dx]; after a shift (or on padding)
     #    tokens of different regions must not attend to each other: an additive mask.

@@ -67,7 +67,7 @@ class _Mlp(torch.autograd.Function):
         ln_dtype = rows.dtype
         if pre:
             ln_dtype = _layer_norm_dtype(rows, norm_weight, norm_bias, eps)
-            rows, mean, rstd = torch.native_layer_norm(rows.to(ln_dtype), (rows.shape[-1],), norm_weight, norm_bias, eps)
+            rows, mean, rstd = torch.native_layer_norm(rows.to(ln_dtype), rows.shape[-1:], norm_weight, norm_bias, eps)
         h = F.linear(rows, w1, b1)  # autocast applies here as for nn.Linear
         # In the output's shape, so that what is returned is no view (a caller may add a
         # residual into it in place, which autograd forbids on views made in here).
@@ -129,7 +129,8 @@ class _Mlp(torch.autograd.Function):
             if grad_w1 is not None:
                 inputs = rows[part]
                 if pre:
-                    inputs = torch.native_layer_norm(inputs.to(ln_dtype), (channels,), norm_weight, norm_bias, ctx.eps)[0]
+                    inputs = torch.native_layer_norm(
+                        inputs.to(ln_dtype), (channels,), norm_weight, norm_bias, ctx.eps)[0]
                 _accumulate_mm(grad_w1, grad_h.t(), inputs.to(dtype), first=i == 0)
             if not below_fc1:
                 continue

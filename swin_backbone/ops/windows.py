@@ -22,8 +22,9 @@ import torch
 #: Additive mask value between tokens of different regions. The pretrained Swins used -100,
 #: but exp(-100) = 3.7e-44 is a *denormal* float: every masked attention weight then becomes
 #: a denormal, and the matmuls that read them (attention @ V, the output projection, their
-#: gradients) run far slower on x86 CPUs (figures in docs/performance.md). exp(-1e4) underflows to exactly 0, which changes results by < 1e-40 and is
-#: finite in fp16 and bf16 (no -inf, no NaN: a row always keeps its own token).
+#: gradients) run far slower on x86 CPUs (figures in docs/performance.md). exp(-1e4)
+#: underflows to exactly 0, which changes results by < 1e-40 and is finite in fp16 and bf16
+#: (no -inf, no NaN: a row always keeps its own token).
 MASK_VALUE = -1e4
 
 
