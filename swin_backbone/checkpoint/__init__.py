@@ -1,7 +1,8 @@
 """Checkpoint files and formats, resizing and loading (see :func:`load_checkpoint`)."""
 from . import hooks  # noqa: F401  (backbones convert foreign keys in load_state_dict)
+from .base import CheckpointError, to_ours
+from .detect import FORMATS, detect_format, unwrap_state_dict
 from .files import CheckpointNotFoundError, read_checkpoint, write_checkpoint
-from .formats import FORMATS, CheckpointError, detect_format, to_ours, unwrap_state_dict
 from .loading import LoadReport, load_checkpoint, prepare_state_dict
 
 __all__ = [

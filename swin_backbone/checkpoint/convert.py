@@ -4,18 +4,10 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from .base import FROM_OURS, V2_FROM_OURS, CheckpointError, stage_depths, stage_tensor, swin_version, to_ours
+from .detect import describe_unknown, detect_format, unwrap_state_dict
 from .files import read_checkpoint, write_checkpoint
-from .formats import (
-    FROM_OURS,
-    CheckpointError,
-    describe_unknown,
-    detect_format,
-    stage_depths,
-    stage_tensor,
-    to_ours,
-    unwrap_state_dict,
-)
-from .formats_v2 import V2_FROM_OURS, infer_v2_arch, swin_version
+from .formats_v2 import infer_v2_arch
 from .loading import LoadReport, load_checkpoint
 from .resize import table_window
 

@@ -12,7 +12,7 @@ safetensors     8-byte little-endian header length, a JSON header, raw tensor by
 =============== =====================================================================================
 
 Anything else (a directory, an empty, text or random file, a truncated download) is a
-:class:`~swin_backbone.checkpoint.formats.CheckpointError` naming the file, what was expected
+:class:`~swin_backbone.checkpoint.CheckpointError` naming the file, what was expected
 and what was found, before torch's unpickler sees it.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 
 from ..torch_compat import load
-from .formats import CheckpointError
+from .base import CheckpointError
 
 PathLike = Union[str, "os.PathLike[str]"]
 

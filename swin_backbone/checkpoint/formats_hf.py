@@ -42,7 +42,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .formats import CheckpointError, Converted, StateDict, _drop_common
+from .base import CheckpointError, Converted, StateDict, _drop_common, register_format
 from .formats_v2 import is_v2
 
 HF_FORMATS = ("hf", "hf-v2")
@@ -255,4 +255,6 @@ def ours_v2_to_hf(state: StateDict) -> StateDict:
     return _ours_to_hf(state, v2=True)
 
 
-HF_TO_OURS = {"hf": hf_to_ours, "hf-v2": hf_to_ours}
+# ---------------------------------------------------------------- registered
+register_format("hf", hf_to_ours, ours_to_hf)
+register_format("hf-v2", hf_to_ours, ours_v2_to_hf)

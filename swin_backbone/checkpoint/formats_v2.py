@@ -2,7 +2,7 @@
 
 A state dict is Swin V2 when it has continuous-position-bias MLPs or cosine-attention
 scales (``cpb_mlp``, ``logit_scale``). Its layout is then told apart as for V1
-(:func:`~swin_backbone.checkpoint.formats.detect_layout`) and named ``'<layout>-v2'``:
+(:func:`~swin_backbone.checkpoint.detect.detect_layout`) and named ``'<layout>-v2'``:
 
 ============== ===================================================================================
 ours-v2         ``stages.{i}.blocks.{j}.attn.{qkv.weight, q_bias, v_bias, logit_scale, cpb_mlp}``,
@@ -27,23 +27,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List
+from typing import Dict, Iterable, List
 
 import torch
 
-from .formats import (
-    CheckpointError,
-    Converted,
-    StateDict,
-    _drop_common,
-    _final_norm_rule,
-    _num_stages,
-    _rename,
-    official_to_unfold,
-    timm_to_ours,
-    torchvision_to_ours,
-    unfold_to_official,
-)
+from .base import V2_FROM_OURS, swin_version  # noqa: F401  (importable from here, as before)
+from .base import CheckpointError, Converted, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename
+from .base import register_format, stage_depths, stage_tensor
+from .formats import official_to_unfold, timm_to_ours, torchvision_to_ours, unfold_to_official
 
 V2_FORMATS = ("ours-v2", "official-v2", "mmpretrain-v2", "timm-v2", "torchvision-v2")
 
@@ -54,11 +45,6 @@ V2_MARKERS = re.compile(r"(^|\.)(cpb_mlp\.\d+\.weight|logit_scale)$")
 def is_v2(keys: Iterable[str]) -> bool:
     """Whether an unwrapped state dict's keys are Swin V2's."""
     return any(V2_MARKERS.search(k) for k in keys)
-
-
-def swin_version(fmt: str) -> int:
-    """1 or 2: the Swin version of a detected format name."""
-    return 2 if fmt.endswith("-v2") else 1
 
 
 def v2_format(layout: str) -> str:
@@ -123,15 +109,6 @@ def mmpretrain_v2_to_ours(state: StateDict) -> Converted:
 
 def ours_v2_to_ours(state: StateDict) -> Converted:
     return _rename(state, [], _drop_common)
-
-
-V2_TO_OURS: Dict[str, Callable[[StateDict], Converted]] = {
-    "ours-v2": ours_v2_to_ours,
-    "official-v2": official_v2_to_ours,
-    "timm-v2": timm_v2_to_ours,
-    "torchvision-v2": torchvision_v2_to_ours,
-    "mmpretrain-v2": mmpretrain_v2_to_ours,
-}
 
 
 # ---------------------------------------------------------------- from ours
@@ -210,13 +187,13 @@ def ours_v2_to_mmpretrain(state: StateDict) -> StateDict:
     return out
 
 
-V2_FROM_OURS: Dict[str, Callable[[StateDict], StateDict]] = {
-    "ours": lambda s: OrderedDict(s),
-    "official": ours_v2_to_official,
-    "timm": ours_v2_to_timm,
-    "torchvision": ours_v2_to_torchvision,
-    "mmpretrain": ours_v2_to_mmpretrain,
-}
+# ---------------------------------------------------------------- registered
+# in V2_FORMATS order; each layout's conversion to ours, and from ours where it is a target
+register_format("ours-v2", ours_v2_to_ours, lambda s: OrderedDict(s))
+register_format("official-v2", official_v2_to_ours, ours_v2_to_official)
+register_format("mmpretrain-v2", mmpretrain_v2_to_ours, ours_v2_to_mmpretrain)
+register_format("timm-v2", timm_v2_to_ours, ours_v2_to_timm)
+register_format("torchvision-v2", torchvision_v2_to_ours, ours_v2_to_torchvision)
 
 
 # ---------------------------------------------------------------- architecture from the tensors
@@ -229,8 +206,6 @@ def infer_v2_arch(raw: StateDict, state: StateDict, source: str = "checkpoint") 
     Raises :class:`CheckpointError` (naming ``source`` and the key) when a tensor the
     architecture is read from is missing.
     """
-    from .formats import stage_depths, stage_tensor
-
     proj = state.get("patch_embed.proj.weight")
     if proj is None:
         raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")

@@ -14,7 +14,9 @@ from mmengine.logging import print_log
 from torch import nn
 
 from ..model.backbone import LOAD_STATE_DICT_PRE_HOOKS
-from .formats import detect_format, prefixed
+from .base import prefixed
+from .detect import detect_format
+from .loading import prepare_state_dict
 
 
 def _convert_on_load(
@@ -27,8 +29,6 @@ def _convert_on_load(
     unexpected_keys: List[str],
     error_msgs: List[str],
 ) -> None:
-    from .loading import prepare_state_dict  # late: loading imports the model module
-
     sub = prefixed(state_dict, prefix)
     if not sub or detect_format(sub) == "unknown":
         return  # nothing of ours here; torch reports missing keys as usual

@@ -11,9 +11,9 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
+from .base import CheckpointError, StateDict, swin_version, to_ours
+from .detect import describe_unknown, detect_format, unwrap_state_dict
 from .files import read_checkpoint
-from .formats import CheckpointError, StateDict, describe_unknown, detect_format, to_ours, unwrap_state_dict
-from .formats_v2 import swin_version
 from .resize import (
     adapt_patch_embed_channels,
     pos_embed_grid,
@@ -32,7 +32,7 @@ class LoadReport:
 
     Attributes:
         source: file path or ``'<dict>'``.
-        format: detected format (see :mod:`swin_backbone.checkpoint.formats`).
+        format: detected format (see :mod:`swin_backbone.checkpoint.detect`).
         unwrapped: how the backbone's tensors were found in the file.
         loaded: model keys that received a tensor.
         converted: ``key -> how`` for renamed / reordered keys.

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
-from swin_backbone.checkpoint.formats import FROM_OURS, detect_format, unwrap_state_dict
+from swin_backbone.checkpoint import detect_format, unwrap_state_dict
+from swin_backbone.checkpoint.formats import FROM_OURS
 
 ATOL = 1e-4
 
@@ -241,6 +242,18 @@ def test_detect_format_names():
     assert detect_format(["conv1.weight"]) == "unknown"
     state, steps = unwrap_state_dict({"state_dict": {"module.backbone.a": torch.zeros(1), "module.neck.b": torch.zeros(1)}})
     assert list(state) == ["a"] and len(steps) == 3
+
+
+def test_every_format_module_registers_its_layouts():
+    # checkpoint.detect imports the three format modules (V1, V2, transformers); each registers
+    # into checkpoint.base, in this order
+    from swin_backbone.checkpoint import FORMATS
+    from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
+
+    assert FORMATS == ("ours", "official", "mmdet", "timm", "torchvision", "ours-v2", "official-v2",
+                       "mmpretrain-v2", "timm-v2", "torchvision-v2", "hf", "hf-v2")
+    assert sorted(FROM_OURS) == ["hf", "mmdet", "official", "ours"]
+    assert sorted(V2_FROM_OURS) == ["hf", "mmpretrain", "official", "ours", "timm", "torchvision"]
 
 
 def test_whole_model_load_reports_leftovers_through_torch():

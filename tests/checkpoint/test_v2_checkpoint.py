@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from swin_backbone import SwinV2Backbone, load_checkpoint
-from swin_backbone.checkpoint.formats import detect_format, official_to_unfold
+from swin_backbone.checkpoint import detect_format
+from swin_backbone.checkpoint.formats import official_to_unfold
 from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
 from swin_backbone.tools.convert_checkpoint import main as convert_main
 
