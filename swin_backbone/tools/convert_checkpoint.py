@@ -13,16 +13,147 @@ is written as safetensors, any other as ``{'state_dict': ..., 'meta': ...}`` wit
 through a temporary file, so a failure leaves no partial output.
 
 Exit status: 0 converted, 1 the conversion failed (one line on stderr says why), 2 usage error.
+
+The conversion itself is :func:`convert_file` (with :func:`infer_arch`), usable without the
+command line.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..checkpoint.convert import convert_file, describe_arch
-from ..checkpoint.formats import FROM_OURS, CheckpointError
-from ..checkpoint.formats_v2 import V2_FROM_OURS
+from ..checkpoint import (
+    CheckpointError,
+    LoadReport,
+    detect_format,
+    load_checkpoint,
+    read_checkpoint,
+    to_ours,
+    unwrap_state_dict,
+    write_checkpoint,
+)
+from ..checkpoint.base import FROM_OURS, V2_FROM_OURS, stage_depths, stage_tensor, swin_version
+from ..checkpoint.detect import describe_unknown
+from ..checkpoint.formats_v2 import infer_v2_arch
+from ..checkpoint.resize import table_window
+from ..model.backbone import SwinBackbone
+from ..model.v2 import SwinV2Backbone
+
+
+def infer_arch(checkpoint: Mapping, source: str = "checkpoint") -> dict:
+    """SwinBackbone keyword arguments that match a checkpoint's tensors.
+
+    Reads embed_dims, depths, heads, window, patch size, input channels, absolute position
+    embedding and output norms from the shapes in the (converted) state dict; V2 checkpoints
+    get :func:`~swin_backbone.checkpoint.formats_v2.infer_v2_arch`'s (with ``swin_version=2``).
+
+    Raises:
+        CheckpointError: not a Swin checkpoint, or a tensor the architecture is read from is
+            missing (the message names ``source`` and the key).
+    """
+    raw, _ = unwrap_state_dict(checkpoint, source)
+    fmt = detect_format(raw)
+    if fmt == "unknown":
+        raise CheckpointError(f"{source}: {describe_unknown(raw)}")
+    state, _, _ = to_ours(raw, fmt)
+    if swin_version(fmt) == 2:
+        return infer_v2_arch(raw, state, source)
+    proj = state.get("patch_embed.proj.weight")
+    if proj is None:
+        raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")
+    depths = stage_depths(state, source)
+    tables = [stage_tensor(state, i, "attn.relative_position_bias_table", source) for i in range(len(depths))]
+    kwargs = dict(
+        arch=None,
+        embed_dims=int(proj.shape[0]),
+        depths=tuple(depths),
+        num_heads=tuple(int(t.shape[1]) for t in tables),
+        in_channels=int(proj.shape[1]),
+        patch_size=int(proj.shape[-1]),
+        window_size=table_window(tables[0].shape[0])[0] if tables else 7,
+        qkv_bias=any(k.endswith(".attn.qkv.bias") for k in state),
+        out_indices=tuple(i for i in range(len(depths)) if f"norm{i}.weight" in state) or (len(depths) - 1,),
+        use_abs_pos_embed="absolute_pos_embed" in state,
+    )
+    if kwargs["use_abs_pos_embed"]:
+        pos = state["absolute_pos_embed"]
+        grid = pos.shape[-2:] if pos.dim() == 4 else (int(pos.shape[1] ** 0.5),) * 2
+        kwargs["pretrain_img_size"] = (int(grid[0]) * kwargs["patch_size"], int(grid[1]) * kwargs["patch_size"])
+    return kwargs
+
+
+def check_paths(src: str, dst: str) -> None:
+    """Refuse an output path that cannot be written before anything is read."""
+    if os.path.isdir(dst):
+        raise CheckpointError(
+            f"dst {dst!r}: is a directory; expected an output file path (e.g. {os.path.join(dst, 'converted.pth')!r})"
+        )
+    if os.path.exists(src) and os.path.exists(dst) and os.path.samefile(src, dst):
+        raise CheckpointError(f"dst {dst!r}: is the source file; write the converted checkpoint to another path")
+
+
+def convert_file(
+    src: str,
+    dst: str,
+    to: str = "ours",
+    arch: Optional[str] = None,
+    window_size: Optional[int] = None,
+    strict: bool = False,
+) -> Tuple[LoadReport, Dict[str, object]]:
+    """Read ``src`` (any format), load it into a matching SwinBackbone, save ``dst`` as ``to``.
+
+    ``dst`` ending in ``.safetensors`` is written as safetensors, any other name with
+    ``torch.save`` (``{'state_dict': ..., 'meta': ...}``); atomically either way. Only the
+    tensors the checkpoint provided are written (a partial checkpoint gives a partial file,
+    never randomly initialised tensors).
+
+    Returns:
+        ``(report, meta)``: the per-key :class:`LoadReport` and what was written
+        (``meta['written']``: tensor count; ``meta['arch']``: the model's arguments).
+    Raises:
+        CheckpointError: unreadable / non-Swin source, missing keys the architecture is read
+            from, a directory or the source as ``dst``, too few tensors matching (or any
+            incomplete load with ``strict``).
+        ValueError: ``to`` is not a layout of the checkpoint's Swin version.
+    """
+    check_paths(src, dst)
+    checkpoint = read_checkpoint(src)
+    kwargs = infer_arch(checkpoint, source=f"checkpoint {src}")
+    v2 = kwargs.pop("swin_version", 1) == 2
+    targets = V2_FROM_OURS if v2 else FROM_OURS
+    if to not in targets:
+        raise ValueError(
+            f"to: expected one of {sorted(targets)} for a Swin V{2 if v2 else 1} checkpoint, got {to!r}"
+        )
+    if arch is not None:
+        for key in ("embed_dims", "depths", "num_heads"):
+            kwargs.pop(key)
+        kwargs["arch"] = arch
+    if window_size is not None:
+        kwargs["window_size"] = window_size
+    model = (SwinV2Backbone if v2 else SwinBackbone)(**kwargs, drop_path_rate=0.0)
+    report = load_checkpoint(model, checkpoint, strict=strict, logger=None)
+    report.source = src
+    loaded = set(report.loaded)
+    state = targets[to]({k: v for k, v in model.state_dict().items() if k in loaded})
+    meta: Dict[str, object] = dict(
+        swin_backbone_format=to, source=os.path.basename(src), source_format=report.format, arch=kwargs,
+        written=len(state), not_loaded=len(report.missing),
+    )
+    write_checkpoint(dst, state, {k: v for k, v in meta.items() if k not in ("written", "not_loaded")})
+    return report, meta
+
+
+def describe_arch(kwargs: Mapping[str, object]) -> str:
+    """``embed_dims=96 depths=(2, 2, 6, 2) ...``: the architecture on one line."""
+    keys: List[str] = ["arch", "embed_dims", "depths", "num_heads", "window_size", "patch_size", "in_channels",
+                       "out_indices"]
+    return " ".join(f"{k}={kwargs[k]}" for k in keys if kwargs.get(k) is not None)
+
+
+# ---------------------------------------------------------------- command line
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint
-from swin_backbone.checkpoint.convert import convert_file
+from swin_backbone.tools.convert_checkpoint import convert_file
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
