@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from swin_backbone.mmlab.runner import read_metrics  # noqa: E402
+from swin_backbone.tools.runner import read_metrics  # noqa: E402
 
 DET_CONFIG = "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
 SEG_CONFIG = "configs/toy/upernet_swin-toy_toy-ade.py"

@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swin_backbone.mmlab import runner as R  # noqa: E402
+from swin_backbone.tools import runner as R  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -18,15 +18,12 @@ def parse_args(argv=None):
     parser.add_argument("--show", action="store_true", help="show predictions in a window")
     parser.add_argument("--show-dir", help="save painted predictions here (under work_dir/timestamp)")
     parser.add_argument("--wait-time", type=float, default=2, help="the interval of --show (s)")
-    R.add_common_args(parser)
-    return parser.parse_args(argv)
+    return R.parse_tool_args(parser, argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    R.prepare_environment(args.local_rank)
-    with R.setup_errors("tools/test.py"):  # bad arguments or config: one line, exit status 1
-        cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    with R.tool_setup(args, "tools/test.py") as cfg:  # bad arguments or config: one line, exit status 1
         if not os.path.isfile(args.checkpoint):
             raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: "
                                     f"{'a folder' if os.path.isdir(args.checkpoint) else 'no such file'}")

@@ -9,7 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swin_backbone.mmlab import runner as R  # noqa: E402
+from swin_backbone.tools import runner as R  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -25,15 +25,12 @@ def parse_args(argv=None):
         const="auto",
         help="resume from this checkpoint, or (no value) from the latest one in the work dir",
     )
-    R.add_common_args(parser)
-    return parser.parse_args(argv)
+    return R.parse_tool_args(parser, argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    R.prepare_environment(args.local_rank)
-    with R.setup_errors("tools/train.py"):  # bad arguments or config: one line, exit status 1
-        cfg = R.load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    with R.tool_setup(args, "tools/train.py") as cfg:  # bad arguments or config: one line, exit status 1
         if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.isfile(args.resume):
             raise FileNotFoundError(f"--resume: no such checkpoint file {args.resume!r} (or give no value: the "
                                     "latest checkpoint in the work dir)")

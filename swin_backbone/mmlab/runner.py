@@ -1,49 +1,19 @@
-"""Helpers shared by tools/train.py and tools/test.py (mmengine Runner, mmdet or mmseg).
+"""mmengine Runner glue that needs nothing above this layer: the config's scope
+(:func:`config_scope`, read by :mod:`swin_backbone.features` too) and the check that a
+checkpoint fits the model a Runner loads it into (:func:`require_checkpoint_match`, for
+tools/test.py).
 
-The scope (mmdet or mmseg) comes from the config's ``default_scope``, which the libraries'
-base configs set, so one script serves both.
+The rest of what tools/train.py and tools/test.py share (config loading, the Runner's
+environment, AMP, resuming) is in :mod:`swin_backbone.tools.runner`.
 """
 from __future__ import annotations
 
-import os
-import os.path as osp
 import re
-from contextlib import contextmanager
 from typing import Optional, Sequence
 
-import torch
 from mmengine.config import Config
-from mmengine.optim import OptimWrapper
-from mmengine.registry import OPTIM_WRAPPERS
 
 SCOPES = ("mmdet", "mmseg")
-
-
-@OPTIM_WRAPPERS.register_module(force=True)
-class BF16AutocastOptimWrapper(OptimWrapper):
-    """``OptimWrapper`` that runs forward passes under bf16 autocast on the model's device.
-
-    mmengine's ``AmpOptimWrapper`` is CUDA-only and fp16 (with loss scaling); bf16 has
-    fp32's range, so no loss scaler is needed and it works on CPU.
-    """
-
-    @contextmanager
-    def optim_context(self, model: torch.nn.Module):
-        device = next(model.parameters()).device.type
-        with super().optim_context(model), torch.autocast(device_type=device, dtype=torch.bfloat16):
-            yield
-
-
-def add_common_args(parser) -> None:
-    """Arguments shared by tools/train.py and tools/test.py (as in mmdet / mmseg)."""
-    from mmengine.config import DictAction
-
-    parser.add_argument(
-        "--cfg-options", nargs="+", action=DictAction, help="override config settings, key=value (mmengine syntax)"
-    )
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
-    # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
 
 
 def config_scope(cfg: Config) -> str:
@@ -55,177 +25,6 @@ def config_scope(cfg: Config) -> str:
             f"got {scope!r}"
         )
     return scope
-
-
-def load_config(
-    path: str,
-    cfg_options: Optional[dict] = None,
-    work_dir: Optional[str] = None,
-    launcher: str = "none",
-) -> Config:
-    """Read a config, apply ``--cfg-options`` and pick the work dir like mmdet / mmseg do.
-
-    Work dir priority: the CLI, then the config's ``work_dir``, then
-    ``./work_dirs/<config name>``.
-    """
-    if not osp.isfile(path):
-        raise FileNotFoundError(f"config {path!r}: {'a folder' if osp.isdir(path) else 'no such file'}; "
-                                "expected an mmdet / mmseg config file (.py)")
-    if work_dir is not None and osp.exists(work_dir) and not osp.isdir(work_dir):
-        raise NotADirectoryError(f"--work-dir {work_dir!r}: a file; expected a folder (created if missing)")
-    try:
-        cfg = Config.fromfile(path)
-    except Exception as err:  # syntax errors, unknown base configs: one line naming the file
-        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})") from err
-    cfg.launcher = launcher
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    if work_dir is not None:
-        cfg.work_dir = work_dir
-    elif cfg.get("work_dir") is None:
-        cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(path))[0])
-    config_scope(cfg)
-    return cfg
-
-
-def setup_errors(prog: str):
-    """Errors of a tool's setup (arguments, config): ``SystemExit`` with one line naming them
-    (exit status 1), instead of a traceback."""
-    return _SetupErrors(prog)
-
-
-class _SetupErrors:
-    def __init__(self, prog: str) -> None:
-        self.prog = prog
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, err, tb) -> bool:
-        if err is not None and isinstance(err, (OSError, ValueError)):
-            raise SystemExit(f"{self.prog}: error: {' '.join(str(err).split())}") from err
-        return False
-
-
-def prepare_environment(local_rank: int = 0) -> None:
-    """Process-wide setup both tools need before building a Runner."""
-    if "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(local_rank)
-    from .compat import allow_mmengine_checkpoints
-
-    # --resume and load_from read Runner checkpoints (numpy values, message hub).
-    allow_mmengine_checkpoints()
-    import swin_backbone  # noqa: F401  (registers SwinBackbone even without custom_imports)
-
-
-def enable_amp(cfg: Config) -> None:
-    """Mixed precision as ``--amp`` does in mmdet / mmseg.
-
-    On CUDA: ``AmpOptimWrapper`` with dynamic loss scaling (fp16). Without CUDA, mmengine's
-    AmpOptimWrapper refuses to run, so CPU training uses bf16 autocast (no loss scaling
-    needed) with :class:`BF16AutocastOptimWrapper`.
-    """
-    if torch.cuda.is_available():
-        cfg.optim_wrapper.type = "AmpOptimWrapper"
-        cfg.optim_wrapper.loss_scale = "dynamic"
-    else:
-        cfg.optim_wrapper.type = "BF16AutocastOptimWrapper"
-
-
-def resume_settings(cfg: Config, resume: Optional[str]) -> None:
-    """``--resume`` (latest checkpoint in the work dir) or ``--resume PATH``."""
-    if resume == "auto":
-        cfg.resume = True
-        cfg.load_from = None
-    elif resume is not None:
-        cfg.resume = True
-        cfg.load_from = resume
-
-
-def trigger_visualization(cfg: Config, show: bool, show_dir: Optional[str], wait_time: float = 2.0) -> None:
-    """Turn on the scope's VisualizationHook, as mmdet's / mmseg's test.py do."""
-    hooks = cfg.get("default_hooks", {})
-    if "visualization" not in hooks:
-        raise RuntimeError("--show/--show-dir need a VisualizationHook in default_hooks (visualization=...)")
-    hook = hooks["visualization"]
-    hook["draw"] = True
-    if show:
-        hook["show"] = True
-        hook["wait_time"] = wait_time
-    if show_dir:
-        if config_scope(cfg) == "mmdet":
-            hook["test_out_dir"] = show_dir
-        else:
-            cfg.visualizer["save_dir"] = show_dir
-
-
-def _replace_norm_type(node, old: str, new: str) -> int:
-    count = 0
-    if isinstance(node, dict):
-        if node.get("type") == old:
-            node["type"] = new
-            count += 1
-        for value in node.values():
-            count += _replace_norm_type(value, old, new)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            count += _replace_norm_type(value, old, new)
-    return count
-
-
-def setup_cpu_distributed(cfg: Config) -> None:
-    """Make mmengine's ``pytorch`` launcher work without CUDA (gloo, CPU DDP).
-
-    mmengine 0.10.7 calls ``torch.cuda.set_device``, defaults to nccl and passes
-    ``device_ids=[LOCAL_RANK]`` to DDP, all of which fail on a CPU-only machine. Here the
-    process group is initialised with gloo first (the Runner then skips its own init), DDP
-    gets ``device_ids=None``, and SyncBN (CUDA-only in torch) becomes BN.
-    """
-    if cfg.get("launcher", "none") == "none" or torch.cuda.is_available():
-        return
-    import torch.distributed as dist
-    from mmengine.logging import print_log
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
-    cfg.env_cfg = dict(cfg.get("env_cfg", {}), dist_cfg=dict(backend="gloo"))
-    cfg.model_wrapper_cfg = dict(
-        type="MMDistributedDataParallel",
-        device_ids=None,
-        broadcast_buffers=False,
-        find_unused_parameters=cfg.get("find_unused_parameters", False),
-    )
-    if _replace_norm_type(cfg.model, "SyncBN", "BN"):
-        print_log("CPU distributed run: SyncBN replaced by BN (torch's SyncBN needs CUDA)", logger="current")
-
-
-def build_runner(cfg: Config):
-    """Runner from the config (or the registry's runner if ``runner_type`` is set)."""
-    from mmengine.registry import RUNNERS
-    from mmengine.runner import Runner
-
-    if "runner_type" not in cfg:
-        return Runner.from_cfg(cfg)
-    return RUNNERS.build(cfg)
-
-
-def read_metrics(work_dir: str) -> list:
-    """Every metrics row mmengine logged under ``work_dir``, oldest run first.
-
-    Training runs write ``<ts>/vis_data/scalars.json``; test runs ``<ts>/<ts>.json``.
-    """
-    import glob
-    import json
-
-    rows = []
-    runs = sorted(glob.glob(osp.join(work_dir, "*", "")), key=osp.getmtime)
-    for run in runs:
-        ts = osp.basename(osp.normpath(run))
-        for path in (osp.join(run, "vis_data", "scalars.json"), osp.join(run, f"{ts}.json")):
-            if osp.isfile(path):
-                with open(path) as f:
-                    rows += [json.loads(line) for line in f if line.strip()]
-    return rows
 
 
 # ---------------------------------------------------------------------------- checkpoint match (tools/test.py)

@@ -43,7 +43,7 @@ def run_tool(args, toy_data, extra_env=None):
 
 
 def scalars(work_dir):
-    from swin_backbone.mmlab.runner import read_metrics
+    from swin_backbone.tools.runner import read_metrics
 
     return read_metrics(work_dir)
 
