@@ -28,6 +28,25 @@ def device(request):
         yield torch.device("cpu")
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core test machine two threads spin against each
+    other (and other jobs) and make small-input forwards of large models 2-5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["whole", "default", "tiny"])
+def chunk_budget(request):
+    """Chunk bytes: whole tensors, the planner's CPU size, and 3 rows of 32 float64 per chunk
+    (ragged end)."""
+    from swin_backbone.ops.planner import cpu_chunk_bytes
+
+    return {"whole": 0, "default": cpu_chunk_bytes(), "tiny": 3 * 32 * 8}[request.param]
+
+
 def small_arch(**kw):
     """A fast Swin config for tests: real structure, fewer channels and blocks."""
     cfg = dict(arch=None, embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16), drop_path_rate=0.0)

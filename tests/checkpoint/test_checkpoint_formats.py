@@ -9,20 +9,9 @@ from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
 from swin_backbone.checkpoint import detect_format, unwrap_state_dict
 from swin_backbone.checkpoint.formats import FROM_OURS
 
+from ..helpers import randomize as _randomize
+
 ATOL = 1e-4
-
-
-def _randomize(model):
-    """Non-trivial norms, biases and bias tables, so any layout error shows in the features."""
-    model.eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "relative_position_bias_table" in name or (p.dim() == 1 and name.endswith("bias")):
-                p.normal_(std=0.1)
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.1)
-    return model
 
 
 def _save(tmp_path, obj, name="ckpt.pth"):

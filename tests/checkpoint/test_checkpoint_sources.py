@@ -9,17 +9,11 @@ from swin_backbone.checkpoint import read_checkpoint, write_checkpoint
 from swin_backbone.checkpoint.formats import FROM_OURS
 from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
 
+from ..helpers import TINY as V1
+
 ATOL = 1e-4
-V1 = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
 V2 = dict(V1, window_size=8)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random(model):

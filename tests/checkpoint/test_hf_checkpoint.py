@@ -8,43 +8,29 @@ import torch
 from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint
 from swin_backbone.tools.convert_checkpoint import convert_file
 
+from ..helpers import TINY, randomize
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 ATOL = 1e-4
 STAGES = ["stage1", "stage2", "stage3", "stage4"]
 HF_V1 = dict(embed_dim=16, depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 4], window_size=7, drop_path_rate=0.0)
-OURS_V1 = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
+OURS_V1 = TINY
 HF_V2 = dict(embed_dim=16, depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 4], window_size=8, image_size=256,
              drop_path_rate=0.0)
-OURS_V2 = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=8,
-               drop_path_rate=0.0, pad_small_map=False)
+OURS_V2 = dict(TINY, window_size=8, pad_small_map=False)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
-def _offline_one_thread(monkeypatch):
+def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _randomize(model):
-    """Non-trivial norms, biases, bias tables and V2 scales, so any layout error shows."""
-    model.eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("relative_position_bias_table") or (p.dim() == 1 and name.endswith("bias")):
-                p.normal_(std=0.2)
-            elif name.endswith("logit_scale"):
-                p.copy_(torch.empty_like(p).uniform_(1.0, 5.0))
-            elif "continuous_position_bias_mlp.2" in name:
-                p.normal_(std=0.5)
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.2)
-    return model
+    """:func:`~tests.helpers.randomize` with transformers' V2 position-bias MLP name."""
+    return randomize(model, std=0.2, position_mlp="continuous_position_bias_mlp.2.weight")
 
 
 def _tokens_to_nchw(tokens, hw):

@@ -9,7 +9,8 @@ import torch
 from swin_backbone import CheckpointError, SwinBackbone, SwinV2Backbone, load_checkpoint
 from swin_backbone.checkpoint import CheckpointNotFoundError
 
-V1 = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
+from ..helpers import TINY as V1
+
 V2 = dict(V1, window_size=8)
 EXPECTED_ANY = "expected a torch checkpoint (torch.save: zip or legacy pickle) or a safetensors file"
 

@@ -9,17 +9,11 @@ from swin_backbone.checkpoint.formats import official_to_unfold
 from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
 from swin_backbone.tools.convert_checkpoint import main as convert_main
 
-from ..model.test_v2_model import _randomize, _timm_stages
+from ..helpers import TINY as SMALL
+from ..helpers import randomize as _randomize
+from ..helpers import timm_stages as _timm_stages
 
-SMALL = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(**kw):

@@ -160,6 +160,14 @@ def perturb(model: nn.Module) -> None:
                 p.normal_(0.0, 0.1)
 
 
+def assert_same_features(ours: nn.Module, ref: nn.Module, size: Tuple[int, int] = ODD_SIZE) -> None:
+    """Both backbones' feature maps of one random ``size`` image agree (1e-4)."""
+    x = torch.randn(1, 3, *size)
+    with torch.no_grad():
+        for g, e in zip(ours(x), ref(x)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(autouse=True)
 def no_downloads(monkeypatch):
     """Any attempt to fetch a checkpoint URL fails the test instead of downloading."""
@@ -168,16 +176,6 @@ def no_downloads(monkeypatch):
         raise AssertionError(f"test tried to open a network connection to {args}")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on the shared 2-core test machine two threads spin against each
-    other (and other jobs) and make these small-input forwards of large models 2-5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- every shipped config
@@ -245,10 +243,8 @@ def test_mask_padding_is_what_differs(one_thread):
     assert ours.mask_padding
     perturb(ref)
     swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
+    assert_same_features(ours, ref, (224, 224))
     with torch.no_grad():
-        x = torch.randn(1, 3, 224, 224)
-        for g, e in zip(ours(x), ref(x)):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         x = torch.randn(1, 3, *ODD_SIZE)
         diffs = [(g - e).abs().max().item() for g, e in zip(ours(x), ref(x))]
     assert max(diffs) > 1e-2, diffs
@@ -287,10 +283,7 @@ def test_pretrained_path_loads_in_init_weights(tmp_path):
         ours = SwinBackbone(arch=None, **arch, pretrained=path, mask_padding=False)
     ours.init_weights()
     ours.eval()
-    x = torch.randn(1, 3, *ODD_SIZE)
-    with torch.no_grad():
-        for g, e in zip(ours(x), ref(x)):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert_same_features(ours, ref)
 
 
 @pytest.mark.parametrize(
@@ -341,10 +334,7 @@ def test_strides_consistent_with_patch_size_match_mmdet(patch_size, strides):
     ours = SwinBackbone(arch=None, **arch, patch_size=patch_size, strides=strides, mask_padding=False).eval()
     perturb(ref)
     swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
-    x = torch.randn(1, 3, *ODD_SIZE)
-    with torch.no_grad():
-        for g, e in zip(ours(x), ref(x)):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert_same_features(ours, ref)
 
 
 @pytest.mark.parametrize(

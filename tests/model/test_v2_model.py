@@ -11,42 +11,11 @@ from swin_backbone import CheckpointError, SwinBackbone, SwinV2Backbone, load_ch
 from swin_backbone.model.v2 import SwinBlockV2, WindowAttentionV2
 from swin_backbone.ops import cosine
 
+from ..helpers import randomize as _randomize
+from ..helpers import timm_stages as _timm_stages
+
 ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _randomize(model):
-    """Non-trivial norms, biases, logit scales and q/v biases, so any layout error shows."""
-    model.eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and name.endswith("bias"):
-                p.normal_(std=0.1)
-            elif name.endswith("logit_scale"):
-                p.copy_(torch.empty_like(p).uniform_(1.0, 5.0))  # some above log(100): the clamp matters
-            elif name.endswith("cpb_mlp.2.weight"):
-                p.normal_(std=0.5)
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.normal_(1.0, 0.1)
-    return model
-
-
-def _timm_stages(ref, x):
-    """timm stage outputs ``(B, H, W, C)`` (no norm)."""
-    y = ref.patch_embed(x)
-    outs = []
-    for layer in ref.layers:
-        y = layer(y)
-        outs.append(y)
-    return outs
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _compare(ours, stage_outs, final_norm, got):

@@ -18,15 +18,6 @@ def _modules(c_in=8, c_out=12, dtype=torch.float64):
     return norm, linear
 
 
-@pytest.fixture(params=["whole", "default", "tiny"])
-def chunk_budget(request):
-    """Chunk bytes: whole tensors, the planner's CPU size, and 3 rows of 32 float64 per chunk
-    (ragged end)."""
-    from swin_backbone.ops.planner import cpu_chunk_bytes
-
-    return {"whole": 0, "default": cpu_chunk_bytes(), "tiny": 3 * 32 * 8}[request.param]
-
-
 @pytest.mark.parametrize("size,shift", [(None, 0), ((14, 14), 3), ((9, 12), 3), ((9, 12), 0)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_norm_linear_matches_modules(size, shift, bias):

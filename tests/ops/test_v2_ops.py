@@ -23,15 +23,6 @@ def _mlp_norm_modules(c=8, hidden=32, dtype=torch.float64):
     return mlp, norm
 
 
-@pytest.fixture(params=["whole", "default", "tiny"])
-def chunk_budget(request):
-    """Chunk bytes: whole tensors, the planner's CPU size, and 3 rows of 32 float64 per chunk
-    (ragged end)."""
-    from swin_backbone.ops.planner import cpu_chunk_bytes
-
-    return {"whole": 0, "default": cpu_chunk_bytes(), "tiny": 3 * 32 * 8}[request.param]
-
-
 @pytest.mark.parametrize("rows", [0, 1, 10])
 def test_chunked_post_norm_mlp_residual_matches_plain(chunk_budget, rows):
     mlp, norm = _mlp_norm_modules()
