@@ -13,7 +13,7 @@ from .mmlab.preprocessors import register_preprocessors
 from .mmlab.registry import register
 from .ops import clear_caches
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 REGISTERED_IN = register(SwinBackbone)
 register(SwinV2Backbone, "SwinV2Backbone")

@@ -1,4 +1,10 @@
-"""State-dict pre-hook: convert checkpoint keys as they arrive in ``load_state_dict``.
+"""What the checkpoint package plugs into every backbone (it sits above the model, which
+therefore imports nothing of it): the ``Pretrained`` initializer and a state-dict pre-hook.
+
+``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` runs :class:`SwinPretrainedInit`
+(registered in mmengine's ``WEIGHT_INITIALIZERS``): any supported format, a per-key report.
+
+The pre-hook converts checkpoint keys as they arrive in ``load_state_dict``.
 
 With it, loading a *whole* detector or segmentor checkpoint (``load_from=``, ``--resume``,
 ``mmengine.runner.load_checkpoint``) into a model whose backbone is SwinBackbone works for
@@ -11,12 +17,25 @@ import logging
 from typing import Any, Dict, List
 
 from mmengine.logging import print_log
+from mmengine.registry import WEIGHT_INITIALIZERS
 from torch import nn
 
-from ..model.backbone import LOAD_STATE_DICT_PRE_HOOKS
+from ..model.backbone import LOAD_STATE_DICT_PRE_HOOKS, PRETRAINED_INIT
 from .base import prefixed
 from .detect import detect_format
-from .loading import prepare_state_dict
+from .loading import load_checkpoint, prepare_state_dict
+
+
+@WEIGHT_INITIALIZERS.register_module(name=PRETRAINED_INIT)
+class SwinPretrainedInit:
+    """Load a Swin checkpoint file of any supported format into a backbone, with a per-key
+    report (:func:`~swin_backbone.checkpoint.load_checkpoint`)."""
+
+    def __init__(self, checkpoint: str, map_location: str = "cpu", **_: Any) -> None:
+        self.checkpoint, self.map_location = checkpoint, map_location
+
+    def __call__(self, module: nn.Module) -> None:
+        load_checkpoint(module, self.checkpoint, map_location=self.map_location)
 
 
 def _convert_on_load(

@@ -20,9 +20,11 @@ from ..torch_compat import is_compiling, register_load_state_dict_pre_hook
 from ..mmlab.valid_sizes import attached_valid_sizes
 from ..validation import check_config, check_input, check_valid_sizes
 
-#: ``load_state_dict`` pre-hooks every backbone gets: the checkpoint package adds its
-#: key converter here when the package is imported (it sits above the model).
+# The checkpoint package sits above the model and plugs into it when imported:
+#: ``load_state_dict`` pre-hooks every backbone gets (the checkpoint key converter);
 LOAD_STATE_DICT_PRE_HOOKS: List[Callable[..., None]] = []
+#: the mmengine ``WEIGHT_INITIALIZERS`` entry that runs ``init_cfg=dict(type='Pretrained', ...)``.
+PRETRAINED_INIT = "SwinBackbonePretrained"
 
 
 class SwinBackbone(BaseModule):
@@ -291,9 +293,7 @@ class SwinBackbone(BaseModule):
         if others:
             initialize(self, others)
         for cfg in pretrained:
-            from ..checkpoint import load_checkpoint
-
-            load_checkpoint(self, cfg["checkpoint"], map_location=cfg.get("map_location", "cpu"))
+            initialize(self, dict(cfg, type=PRETRAINED_INIT))
         self._freeze_stages()
         self._is_init = True
 

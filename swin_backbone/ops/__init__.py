@@ -17,7 +17,6 @@ about devices or grad modes again. The implementations live in the submodules:
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -25,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention as _attention
-from . import kernel_choice as _kernel_choice
 from . import recompute as _recompute
+from .attention import window_attention
 from .chunked import add_by_rows_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .image_sizes import merge_2x2, straddles, zero_beyond_valid, zero_straddles_
@@ -35,7 +34,6 @@ from .layouts import WindowLayout, clear_caches, window_partition
 from .planner import Plan, override, plan_for, plan_for_module, plan_forward
 from .recompute import mlp_branch
 from .stage import AttentionInputs, finish_forward, plan_stage, stage_layouts
-from .triton_ops import fused_window_attention
 
 __all__ = [
     "AttentionInputs",
@@ -84,73 +82,6 @@ def norm_qkv(
         return _recompute.norm_linear(x, norm, weight, bias, windows)
     x = x if norm is None else norm(x)
     return F.linear(x if windows is None else window_partition(x, windows), weight, bias)
-
-
-def window_attention(
-    qkv: torch.Tensor,
-    table: torch.Tensor,
-    table_window: int,
-    layout: WindowLayout,
-    num_heads: int,
-    scale: float,
-    dropout_p: float,
-    plan: Plan,
-) -> torch.Tensor:
-    """Multi-head attention inside each window with a relative position bias.
-
-    The computation, whichever kernel runs it, is :func:`~.attention.reference_window_attention`
-    (there with the projections).
-
-    Args:
-        qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
-        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
-        table_window: ``tw``, the window the table is sized for (>= ``layout.window``).
-        dropout_p: attention dropout probability (applied only where the plan says dropout
-            is active, i.e. in training).
-    Returns:
-        ``(B, H * W, C)`` row-major tokens, before the output projection.
-    """
-    if plan.attention == "triton":
-        try:
-            out = fused_window_attention(
-                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads,
-                scale, plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
-            )
-        except Exception as error:
-            if plan.attention_signature is None or plan.tracing:
-                raise
-            # A launch the measurement did not meet (e.g. a new compile key) failed: this call
-            # runs SDPA, and the signature is decided again at the next forward.
-            _kernel_choice.reject(plan.attention_signature, error)
-            return window_attention(window_partition(qkv, layout), table, table_window, layout, num_heads, scale,
-                                    dropout_p, dataclasses.replace(plan, attention="sdpa"))
-        if layout.images is None:
-            return out
-        # Windows that images' boundaries cut: their own masks, with SDPA (few windows).
-        bias = _attention.relative_position_bias(table, layout.window, table_window)
-        return _attention.redo_image_windows_in_tokens(out, qkv, bias, layout, num_heads, scale, plan.align_masks)
-    bias = _attention.relative_position_bias(table, layout.window, table_window)
-    fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
-    return _attention.run_kernel(
-        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, plan.attention, fixup,
-        plan.chunk_bytes, plan.align_masks,
-    )
-
-
-def _backward_fallback(table_window: int, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
-    """For an auto-chosen fused kernel: gradients through SDPA if its backward launch fails."""
-    if plan.attention_signature is None or plan.tracing or not plan.grad:
-        return None
-
-    def fallback(grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor):
-        _kernel_choice.reject(plan.attention_signature, "backward launch failed")
-        with torch.enable_grad():
-            q, t = qkv.detach().requires_grad_(), table.detach().requires_grad_()
-            sdpa = dataclasses.replace(plan, attention="sdpa", attention_signature=None, save_memory=False)
-            out = window_attention(window_partition(q, layout), t, table_window, layout, num_heads, scale, 0.0, sdpa)
-            return torch.autograd.grad(out, (q, t), grad_out)
-
-    return fallback
 
 
 def project(tokens: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

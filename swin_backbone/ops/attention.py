@@ -3,7 +3,7 @@
 :func:`reference_window_attention` is the whole algorithm in plain torch, to hold against the
 paper. Every kernel is the same computation, fused (tested against it): each computes
 ``softmax(q k^T * scale + bias + mask) v`` inside every window and returns the result in
-row-major token order; :func:`run_kernel` runs the one the plan names
+row-major token order; :func:`window_attention` runs the one the plan names
 (:mod:`swin_backbone.ops.planner` decides):
 
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the bias (+ region mask) as an additive
@@ -21,6 +21,7 @@ the masked ones recomputed with theirs. All give the same numbers (tested).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -28,9 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..torch_compat import scaled_dot_product_attention
+from . import kernel_choice
 from .chunked import chunk_rows, chunk_slices
-from .image_sizes import ImageWindows
-from .layouts import WindowLayout, get_relative_position_index, window_reverse
+from .layouts import ImageWindows, WindowLayout, get_relative_position_index, window_partition, window_reverse
+from .planner import Plan
+from .triton_ops import fused_window_attention
 from .windows import padded_size, relative_position_index, window_attention_mask
 
 
@@ -476,3 +479,70 @@ def _project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     batch, length, channels = tokens.shape
     out = linear(tokens.reshape(batch * length, channels))
     return torch.ops.aten._unsafe_view(out, (batch, length, out.shape[-1]))
+
+
+def window_attention(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    table_window: int,
+    layout: WindowLayout,
+    num_heads: int,
+    scale: float,
+    dropout_p: float,
+    plan: Plan,
+) -> torch.Tensor:
+    """Multi-head attention inside each window with a relative position bias.
+
+    The computation, whichever kernel runs it, is :func:`reference_window_attention`
+    (there with the projections).
+
+    Args:
+        qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
+        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
+        table_window: ``tw``, the window the table is sized for (>= ``layout.window``).
+        dropout_p: attention dropout probability (applied only where the plan says dropout
+            is active, i.e. in training).
+    Returns:
+        ``(B, H * W, C)`` row-major tokens, before the output projection.
+    """
+    if plan.attention == "triton":
+        try:
+            out = fused_window_attention(
+                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads,
+                scale, plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
+            )
+        except Exception as error:
+            if plan.attention_signature is None or plan.tracing:
+                raise
+            # A launch the measurement did not meet (e.g. a new compile key) failed: this call
+            # runs SDPA, and the signature is decided again at the next forward.
+            kernel_choice.reject(plan.attention_signature, error)
+            return window_attention(window_partition(qkv, layout), table, table_window, layout, num_heads, scale,
+                                    dropout_p, dataclasses.replace(plan, attention="sdpa"))
+        if layout.images is None:
+            return out
+        # Windows that images' boundaries cut: their own masks, with SDPA (few windows).
+        bias = relative_position_bias(table, layout.window, table_window)
+        return redo_image_windows_in_tokens(out, qkv, bias, layout, num_heads, scale, plan.align_masks)
+    bias = relative_position_bias(table, layout.window, table_window)
+    fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
+    return run_kernel(
+        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, plan.attention, fixup,
+        plan.chunk_bytes, plan.align_masks,
+    )
+
+
+def _backward_fallback(table_window: int, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
+    """For an auto-chosen fused kernel: gradients through SDPA if its backward launch fails."""
+    if plan.attention_signature is None or plan.tracing or not plan.grad:
+        return None
+
+    def fallback(grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor):
+        kernel_choice.reject(plan.attention_signature, "backward launch failed")
+        with torch.enable_grad():
+            q, t = qkv.detach().requires_grad_(), table.detach().requires_grad_()
+            sdpa = dataclasses.replace(plan, attention="sdpa", attention_signature=None, save_memory=False)
+            out = window_attention(window_partition(q, layout), t, table_window, layout, num_heads, scale, 0.0, sdpa)
+            return torch.autograd.grad(out, (q, t), grad_out)
+
+    return fallback

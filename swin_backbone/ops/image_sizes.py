@@ -6,13 +6,12 @@ padding; see :class:`ImageWindows`, :func:`straddles` and docs/image-exact-batch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .layouts import CPU, size_cache, to_device
+from .layouts import CPU, ImageWindows, size_cache, to_device
 from .windows import (
     PAD_REGION, ceil_div, mask_buffer, mask_rows, output_size, padded_size, partition_grid, region_labels, row_length,
     window_token_index,
@@ -20,33 +19,6 @@ from .windows import (
 
 #: Per image of a batch, the ``(h, w)`` that is the image on a map; ``None``: all fill it.
 ValidSizes = Optional[Tuple[Tuple[int, int], ...]]
-
-
-@dataclass(frozen=True)
-class ImageWindows:
-    """Windows of a batch whose mask differs per image: those an image's boundary cuts.
-
-    An image that is only the top-left ``h x w`` of a batch map treats every token beyond
-    it as padding (:func:`region_labels` with ``valid``). That changes the mask only of the
-    windows holding both tokens of the image and tokens beyond it; windows wholly beyond
-    the image keep the shared mask (nothing of the image reads their results).
-
-    Attributes:
-        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
-        masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
-            (8-aligned rows with ``align``, as :func:`window_attention_mask`).
-        rows: ``(K * N,)`` the row of the batch's flat ``(B * H * W)`` row-major tokens that
-            each position of those windows holds (the image's token 0 for window padding),
-            for kernels that read and write row-major tokens (the fused Triton one).
-        real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
-        real_rows: ``(R,)`` their rows, ``rows[real]`` (where results are written back).
-    """
-
-    windows: torch.Tensor
-    masks: torch.Tensor
-    rows: Optional[torch.Tensor] = None
-    real: Optional[torch.Tensor] = None
-    real_rows: Optional[torch.Tensor] = None
 
 
 def image_window_masks(
@@ -240,7 +212,6 @@ def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor
 
 
 __all__ = [
-    "ImageWindows",
     "ValidSizes",
     "get_image_window_masks",
     "get_image_windows",

@@ -241,7 +241,7 @@ def cache_path() -> str:
 
 def version_key() -> str:
     """What invalidates persisted decisions: GPU, driver, torch, CUDA, triton, this package."""
-    from .. import __version__
+    from .._version import __version__
     from .triton_attention import triton
 
     parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}", f"swin_backbone {__version__}"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache, wraps
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, TypeVar
+from typing import Callable, Dict, List, Optional, TypeVar
 
 import torch
 
@@ -26,9 +26,6 @@ from .windows import (
     ceil_div, mask_buffer, mask_from_labels, mask_rows, needs_mask, pad_amount, partition_grid, region_labels,
     relative_position_index, window_inverse_index, window_token_index,
 )
-
-if TYPE_CHECKING:
-    from .image_sizes import ImageWindows
 
 T = TypeVar("T")
 
@@ -54,6 +51,33 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device, non_blocking=device.type == "meta")
+
+
+@dataclass(frozen=True)
+class ImageWindows:
+    """Windows of a batch whose mask differs per image: those an image's boundary cuts.
+
+    An image that is only the top-left ``h x w`` of a batch map treats every token beyond
+    it as padding (:func:`~.windows.region_labels` with ``valid``). That changes the mask only of the
+    windows holding both tokens of the image and tokens beyond it; windows wholly beyond
+    the image keep the shared mask (nothing of the image reads their results).
+
+    Attributes:
+        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
+        masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
+            (8-aligned rows with ``align``, as :func:`window_attention_mask`).
+        rows: ``(K * N,)`` the row of the batch's flat ``(B * H * W)`` row-major tokens that
+            each position of those windows holds (the image's token 0 for window padding),
+            for kernels that read and write row-major tokens (the fused Triton one).
+        real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
+        real_rows: ``(R,)`` their rows, ``rows[real]`` (where results are written back).
+    """
+
+    windows: torch.Tensor
+    masks: torch.Tensor
+    rows: Optional[torch.Tensor] = None
+    real: Optional[torch.Tensor] = None
+    real_rows: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -104,7 +128,7 @@ class WindowLayout:
     dtype: torch.dtype
     align: bool
     tensors: Dict[str, Optional[torch.Tensor]] = field(repr=False, compare=False)
-    images: Optional["ImageWindows"] = None
+    images: Optional[ImageWindows] = None
     traced: bool = False
 
     def _tensor(self, name: str) -> Optional[torch.Tensor]:

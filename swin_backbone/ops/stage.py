@@ -19,6 +19,7 @@ import torch
 
 from ..torch_compat import HAS_CUSTOM_OP, assume_constant_result, has_fp32_precision, matmul_allows_tf32
 from . import kernel_choice
+from .attention import window_attention
 from .planner import Plan
 from .image_sizes import get_image_windows
 from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache, window_partition
@@ -47,7 +48,7 @@ def stage_layouts(
     """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift.
 
     With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
-    windows that the images' boundaries cut (:class:`~swin_backbone.ops.image_sizes.ImageWindows`).
+    windows that the images' boundaries cut (:class:`~swin_backbone.ops.layouts.ImageWindows`).
     """
     def layout(shift: int) -> WindowLayout:
         args = (height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
@@ -269,8 +270,6 @@ def _run(attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs: A
 def _attend(kernel: str, warps: int, layout: WindowLayout, inputs: AttentionInputs, plan: Plan):
     """``(qkv, table) -> output`` with ``kernel`` on row-major ``qkv`` (partitioned first for
     the kernels that read window order), as :func:`swin_backbone.ops.window_attention` runs it."""
-    from . import window_attention
-
     stage_plan = dataclasses.replace(plan, attention=kernel, triton_warps=warps, attention_signature=None,
                                      save_memory=False)
 
