@@ -1,37 +1,14 @@
 """Which window-attention kernel runs on this GPU: verified and measured at first use.
 
-On CUDA the fused Triton kernel (:mod:`.triton_attention`) and torch's SDPA compute the same
-attention. Neither is trusted blindly: for each attention *signature* (GPU and its compute
-capability, dtype, fp32 matmul precision, window, heads, head dim, forward-only or training,
-per-image ``valid_sizes`` or not) the first call runs every applicable candidate on that
-call's own inputs, checks the output (and in training the gradients of q, k, v and of the
-bias table, from one backward) against a float32 reference, times the candidates that pass,
-and keeps the fastest, as cuDNN's benchmark mode and Triton's autotuner do. A candidate that
-raises (compilation errors, ``OutOfResources``, a missing C compiler, an unsupported GPU)
-or computes wrong numbers is rejected with one warning naming the reason.
-
-Decisions live in this process and in a small JSON file in the user's cache directory
-(:func:`cache_path`), keyed by GPU, driver, torch, triton and package version, so later runs
-skip the measurement. ``SWIN_BACKBONE_ATTENTION_CACHE=0`` turns the file off;
-:func:`forget` (or deleting the file) clears it. Before the fused kernel's first launch for a
-signature the file records it as *pending*; a process that dies there (a kernel that
-corrupts the CUDA context cannot be caught in-process) leaves that mark behind, and the next
-run rejects the kernel for that signature instead of crashing again.
-
-Under ``torch.distributed`` every rank must run the same kernels. No collective may sit where
-only some ranks arrive (in multi-scale training ranks see different input sizes), so ranks
-agree like this: (1) the signature does not depend on the input size; (2) at the end of the
-first training forward of each (device, dtype) all ranks, which DDP keeps in step there,
-adopt rank 0's decisions (one ``broadcast_object_list``); (3) a signature first met later
-(e.g. with ``valid_sizes`` on some ranks only) is not timed under ``torch.distributed``:
-ranks take the decision of the same signature without ``valid_sizes`` if there is one, else
-the fused kernel if it verifies (verification, unlike timing, gives the same answer on
-identical GPUs). Nothing is measured while ``torch.compile`` / ``torch.export`` traces or a
-CUDA graph captures: graphs use the decisions made before (warm up with one eager forward),
-or SDPA (plain attention in training graphs) where there are none.
-
-The selection itself (:func:`measure`) takes its candidates, reference and timer as
-arguments, so it is tested on the CPU with injected candidates.
+For each attention *signature* (GPU, dtype, fp32 matmul precision, window, heads, head dim,
+training or not, ``valid_sizes`` or not: never the input size) the first call checks every
+candidate (the fused Triton kernel, SDPA) against a float32 reference on its own inputs,
+times the ones that pass and keeps the fastest (:func:`measure`, :func:`decide`), as cuDNN's
+benchmark mode and Triton's autotuner do. Decisions persist in the user's cache directory
+(:func:`cache_path`; a *pending* mark survives a crashing kernel), ranks adopt rank 0's
+(:class:`Decisions`), and nothing is measured while tracing or capturing. The full story:
+docs/design.md, "The kernel on a GPU". :func:`measure` takes its candidates, reference and
+timer as arguments, so it is tested on the CPU with injected candidates.
 """
 from __future__ import annotations
 

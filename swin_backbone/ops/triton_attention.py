@@ -2,57 +2,19 @@
 
 :func:`triton_window_attention` takes the ``(B, H * W, 3C)`` output of the qkv projection in
 row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order.
-Everything between the two is fused into one pass over the windows:
+Pad, cyclic shift and partition (computed source rows, masked loads), the region mask
+(from coordinates in registers), the relative position bias (gathered by offset), the
+softmax and the reverse / unshift / crop are fused into one pass over the windows. The
+backward recomputes ``P`` (FlashAttention style) and keeps only ``qkv`` and the table; the
+table gradient is reduced without atomics, so it is reproducible bit for bit. How and why:
+docs/design.md, "The fused Triton kernel".
 
-* **pad, cyclic shift and partition**: a program computes, for each position of its window,
-  the source token ``((r + shift) mod Hp, (c + shift) mod Wp)`` and loads ``q``, ``k`` and
-  ``v`` straight from the projection's rows. Padding positions are never loaded (masked
-  loads), so no padded, rolled or partitioned copy of ``qkv`` is ever written;
-* **region mask**: shift regions are computed from the coordinates in registers (the
-  arithmetic of :func:`~swin_backbone.ops.windows.region_labels`, ``mask_padding=True``:
-  keys of another region and padding keys get no weight), so no ``(nW, N, N)`` mask tensor
-  exists and no per-window bias is built;
-* **relative position bias**: gathered from the ``((2tw-1)**2, nH)`` table by offset inside
-  the kernel, once per program and reused for every window the program handles;
-* **softmax** in fp32 (base 2, one block holds a whole window: no online rescaling),
-  ``P @ V``, and **reverse / unshift / crop**: only real query tokens are stored, to their
-  row-major rows.
-
-The backward recomputes ``P`` from ``q`` and ``k`` (FlashAttention style) and, because a
-whole window row sits in one block, takes the softmax-gradient term
-``delta = rowsum(P * dP)`` in registers: neither the forward output nor a log-sum-exp is
-kept, only ``qkv`` and the table. ``dq``, ``dk`` and ``dv`` are stored straight into a
-row-major ``(B, H * W, 3C)`` gradient: every real token lies in exactly one window, so plain
-stores cover it exactly once (no atomics, no zero fill).
-
-Bias-table gradient (the one reduction across programs): the bias is added to the logits,
-so its gradient is ``dS`` summed over batch and windows per ``(head, i, j)``, then per table
-row over the pairs ``(i, j)`` with the same offset. Each program accumulates the ``dS`` of
-its windows in an ``(N, N)`` fp32 register tile and stores it once, with plain stores, into
-its own slot of a ``(G, nH, N, N)`` fp32 buffer (``G`` window groups); torch then sums over
-``G`` in a fixed order and scatters the ``(nH, N, N)`` result onto the table rows with
-``index_put_(accumulate=True)``, as autograd does for ``table[index]`` (deterministic on
-CUDA). No atomics anywhere, so the gradient is reproducible bit for bit. The price is the
-buffer: ``G * nH`` stays near :data:`TARGET_PROGRAMS`, so it holds about
-``TARGET_PROGRAMS * N * N`` floats (about 10 MB for ``N = 49``), written once and read once.
-Atomic adds into one ``(nH, N, N)`` buffer would avoid it (with about ``G``-way contention
-per address after the in-register accumulation), but make the last bits of the gradient
-depend on scheduling.
-
-Each program handles one head and a group of consecutive windows (``grid = (nH, G)``, head
-fastest so that the programs reading the same token rows run together). Grouping
-amortises the bias gather and the per-program setup, and is what bounds ``G``.
-
-Whether the kernel is used is not decided here: :mod:`.kernel_choice` verifies it against a
-reference on the user's GPU and times it against SDPA before it runs (launch settings such as
-``num_warps`` are candidates there too). Windows up to 8 x 8 (blocks up to 64 rows, Swin's
-7 x 7 included) are supported; larger windows run SDPA.
-
-The kernel is jit-decorated on its first launch, in the mode in effect then (``triton.jit``
-reads ``TRITON_INTERPRET`` when it decorates). Importing this module never compiles or
-launches anything and works without a GPU, without the interpreter and without triton
-installed (:func:`unsupported_reason` then says so). The interpreter (CPU tensors, for tests)
-needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
+Whether the kernel is used is not decided here: :mod:`.kernel_choice` verifies and times it
+on the user's GPU. Windows up to 8 x 8 are supported; larger ones run SDPA. The kernel is
+jit-decorated on its first launch, in the mode then in effect (``TRITON_INTERPRET``);
+importing this module never compiles anything and works without a GPU or triton
+(:func:`unsupported_reason` then says so). The interpreter (CPU tensors, for tests) needs
+``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
 """
 from __future__ import annotations
 
