@@ -247,7 +247,7 @@ class SwinV2Backbone(SwinBackbone):
         if pretrained_window_sizes is None:
             pretrained_window_sizes = published.get("pretrained_window_sizes", 0)
         pretrained = check_per_stage("pretrained_window_sizes", pretrained_window_sizes, len(depths), 0)
-        check_int("extra_norm_every_n_blocks", extra, minimum=0)
+        extra = check_int("extra_norm_every_n_blocks", extra, minimum=0)
         options = [
             [dict(pretrained_window_size=pretrained[i], extra_norm=bool(extra) and (j + 1) % extra == 0)
              for j in range(depth)]

@@ -497,7 +497,7 @@ def window_attention(
     (there with the projections).
 
     Args:
-        qkv: what :func:`norm_qkv` returned for the same ``layout`` and ``plan``.
+        qkv: what :func:`swin_backbone.ops.norm_qkv` returned for the same ``layout`` and ``plan``.
         table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
         table_window: ``tw``, the window the table is sized for (>= ``layout.window``).
         dropout_p: attention dropout probability (applied only where the plan says dropout

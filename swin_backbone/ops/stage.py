@@ -50,8 +50,8 @@ def stage_layouts(
     With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
     windows that the images' boundaries cut (:class:`~swin_backbone.ops.layouts.ImageWindows`).
     """
-    def layout(shift: int) -> WindowLayout:
-        args = (height, width, window, shift, mask_padding, device, plan.mask_dtype, plan.align_masks)
+    def layout(offset: int) -> WindowLayout:
+        args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks)
         return build_window_layout(*args, tracing=True) if plan.tracing else get_window_layout(*args)
 
     regular, shifted = layout(0), layout(shift) if shift > 0 else None

@@ -5,7 +5,8 @@ from torch import nn
 
 from swin_backbone.model.blocks import Mlp
 from swin_backbone.torch_compat import autocast_enabled
-from swin_backbone.ops.recompute import _NormLinear, mlp as recompute_mlp, norm_linear
+from swin_backbone.ops.chunked import add_by_rows_
+from swin_backbone.ops.recompute import _NormLinear, mlp as recompute_mlp, mlp_branch, norm_linear
 from swin_backbone.ops.layouts import build_window_layout, window_partition
 
 
@@ -137,27 +138,23 @@ def test_memory_saving_mlp_under_bf16_autocast():
 
 @pytest.mark.parametrize("rows", [0, 1, 10])
 def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
-    from swin_backbone import ops
-
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
         ref = x + mlp(norm(x))
-        got = ops.add_by_rows_(x, lambda rows: ops.mlp_branch(rows, mlp, norm, True), 32, max(chunk_budget, 1))
+        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, True), 32, max(chunk_budget, 1))
     assert got is x  # in place
     torch.testing.assert_close(got, ref)
 
 
 def test_chunked_mlp_residual_under_autocast():
-    from swin_backbone import ops
-
     torch.manual_seed(0)
     mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
-        got = ops.add_by_rows_(x, lambda rows: ops.mlp_branch(rows, mlp, norm, True), 32, 3 * 32 * 2)
+        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, True), 32, 3 * 32 * 2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
