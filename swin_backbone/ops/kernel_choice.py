@@ -1,14 +1,12 @@
 """Which window-attention kernel runs on this GPU: verified and measured at first use.
 
-For each attention *signature* (GPU, dtype, fp32 matmul precision, window, heads, head dim,
-training or not, ``valid_sizes`` or not: never the input size) the first call checks every
-candidate (the fused Triton kernel, SDPA) against a float32 reference on its own inputs,
-times the ones that pass and keeps the fastest (:func:`measure`, :func:`decide`), as cuDNN's
-benchmark mode and Triton's autotuner do. Decisions persist in the user's cache directory
-(:func:`cache_path`; a *pending* mark survives a crashing kernel), ranks adopt rank 0's
-(:class:`Decisions`), and nothing is measured while tracing or capturing. The full story:
-docs/design.md, "The kernel on a GPU". :func:`measure` takes its candidates, reference and
-timer as arguments, so it is tested on the CPU with injected candidates.
+For each attention :class:`Signature` (never the input size) the first call checks every
+candidate (the fused Triton kernel, SDPA) against a float32 reference on its own inputs, times
+the ones that pass and keeps the fastest (:func:`measure`, :func:`decide`). Decisions persist
+in the user's cache directory (:func:`cache_path`), ranks adopt rank 0's (:class:`Decisions`),
+and nothing is measured while tracing or capturing: docs/design.md, "The kernel on a GPU".
+:func:`measure` takes its candidates, reference and timer as arguments, so it is tested on the
+CPU with injected candidates.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import logging
 import os
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -71,10 +69,8 @@ class Signature:
     def key(self) -> str:
         mode = "train" if self.training else "eval"
         valid = " valid_sizes" if self.valid_sizes else ""
-        return (
-            f"{self.device} | {self.dtype}/{self.precision} window {self.window} "
-            f"{self.num_heads}x{self.head_dim} {mode}{valid}"
-        )
+        return (f"{self.device} | {self.dtype}/{self.precision} window {self.window} "
+                f"{self.num_heads}x{self.head_dim} {mode}{valid}")
 
     def without_valid_sizes(self) -> "Signature":
         return Signature(**dict(asdict(self), valid_sizes=False))
@@ -142,13 +138,8 @@ def verify(candidate: Candidate, reference: Outputs, tolerance: float) -> Tuple[
     return worst, "; ".join(reasons) or None
 
 
-def measure(
-    candidates: Sequence[Candidate],
-    reference: Callable[[], Outputs],
-    tolerance: float,
-    timer: Callable[[Callable[[], Outputs]], float],
-    time_candidates: bool = True,
-) -> Choice:
+def measure(candidates: Sequence[Candidate], reference: Callable[[], Outputs], tolerance: float,
+            timer: Callable[[Callable[[], Outputs]], float], time_candidates: bool = True) -> Choice:
     """Verify every candidate against ``reference()``, time those that pass with ``timer``
     (milliseconds), and choose the fastest (the first that passed if not timed).
 
@@ -240,9 +231,15 @@ def _driver_version() -> Optional[str]:
         return None
 
 
+def _read_json(path: str) -> dict:
+    """The JSON object in the file ``path`` (``{}`` if it holds another value)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
 class Decisions:
-    """This process's decisions, and the file they persist in (one per process:
-    :data:`DECISIONS`)."""
+    """This process's decisions, and the file they persist in (one per process: :data:`DECISIONS`)."""
 
     def __init__(self) -> None:
         self.choices: Dict[Signature, Choice] = {}
@@ -261,11 +258,10 @@ class Decisions:
             # Under torch.distributed only rank 0 uses the file (the others adopt its decisions).
             if self._persist() and not (many and rank != 0):
                 try:
-                    with open(cache_path()) as f:
-                        data = json.load(f)
-                    entry = data.get(version_key()) if isinstance(data, dict) else None
+                    entry = _read_json(cache_path()).get(version_key())
                     if isinstance(entry, dict):
-                        self._file = {"choices": dict(entry.get("choices", {})), "pending": list(entry.get("pending", []))}
+                        self._file = {"choices": dict(entry.get("choices", {})),
+                                      "pending": list(entry.get("pending", []))}
                 except FileNotFoundError:
                     pass
                 except (OSError, ValueError) as error:
@@ -281,9 +277,7 @@ class Decisions:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                with open(path) as f:
-                    data = json.load(f)
-                data = data if isinstance(data, dict) else {}
+                data = _read_json(path)
             except (OSError, ValueError):
                 data = {}
             data[version_key()] = self._load()
@@ -321,10 +315,8 @@ class Decisions:
         """Keep ``choice`` for ``sig`` in the process and (measured ones) in the file."""
         self.choices[sig] = choice
         if choice.source in ("measured", "verified", "fallback"):
-            self._load()["choices"][sig.key()] = {
-                "kernel": choice.kernel, "warps": choice.warps, "times_ms": choice.times_ms,
-                "errors": choice.errors, "rejected": choice.rejected,
-            }
+            entry = {k: v for k, v in asdict(choice).items() if k != "source"}
+            self._load()["choices"][sig.key()] = entry
             self._save()
 
     def forget(self, persisted: bool = True) -> None:
@@ -350,8 +342,7 @@ class Decisions:
         for sig, choice in payload[0].items():
             mine = self.choices.get(sig)
             if mine is None or (mine.kernel, mine.warps) != (choice.kernel, choice.warps):
-                self.choices[sig] = Choice(choice.kernel, choice.warps, choice.times_ms, choice.errors,
-                                           choice.rejected, "rank 0")
+                self.choices[sig] = replace(choice, source="rank 0")
 
     def sibling(self, sig: Signature) -> Optional[Choice]:
         """The decision of ``sig`` without ``valid_sizes`` (what ranks agreed on), if any."""
@@ -367,13 +358,8 @@ def forget(persisted: bool = True) -> None:
     DECISIONS.forget(persisted)
 
 
-def decide(
-    sig: Signature,
-    candidates: Callable[[], Sequence[Candidate]],
-    reference: Callable[[], Outputs],
-    timer: Callable[[Callable[[], Outputs]], float] = cuda_timer,
-    forced: bool = False,
-) -> Choice:
+def decide(sig: Signature, candidates: Callable[[], Sequence[Candidate]], reference: Callable[[], Outputs],
+           timer: Callable[[Callable[[], Outputs]], float] = cuda_timer, forced: bool = False) -> Choice:
     """The kernel for ``sig``: decided before, persisted, or measured now on the candidates.
 
     ``forced`` (``attention='triton'``): the only candidate is the fused kernel, verified
@@ -382,39 +368,34 @@ def decide(
     if known is not None:
         return known
     many, _ = _distributed()
-    if not forced:
-        cached = DECISIONS.persisted(sig)
-        if cached is not None:
-            DECISIONS.choices[sig] = cached
-            return cached
-    options = list(candidates())
+    cached = None if forced else DECISIONS.persisted(sig)
+    if cached is not None:
+        DECISIONS.choices[sig] = cached
+        return cached
+    options, rejected = list(candidates()), {}
+    dead = DECISIONS.died_verifying(sig)
     if forced:
         options = [c for c in options if c.kernel == "triton"][:1]
-    dead = DECISIONS.died_verifying(sig)
-    if dead and not forced:
+    elif dead:
         reason = f"a previous run stopped while verifying it (delete {cache_path()} to try again)"
         rejected = {c.name: reason for c in options if c.kernel == "triton"}
         options = [c for c in options if c.kernel != "triton"]
-    else:
-        rejected = {}
-    sibling = DECISIONS.sibling(sig) if many else None
-    # Under torch.distributed, signatures met after the ranks agreed are verified, not timed.
-    late = many and not forced and DECISIONS.synced
-    if sibling is not None and not forced:
+    sibling = DECISIONS.sibling(sig) if many and not forced else None
+    if sibling is not None:
         options = [c for c in options if (c.kernel, c.warps) == (sibling.kernel, sibling.warps)] or options
     tolerance = TOLERANCE.get(sig.dtype if sig.precision != "tf32" else "tf32", 3e-2)
+    # Under torch.distributed, signatures met after the ranks agreed are verified, not timed.
+    late = many and not forced and DECISIONS.synced
     with DECISIONS.pending(sig) if any(c.kernel == "triton" for c in options) else contextlib.nullcontext():
         choice = measure(options, reference, tolerance, timer, time_candidates=not late)
     choice.rejected.update(rejected)
-    if sibling is not None and not forced:
+    if sibling is not None:
         choice.source = "inherited"
     if forced:
         choice.source = "forced"
         if choice.kernel != "triton":
-            raise RuntimeError(
-                f"attention='triton': the fused Triton kernel cannot run {sig.key()}: "
-                + "; ".join(choice.rejected.values())
-            )
+            raise RuntimeError(f"attention='triton': the fused Triton kernel cannot run {sig.key()}: "
+                               + "; ".join(choice.rejected.values()))
     DECISIONS.record(sig, choice)
     level = logging.WARNING if choice.rejected else logging.INFO
     _log(f"{sig.key()}: {choice.describe()}", level)

@@ -9,11 +9,13 @@ module builds its candidates from the stage's first block.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -27,24 +29,17 @@ from .layouts import WindowLayout, build_window_layout, get_window_layout, regis
 
 @dataclass(frozen=True)
 class AttentionInputs:
-    """What a block's window attention reads, for measuring kernels on real values.
+    """What a block's window attention reads, for measuring kernels on real values."""
 
-    Attributes:
-        qkv: ``(B, H * W, 3C)`` row-major projected tokens (V2: cosine-prepared).
-        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
-        table_window: ``tw``; num_heads: ``nH``; scale: query scale.
-    """
-
-    qkv: torch.Tensor
-    table: torch.Tensor
-    table_window: int
-    num_heads: int
-    scale: float
+    qkv: torch.Tensor  #: ``(B, H * W, 3C)`` row-major projected tokens (V2: cosine-prepared)
+    table: torch.Tensor  #: ``((2 * tw - 1) ** 2, nH)`` relative position bias table
+    table_window: int  #: ``tw``
+    num_heads: int  #: ``nH``
+    scale: float  #: query scale
 
 
-def stage_layouts(
-    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, plan: Plan
-) -> Tuple[WindowLayout, Optional[WindowLayout]]:
+def stage_layouts(height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device,
+                  plan: Plan) -> Tuple[WindowLayout, Optional[WindowLayout]]:
     """The cached (regular, shifted) layouts of a stage's map; ``None`` for no shift.
 
     With the plan's ``valid_sizes`` (per image, on this map) each layout also carries the
@@ -65,36 +60,18 @@ def _with_images(layout: WindowLayout, plan: Plan) -> WindowLayout:
 
     The copy shares ``layout.tensors``: what either builds on first use serves both (and the
     cached layout keeps it for the next batch of this size)."""
-    images = get_image_windows(
-        layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes,
-        layout.device, plan.mask_dtype, plan.align_masks,
-    )
+    images = get_image_windows(layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes,
+                               layout.device, plan.mask_dtype, plan.align_masks)
     return layout if images is None else dataclasses.replace(layout, images=images)
 
 
-def plan_stage(
-    plan: Plan,
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    mask_padding: bool,
-    num_heads: int,
-    channels: int,
-    device: torch.device,
-    probe: Callable[[], AttentionInputs],
-) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
-    """A stage's layouts and its plan with the attention kernel settled.
-
-    Args:
-        plan: the stage's share of the forward's plan.
-        height, width: the stage's token map; window, shift: effective window and shift.
-        num_heads, channels: of the stage's attention.
-        probe: the stage's first block's :class:`AttentionInputs` on the stage's input,
-            called only when a kernel is measured (once per signature and process).
-    Returns:
-        ``(plan, regular, shifted)``; ``plan.attention`` names a kernel.
-    """
+def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, mask_padding: bool, num_heads: int,
+               channels: int, device: torch.device,
+               probe: Callable[[], AttentionInputs]) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
+    """``(plan, regular, shifted)``: a stage's layouts and its share of the forward's plan with
+    ``plan.attention`` naming a kernel. ``window`` and ``shift`` are the effective ones; ``probe``
+    gives the stage's first block's :class:`AttentionInputs` on the stage's input, called only
+    when a kernel is measured (once per signature and process)."""
     regular, shifted = stage_layouts(height, width, window, shift, mask_padding, device, plan)
     if plan.attention not in ("auto", "triton"):
         return plan, regular, shifted
@@ -138,10 +115,8 @@ def plan_stage(
                 memo["inputs"] = probe()
         return memo["inputs"]
 
-    choice = kernel_choice.decide(
-        sig, lambda: _candidates(inputs, layout, plan, sig), lambda: _reference(inputs, layout, plan),
-        _timer(device), forced=forced,
-    )
+    choice = kernel_choice.decide(sig, lambda: _candidates(inputs, layout, plan, sig),
+                                  lambda: _reference(inputs, layout, plan), _timer(device), forced=forced)
     return dataclasses.replace(plan, attention=choice.kernel, triton_warps=choice.warps,
                                attention_signature=sig), regular, shifted
 
@@ -163,14 +138,11 @@ def _shape_reason(window: int, head_dim: int, height: int, width: int, mask_padd
         return f"window {window} (at most {int(MAX_TOKENS ** 0.5)})"
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (at most {MAX_HEAD_DIM})"
-    if not mask_padding and not _unpadded(height, width, window):
+    # A map whose size is unknown (symbolic while tracing) may need padding.
+    unpadded = isinstance(height, int) and isinstance(width, int) and height % window == 0 and width % window == 0
+    if not mask_padding and not unpadded:
         return "mask_padding=False on a padded map"
     return None
-
-
-def _unpadded(height: int, width: int, window: int) -> bool:
-    """Whether a ``height x width`` map needs no window padding (``False`` while unknown)."""
-    return isinstance(height, int) and isinstance(width, int) and height % window == 0 and width % window == 0
 
 
 _SAID: set = set()
@@ -193,11 +165,10 @@ def _device_name(device: torch.device) -> str:
 
 def _signature(dtype: torch.dtype, device: torch.device, window: int, num_heads: int, head_dim: int,
                training: bool, valid_sizes: bool) -> kernel_choice.Signature:
-    precision = "-" if dtype != torch.float32 else ("tf32" if device.type == "cuda" and matmul_allows_tf32() else "ieee")
-    return kernel_choice.Signature(
-        _device_name(device), str(dtype).replace("torch.", ""), precision, window, num_heads, head_dim,
-        training, valid_sizes,
-    )
+    precision = "-" if dtype != torch.float32 else (
+        "tf32" if device.type == "cuda" and matmul_allows_tf32() else "ieee")
+    return kernel_choice.Signature(_device_name(device), str(dtype).replace("torch.", ""), precision, window, num_heads,
+                                   head_dim, training, valid_sizes)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -241,7 +212,6 @@ def _traced_choice(dtype: str, device_type: str, device_index: Optional[int], wi
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
         return kernel_choice.cuda_timer
-    import time
 
     def cpu_timer(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
@@ -251,35 +221,31 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return cpu_timer
 
 
-def _run(attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs: AttentionInputs, training: bool):
-    """``attend(qkv, table)`` on detached copies: the output and, in training, the gradients
-    of ``qkv`` and the table for a fixed random output gradient."""
-    qkv, table = inputs.qkv.detach(), inputs.table.detach()
-    if not training:
-        with torch.no_grad():
-            return attend(qkv, table), None, None
-    qkv, table = qkv.clone().requires_grad_(), table.clone().requires_grad_()
-    with torch.enable_grad():
-        out = attend(qkv, table)
-        generator = torch.Generator(device=out.device).manual_seed(0)
-        grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
-        grad_qkv, grad_table = torch.autograd.grad(out, (qkv, table), grad_out.to(out.dtype))
-    return out, grad_qkv, grad_table
-
-
-def _attend(kernel: str, warps: int, layout: WindowLayout, inputs: AttentionInputs, plan: Plan):
-    """``(qkv, table) -> output`` with ``kernel`` on row-major ``qkv`` (partitioned first for
-    the kernels that read window order), as :func:`swin_backbone.ops.window_attention` runs it."""
+def _runner(kernel: str, warps: int, layout: WindowLayout, inputs: AttentionInputs,
+            plan: Plan) -> Callable[[], kernel_choice.Outputs]:
+    """``kernel`` on detached copies of ``inputs`` (row-major ``qkv``, partitioned first for the
+    kernels that read window order), as :func:`swin_backbone.ops.window_attention` runs it: the
+    output and, in training (``plan.grad``), the gradients of ``qkv`` and the table for a fixed
+    random output gradient."""
     stage_plan = dataclasses.replace(plan, attention=kernel, triton_warps=warps, attention_signature=None,
                                      save_memory=False)
 
-    def attend(qkv: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        if kernel != "triton":
-            qkv = window_partition(qkv, layout)
-        return window_attention(qkv, table, inputs.table_window, layout, inputs.num_heads, inputs.scale, 0.0,
-                                stage_plan)
+    def run() -> kernel_choice.Outputs:
+        qkv, table = inputs.qkv.detach(), inputs.table.detach()
+        if plan.grad:
+            qkv, table = qkv.clone().requires_grad_(), table.clone().requires_grad_()
+        with torch.enable_grad() if plan.grad else torch.no_grad():
+            rows = qkv if kernel == "triton" else window_partition(qkv, layout)
+            out = window_attention(rows, table, inputs.table_window, layout, inputs.num_heads, inputs.scale, 0.0,
+                                   stage_plan)
+            if not plan.grad:
+                return out, None, None
+            generator = torch.Generator(device=out.device).manual_seed(0)
+            grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
+            grad_qkv, grad_table = torch.autograd.grad(out, (qkv, table), grad_out.to(out.dtype))
+        return out, grad_qkv, grad_table
 
-    return attend
+    return run
 
 
 def _candidates(inputs: Callable[[], AttentionInputs], layout: WindowLayout, plan: Plan,
@@ -289,47 +255,31 @@ def _candidates(inputs: Callable[[], AttentionInputs], layout: WindowLayout, pla
 
     # The fused kernel first: it wins a tie (it saves the partition gathers around SDPA).
     options = [(f"triton/warps{w}", "triton", w) for w in warps_choices(sig.window)] + [("sdpa", "sdpa", 0)]
-    return [
-        kernel_choice.Candidate(name, kernel, _bind(_attend(kernel, warps, layout, inputs(), plan), inputs(),
-                                                    plan.grad), warps)
-        for name, kernel, warps in options
-    ]
+    return [kernel_choice.Candidate(name, kernel, _runner(kernel, warps, layout, inputs(), plan), warps)
+            for name, kernel, warps in options]
 
 
-def _bind(attend, inputs: AttentionInputs, training: bool):
-    return lambda: _run(attend, inputs, training)
-
-
-def _reference(inputs: Callable[[], AttentionInputs], layout: WindowLayout, plan: Plan):
+def _reference(inputs: Callable[[], AttentionInputs], layout: WindowLayout, plan: Plan) -> kernel_choice.Outputs:
     """The float32 reference: matmul + softmax with autograd, TF32 off, on the probe's inputs."""
     got = inputs()
     fp32 = AttentionInputs(got.qkv.float(), got.table.float(), got.table_window, got.num_heads, got.scale)
+    plan32 = dataclasses.replace(plan, mask_dtype=torch.float32, chunk_bytes=0, fixup_share=0.0)
     layout32 = get_window_layout(layout.height, layout.width, layout.window, layout.shift, layout.padding_masked,
                                  layout.device, torch.float32, plan.align_masks)
     if layout.images is not None:
-        layout32 = dataclasses.replace(layout32, images=get_image_windows(
-            layout.height, layout.width, layout.window, layout.shift, plan.valid_sizes, layout.device,
-            torch.float32, plan.align_masks))
-    plan32 = dataclasses.replace(plan, mask_dtype=torch.float32, chunk_bytes=0, fixup_share=0.0)
+        layout32 = _with_images(layout32, plan32)
     with _ieee_fp32(), torch.autocast(layout.device.type, enabled=False):
-        return _run(_attend("plain", 0, layout32, fp32, plan32), fp32, plan.grad)
+        return _runner("plain", 0, layout32, fp32, plan32)()
 
 
-class _ieee_fp32:
+@contextlib.contextmanager
+def _ieee_fp32() -> Iterator[None]:
     """fp32 matmuls without TF32 inside (restored after)."""
-
-    def __enter__(self):
-        matmul = torch.backends.cuda.matmul
-        self.new_api = has_fp32_precision(matmul)
-        self.old = matmul.fp32_precision if self.new_api else matmul.allow_tf32
-        if self.new_api:
-            matmul.fp32_precision = "ieee"
-        else:
-            matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        matmul = torch.backends.cuda.matmul
-        if self.new_api:
-            matmul.fp32_precision = self.old
-        else:
-            matmul.allow_tf32 = self.old
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if has_fp32_precision(matmul) else "allow_tf32"
+    old = getattr(matmul, name)
+    setattr(matmul, name, "ieee" if name == "fp32_precision" else False)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, old)

@@ -1,20 +1,12 @@
 """Fused shifted-window attention in Triton: forward and backward, one kernel launch each.
 
 :func:`triton_window_attention` takes the ``(B, H * W, 3C)`` output of the qkv projection in
-row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order.
-Pad, cyclic shift and partition (computed source rows, masked loads), the region mask
-(from coordinates in registers), the relative position bias (gathered by offset), the
-softmax and the reverse / unshift / crop are fused into one pass over the windows. The
-backward recomputes ``P`` (FlashAttention style) and keeps only ``qkv`` and the table; the
-table gradient is reduced without atomics, so it is reproducible bit for bit. How and why:
-docs/design.md, "The fused Triton kernel".
-
-Whether the kernel is used is not decided here: :mod:`.kernel_choice` verifies and times it
-on the user's GPU. Windows up to 8 x 8 are supported; larger ones run SDPA. The kernel is
-jit-decorated on its first launch, in the mode then in effect (``TRITON_INTERPRET``);
-importing this module never compiles anything and works without a GPU or triton
-(:func:`unsupported_reason` then says so). The interpreter (CPU tensors, for tests) needs
-``TRITON_INTERPRET=1`` before ``triton.language`` is first imported in the process.
+row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order:
+pad, shift, partition, region mask, relative position bias, softmax and the reverse are fused
+into one pass over the windows. Whether it runs is :mod:`.kernel_choice`'s decision. Importing
+this module compiles nothing and works without a GPU or triton (:func:`unsupported_reason` then
+says so); the interpreter (CPU tensors, for tests) needs ``TRITON_INTERPRET=1`` before
+``triton.language`` is first imported. How and why: docs/design.md, "The fused Triton kernel".
 """
 from __future__ import annotations
 
@@ -28,7 +20,7 @@ import torch
 from ..torch_compat import matmul_allows_tf32
 from .layouts import get_relative_position_index
 
-try:  # triton is optional: the module must import (and answer ``supports``) without it
+try:  # triton is optional: the module must import (and answer ``unsupported_reason``) without it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
@@ -93,33 +85,17 @@ def _library_interpreted() -> bool:
 # --------------------------------------------------------------------------------------------
 # The kernel. One body for forward and backward (``BACKWARD`` is a compile-time constant):
 # they share the window index math, the loads and the computation of P.
+# Pointers: qkv (B, H * W, 3C) row-major, contiguous; table ((2tw-1)**2, nH) contiguous; io: the
+# forward's output (B, H * W, C), the backward's gradient of it; grad_qkv: backward, (B, H * W, 3C)
+# gradient of qkv (written); dbias: backward, (G, nH, N, N) fp32 per-group bias gradient (written).
+# windows_per_image nW, windows_per_row Wp // ws, total_windows B * nW, seq_len N = ws * ws,
+# qk_scale = scale * log2(e).
 # --------------------------------------------------------------------------------------------
 def _window_attention_kernel(
-    qkv_ptr,  # (B, H * W, 3C) row-major, contiguous
-    table_ptr,  # ((2tw-1)**2, nH) contiguous
-    io_ptr,  # forward: output (B, H * W, C); backward: its gradient
-    grad_qkv_ptr,  # backward: (B, H * W, 3C) gradient of qkv (written)
-    dbias_ptr,  # backward: (G, nH, N, N) fp32 per-group bias gradient (written)
-    height,
-    width,
-    padded_h,
-    padded_w,
-    window,
-    shift,
-    table_window,
-    windows_per_image,  # nW
-    windows_per_row,  # Wp // ws
-    total_windows,  # B * nW
-    windows_per_program,
-    num_heads,
-    head_dim,
-    seq_len,  # N = ws * ws
-    qk_scale,  # scale * log2(e)
-    scale,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    BACKWARD: tl.constexpr,
+    qkv_ptr, table_ptr, io_ptr, grad_qkv_ptr, dbias_ptr,
+    height, width, padded_h, padded_w, window, shift, table_window, windows_per_image, windows_per_row,
+    total_windows, windows_per_program, num_heads, head_dim, seq_len, qk_scale, scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -148,9 +124,8 @@ def _window_attention_kernel(
     k_cols = q_cols + channels
     v_cols = q_cols + 2 * channels
 
-    if BACKWARD:
-        if BIAS_GRAD:
-            dbias = tl.full((BLOCK_N, BLOCK_N), 0.0, dtype=tl.float32)
+    if BIAS_GRAD:  # backward only
+        dbias = tl.full((BLOCK_N, BLOCK_N), 0.0, dtype=tl.float32)
 
     for step in range(windows_per_program):
         index = group * windows_per_program + step  # window over the whole batch
@@ -217,10 +192,9 @@ def _window_attention_kernel(
             out = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION) / row_sum[:, None]
             tl.store(io_rows, out.to(io_ptr.dtype.element_ty), mask=tile_ok)
 
-    if BACKWARD:
-        if BIAS_GRAD:
-            slot = dbias_ptr + (group * num_heads + head).to(tl.int64) * seq_len * seq_len
-            tl.store(slot + pos[:, None] * seq_len + pos[None, :], dbias, mask=pair_ok)
+    if BIAS_GRAD:
+        slot = dbias_ptr + (group * num_heads + head).to(tl.int64) * seq_len * seq_len
+        tl.store(slot + pos[:, None] * seq_len + pos[None, :], dbias, mask=pair_ok)
 
 
 _JITTED: Dict[bool, object] = {}
@@ -237,62 +211,35 @@ def _kernel():
 
 
 #: The kernel's arguments that vary with the input size.
-_SIZE_ARGUMENTS = (
-    "height", "width", "padded_h", "padded_w", "shift", "windows_per_image", "windows_per_row",
-    "total_windows", "windows_per_program",
-)
+_SIZE_ARGUMENTS = ("height", "width", "padded_h", "padded_w", "shift", "windows_per_image", "windows_per_row",
+                   "total_windows", "windows_per_program")
 
 
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
-def unsupported_reason(
-    qkv: torch.Tensor,
-    window: int,
-    num_heads: int,
-    *,
-    height: Optional[int] = None,
-    width: Optional[int] = None,
-    mask_padding: bool = True,
-    dropout_p: float = 0.0,
-) -> Optional[str]:
+def unsupported_reason(qkv: torch.Tensor, window: int, num_heads: int, *, height: Optional[int] = None,
+                       width: Optional[int] = None, mask_padding: bool = True, dropout_p: float = 0.0) -> Optional[str]:
     """Why :func:`triton_window_attention` cannot run on these inputs, or ``None`` if it can.
 
-    Args:
-        qkv: ``(B, H * W, 3C)`` projection output (only its device, dtype and shape are read).
-        window: effective window ``ws``; num_heads: ``nH``.
-        height, width: the map size; needed only to tell whether ``mask_padding=False``
-            matters (it does when the map needs padding).
-        mask_padding: the kernel implements ``mask_padding=True`` (padding tokens are their
-            own region). With ``False`` real tokens attend to the padding tokens' projected
-            zeros, which the kernel never loads: unsupported whenever the map is padded.
-        dropout_p: attention dropout; the kernel has none.
+    Only the device, dtype and shape of ``qkv`` ``(B, H * W, 3C)`` are read. The kernel implements
+    ``mask_padding=True`` (padding tokens are their own region): with ``False`` real tokens attend
+    to the padding tokens' projected zeros, which it never loads, so ``height`` and ``width`` must
+    rule padding out.
     """
     if qkv.dim() != 3 or num_heads <= 0 or qkv.shape[-1] % (3 * num_heads):
         return f"qkv of shape {tuple(qkv.shape)} is not (B, L, 3 * num_heads * head_dim) for num_heads={num_heads}"
-    return static_reason(
-        qkv.dtype, qkv.device, window, num_heads, qkv.shape[-1] // (3 * num_heads),
-        height=height, width=width, mask_padding=mask_padding, dropout_p=dropout_p,
-    )
+    return static_reason(qkv.dtype, qkv.device, window, num_heads, qkv.shape[-1] // (3 * num_heads), height=height,
+                         width=width, mask_padding=mask_padding, dropout_p=dropout_p)
 
 
-def static_reason(
-    dtype: torch.dtype,
-    device: torch.device,
-    window: int,
-    num_heads: int,
-    head_dim: int,
-    *,
-    height: Optional[int] = None,
-    width: Optional[int] = None,
-    mask_padding: bool = True,
-    dropout_p: float = 0.0,
-) -> Optional[str]:
+def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_heads: int, head_dim: int, *,
+                  height: Optional[int] = None, width: Optional[int] = None, mask_padding: bool = True,
+                  dropout_p: float = 0.0) -> Optional[str]:
     """:func:`unsupported_reason` from the attention's description alone (no tensor)."""
     if triton is None:
         return "triton is not installed"
-    version = _triton_version()
-    if version < TRITON_FLOOR:
+    if _triton_version() < TRITON_FLOOR:
         return f"triton {triton.__version__} is older than {'.'.join(map(str, TRITON_FLOOR))}"
     interpret = _interpreting()
     if device.type == "cuda":
@@ -324,71 +271,37 @@ def static_reason(
 
 
 def _triton_version() -> Tuple[int, ...]:
-    parts = []
-    for part in str(getattr(triton, "__version__", "0")).split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    parts = str(getattr(triton, "__version__", "0")).split("+")[0].split(".")[:2]
+    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Sizes of one launch, derived from the arguments alone."""
+    """One launch, sized from the arguments alone."""
 
-    batch: int
-    height: int
-    width: int
-    padded_h: int
-    padded_w: int
-    window: int
-    shift: int
-    table_window: int
+    sizes: tuple  # the kernel's arguments from ``height`` to ``scale``, in its order
     num_heads: int
-    head_dim: int
-    scale: float
-    windows_per_image: int
-    windows_per_row: int
-    windows_per_program: int
-    groups: int
+    groups: int  # G: the grid is (nH, G)
+    window: int
+    table_window: int
+    channels: int  # C = nH * head_dim
     block_n: int
     block_d: int
     num_warps: int
 
-    @property
-    def total_windows(self) -> int:
-        return self.batch * self.windows_per_image
 
-    @property
-    def seq_len(self) -> int:
-        return self.window * self.window
-
-
-def _plan(
-    qkv: torch.Tensor,
-    table: torch.Tensor,
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    table_window: int,
-    num_heads: int,
-    scale: float,
-    windows_per_program: Optional[int],
-    num_warps: int = 0,
-) -> _Plan:
+def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+          table_window: int, num_heads: int, scale: float, windows_per_program: Optional[int],
+          num_warps: int = 0) -> _Plan:
     """Validate the arguments (``ValueError`` naming the culprit) and size the launch."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv must be (B, H * W, 3C), got shape {tuple(qkv.shape)}")
     if height <= 0 or width <= 0:
         raise ValueError(f"height and width must be > 0, got height={height}, width={width}")
     if qkv.shape[1] != height * width:
-        raise ValueError(
-            f"qkv has {qkv.shape[1]} tokens, but height * width = {height} * {width} = {height * width}"
-        )
+        raise ValueError(f"qkv has {qkv.shape[1]} tokens, but height * width = {height} * {width} = {height * width}")
     if num_heads <= 0 or qkv.shape[2] % (3 * num_heads):
-        raise ValueError(
-            f"qkv's {qkv.shape[2]} channels are not 3 * num_heads * head_dim for num_heads={num_heads}"
-        )
+        raise ValueError(f"qkv's {qkv.shape[2]} channels are not 3 * num_heads * head_dim for num_heads={num_heads}")
     if not 0 < window <= table_window:
         raise ValueError(f"window must be in 1..table_window={table_window}, got window={window}")
     if not 0 <= shift < window:
@@ -416,40 +329,24 @@ def _plan(
         groups = max(1, min(total, _ceil_div(TARGET_PROGRAMS, num_heads)))
         windows_per_program = _ceil_div(total, groups)
     windows_per_program = max(1, min(windows_per_program, total))
-    block_n = max(16, _next_pow2(window * window))
-    return _Plan(
-        batch=qkv.shape[0],
-        height=height,
-        width=width,
-        padded_h=padded_h,
-        padded_w=padded_w,
-        window=window,
-        shift=shift,
-        table_window=table_window,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        scale=float(scale),
-        windows_per_image=windows_per_image,
-        windows_per_row=windows_per_row,
-        windows_per_program=windows_per_program,
-        groups=max(1, _ceil_div(total, windows_per_program)),
-        block_n=block_n,
-        block_d=max(16, _next_pow2(head_dim)),
-        num_warps=num_warps or default_warps(block_n),
-    )
+    sizes = (height, width, padded_h, padded_w, window, shift, table_window, windows_per_image, windows_per_row,
+             total, windows_per_program, num_heads, head_dim, window * window, float(scale) * 1.4426950408889634,
+             float(scale))
+    return _Plan(sizes, num_heads, groups=max(1, _ceil_div(total, windows_per_program)), window=window,
+                 table_window=table_window, channels=num_heads * head_dim, block_n=_block_n(window),
+                 block_d=max(16, _next_pow2(head_dim)), num_warps=num_warps or warps_choices(window)[0])
 
 
-def default_warps(block_n: int) -> int:
-    """``num_warps`` for a ``block_n``-row block: several ``block_n x block_n`` fp32 tiles
-    are live (bias, logits / P, and in the backward dP / dS and the dS accumulator), so a
-    64-row block needs 8 warps to hold them without spilling; smaller blocks fit in 4."""
-    return 8 if block_n >= 64 else 4
+def _block_n(window: int) -> int:
+    """Rows of the block holding a window's ``N = ws * ws`` tokens."""
+    return max(16, _next_pow2(window * window))
 
 
 def warps_choices(window: int) -> Tuple[int, ...]:
-    """The ``num_warps`` worth measuring for a window (the default first)."""
-    block_n = max(16, _next_pow2(window * window))
-    return (8, 4) if block_n >= 64 else (4,)
+    """The ``num_warps`` worth measuring for a window, the default first. Several ``block_n x block_n``
+    fp32 tiles are live (bias, logits / P, and in the backward dP / dS and the dS accumulator), so a
+    64-row block needs 8 warps to hold them without spilling; smaller blocks fit in 4."""
+    return (8, 4) if _block_n(window) >= 64 else (4,)
 
 
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -460,55 +357,25 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "tf32" if matmul_allows_tf32() else "ieee"
 
 
-def _launch(
-    plan: _Plan,
-    qkv: torch.Tensor,
-    table: torch.Tensor,
-    io: torch.Tensor,
-    grad_qkv: Optional[torch.Tensor],
-    dbias: Optional[torch.Tensor],
-    backward: bool,
-) -> None:
-    num_warps = plan.num_warps
+def _launch(plan: _Plan, qkv: torch.Tensor, table: torch.Tensor, io: torch.Tensor, grad_qkv: Optional[torch.Tensor],
+            dbias: Optional[torch.Tensor], backward: bool) -> None:
     # Triton launches on the current CUDA device: make it qkv's (a model on cuda:1 while
     # cuda:0 is current would otherwise read another GPU's addresses).
     device = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with device:
         _kernel()[(plan.num_heads, plan.groups)](
-            qkv,
-            table,
-            io,
+            qkv, table, io,
             grad_qkv if grad_qkv is not None else qkv,  # unused in the forward
             dbias if dbias is not None else table,  # unused unless BIAS_GRAD
-            plan.height,
-            plan.width,
-            plan.padded_h,
-            plan.padded_w,
-            plan.window,
-            plan.shift,
-            plan.table_window,
-            plan.windows_per_image,
-            plan.windows_per_row,
-            plan.total_windows,
-            plan.windows_per_program,
-            plan.num_heads,
-            plan.head_dim,
-            plan.seq_len,
-            plan.scale * 1.4426950408889634,
-            plan.scale,
-            BLOCK_N=plan.block_n,
-            BLOCK_D=plan.block_d,
-            INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
-            BACKWARD=backward,
-            BIAS_GRAD=dbias is not None,
-            num_warps=num_warps,
-            num_stages=2,
+            *plan.sizes,
+            BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
+            BACKWARD=backward, BIAS_GRAD=dbias is not None, num_warps=plan.num_warps, num_stages=2,
         )
 
 
 def _forward(qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The forward launch: ``(B, H * W, C)`` output for contiguous ``qkv`` and ``table``."""
-    out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.num_heads * plan.head_dim)
+    out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.channels)
     _launch(plan, qkv, table, out, None, None, backward=False)
     return out
 
@@ -518,7 +385,7 @@ def _backward(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The backward launch: gradients of ``qkv`` and (if ``need_table``) of ``table``."""
     grad_qkv = torch.empty_like(qkv)  # every element is written: each real token once
-    n = plan.seq_len
+    n = plan.window * plan.window
     dbias = None
     if need_table:
         dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
@@ -559,21 +426,10 @@ class _TritonWindowAttention(torch.autograd.Function):
         return grad_qkv, grad_table, None, None
 
 
-def triton_window_attention(
-    qkv: torch.Tensor,
-    table: torch.Tensor,
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    table_window: int,
-    num_heads: int,
-    scale: float,
-    *,
-    windows_per_program: Optional[int] = None,
-    num_warps: int = 0,
-    backward_fallback: Optional[BackwardFallback] = None,
-) -> torch.Tensor:
+def triton_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+                            table_window: int, num_heads: int, scale: float, *,
+                            windows_per_program: Optional[int] = None, num_warps: int = 0,
+                            backward_fallback: Optional[BackwardFallback] = None) -> torch.Tensor:
     """Shifted-window multi-head attention with relative position bias, fused (eager; inside
     ``torch.compile`` graphs the same kernel runs as the operator of :mod:`.triton_ops`).
 
@@ -587,21 +443,17 @@ def triton_window_attention(
             ``[q | k | v]``, each head-major), fp32, fp16 or bf16.
         table: ``((2 * table_window - 1) ** 2, nH)`` relative position bias table (any float
             dtype; read in fp32, its gradient returned in its own dtype).
-        height, width: the map's real size ``H, W``.
-        window, shift: effective window ``ws <= table_window`` and shift ``0 <= shift < ws``.
-        table_window: the window ``tw`` the table was built for.
-        num_heads: ``nH``; must divide ``C``.
-        scale: query scale (``head_dim ** -0.5`` by default in Swin).
+        window, shift: effective window ``ws <= table_window`` (the window ``tw`` the table
+            was built for) and shift ``0 <= shift < ws``.
         windows_per_program: windows each program handles (default: grouped so that a
             launch has about :data:`TARGET_PROGRAMS` programs).
-        num_warps: Triton warps per program (0: :func:`default_warps`).
+        num_warps: Triton warps per program (0: the first of :func:`warps_choices`).
         backward_fallback: computes the gradients if the backward launch raises (else the
             error propagates).
     Returns:
-        ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype, before the
-        output projection.
+        ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype.
     Raises:
-        ValueError: on inconsistent arguments, or inputs :func:`supports` rejects.
+        ValueError: on inconsistent arguments, or inputs :func:`unsupported_reason` rejects.
     """
     plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program,
                  num_warps)

@@ -1,15 +1,12 @@
 """The fused Triton window attention as torch custom operators, for ``torch.compile``, and
 the one place that picks the eager or the traced form (:func:`fused_window_attention`).
 
-The tracer records one opaque call per attention (output shapes from the fake
-implementations) instead of tracing into Triton's launcher, so a compiled graph keeps the
-fused kernel, with dynamic sizes: each call checks its arguments and sizes its launch from
-the real sizes at run time (:func:`~swin_backbone.ops.triton_attention._plan`). Eager calls
-use :class:`~swin_backbone.ops.triton_attention._TritonWindowAttention` instead, which skips
-the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a name can be
-registered only once per process, so this lives apart from the kernel's module). Needs
-``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and compiled
-graphs use plain attention (:mod:`swin_backbone.ops.planner`).
+A compiled graph holds one opaque call per attention (shapes from the fake implementations)
+that checks its arguments and sizes its launch at run time, so sizes stay dynamic; eager
+calls skip the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a
+name can be registered only once per process, so this lives apart from the kernel's module).
+Needs ``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and
+compiled graphs use plain attention (:mod:`swin_backbone.ops.planner`).
 """
 from typing import Optional, Tuple
 
@@ -33,7 +30,6 @@ def fused_window_attention(
     return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale),
                                num_warps)
 
-window_attention_op = window_attention_backward_op = None
 
 if HAS_CUSTOM_OP:
 
@@ -59,8 +55,7 @@ if HAS_CUSTOM_OP:
         """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
         (always computed: a compiled graph cannot skip an operator's output)."""
         plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None, num_warps)
-        grad_qkv, grad_table = _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
-        return grad_qkv, grad_table
+        return _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
 
     @window_attention_backward_op.register_fake
     def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale, num_warps):
@@ -78,3 +73,5 @@ if HAS_CUSTOM_OP:
         return (grad_qkv, grad_table) + (None,) * len(ctx.sizes)
 
     window_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+else:
+    window_attention_op = window_attention_backward_op = None
