@@ -22,7 +22,7 @@ the masked ones recomputed with theirs. All give the same numbers (tested).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,18 +38,8 @@ from .windows import padded_size, relative_position_index, window_attention_mask
 
 
 def reference_window_attention(
-    x: torch.Tensor,
-    qkv: nn.Linear,
-    proj: nn.Linear,
-    table: torch.Tensor,
-    table_window: int,
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    num_heads: int,
-    scale: float,
-    mask_padding: bool = True,
+    x: torch.Tensor, qkv: nn.Linear, proj: nn.Linear, table: torch.Tensor, table_window: int, height: int, width: int,
+    window: int, shift: int, num_heads: int, scale: float, mask_padding: bool = True,
 ) -> torch.Tensor:
     """(Shifted) window multi-head self-attention (Liu et al. 2021, section 3.2), written out.
 
@@ -126,31 +116,21 @@ def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, 
 
 
 def run_kernel(
-    qkv: torch.Tensor,
-    bias: torch.Tensor,
-    layout: WindowLayout,
-    num_heads: int,
-    scale: float,
-    dropout_p: float = 0.0,
-    kernel: str = "sdpa",
-    fixup: bool = False,
-    chunk_bytes: int = 0,
-    align: bool = False,
+    qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float = 0.0,
+    kernel: str = "sdpa", fixup: bool = False, chunk_bytes: int = 0, align: bool = False,
 ) -> torch.Tensor:
-    """Window attention over ``layout``, returned in row-major token order.
+    """Window attention over ``layout``, returned as ``(B, H * W, C)`` row-major tokens (the output
+    projection then runs on real tokens only).
 
     Args:
         qkv: ``(B, nW * N, 3C)`` projected tokens in ``layout``'s window order.
         bias: ``(nH, N, N)`` relative position bias.
-        layout: windows, region mask and gathers of the map.
-        num_heads: ``nH``; scale: query scale; dropout_p: attention dropout (``plain`` only).
+        dropout_p: attention dropout (``plain`` only).
         kernel: ``'sdpa'``, ``'plain'`` or ``'recompute'``.
         fixup: run every window with the shared bias, then redo the masked windows with
             their masks (instead of one per-window bias for all).
         chunk_bytes: ``recompute`` only: its backward's group size (see :class:`_RecomputedAttention`).
         align: hand SDPA 8-aligned biases (CUDA; see :func:`sdpa_ready`).
-    Returns:
-        ``(B, H * W, C)``; the output projection then runs on real tokens only.
     """
     if kernel == "recompute":
         if dropout_p > 0:
@@ -167,24 +147,13 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, bool, float, float], torch.Tensor
 
 
 def attention_in_windows(
-    qkv: torch.Tensor,
-    bias: torch.Tensor,
-    layout: WindowLayout,
-    num_heads: int,
-    scale: float,
-    dropout_p: float,
-    run: Kernel,
-    fixup: bool,
-    align: bool = False,
+    qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
+    run: Kernel, fixup: bool, align: bool = False,
 ) -> torch.Tensor:
-    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`).
-
-    Returns ``(B, nW * N, C)`` in window layout.
-    """
+    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`): ``(B, nW * N, C)`` in window layout."""
     batch, tokens, three_c = qkv.shape
     num_windows = layout.num_windows
     n = tokens // num_windows
-    head_dim = three_c // (3 * num_heads)
     rows = qkv.view(batch, num_windows, n, three_c)  # contiguous window rows: cheap to gather from
     qkv = _heads_first(rows, num_heads)  # (3, B, nW, nH, N, d), a view
     mask, masked = layout.mask, layout.masked_windows
@@ -197,9 +166,15 @@ def attention_in_windows(
             out = out.index_copy(1, masked, fixed) if out.requires_grad else out.index_copy_(1, masked, fixed)
     else:
         out = run(qkv, per_window_bias(mask, bias, qkv.dtype, align), True, scale, dropout_p)
-    if layout.images is not None:
-        out = _redo_image_windows(out, rows, bias, layout, num_heads, scale, dropout_p, run, align)
-    return out.reshape(batch, tokens, num_heads * head_dim)
+    images = layout.images
+    if images is not None:  # the windows that images' boundaries cut, again with their own masks
+        # The K windows, flat over the batch, go into the windows dimension of one "image".
+        picked = rows.view(1, batch * num_windows, n, three_c).index_select(1, images.windows)
+        fixed = _attend_image_windows(picked, images, bias, num_heads, scale, dropout_p, run, align)
+        flat = out.flatten(0, 1)  # (B * nW, N, nH, d)
+        copy = flat.index_copy if flat.requires_grad or fixed.requires_grad else flat.index_copy_
+        out = copy(0, images.windows, fixed)
+    return out.reshape(batch, tokens, three_c // 3)
 
 
 def _heads_first(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -213,52 +188,14 @@ def _heads_first(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.view(batch, num_windows, n, 3, num_heads, three_c // (3 * num_heads)).permute(3, 0, 1, 4, 2, 5)
 
 
-def _redo_image_windows(
-    out: torch.Tensor,
-    rows: torch.Tensor,
-    bias: torch.Tensor,
-    layout: WindowLayout,
-    num_heads: int,
-    scale: float,
-    dropout_p: float,
-    run: Kernel,
-    align: bool,
-) -> torch.Tensor:
-    """Recompute the windows that images' boundaries cut with their per-image masks.
-
-    Args:
-        out: ``(B, nW, N, nH, d)`` attention of every window with the shared masks.
-        rows: ``(B, nW, N, 3C)`` window rows of ``qkv``.
-    Returns:
-        ``out`` with the ``K`` windows of ``layout.images`` replaced, as ``(B * nW, N, nH, d)``.
-    """
-    images = layout.images
-    batch, num_windows, n, three_c = rows.shape
-    head_dim = three_c // (3 * num_heads)
-    # The K windows, flat over the batch, go into the windows dimension of one "image".
-    picked = rows.view(1, batch * num_windows, n, three_c).index_select(1, images.windows)
-    fixed = _attend_image_windows(picked, images, bias, num_heads, scale, dropout_p, run, align)
-    flat = out.reshape(batch * num_windows, n, num_heads, head_dim)
-    if flat.requires_grad or fixed.requires_grad:
-        return flat.index_copy(0, images.windows, fixed)
-    return flat.index_copy_(0, images.windows, fixed)
-
-
 def redo_image_windows_in_tokens(
     out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float,
     align: bool,
 ) -> torch.Tensor:
-    """:func:`_redo_image_windows` for kernels that work on row-major tokens (the fused
-    Triton one, whose region masks know nothing of per-image sizes): SDPA on the windows
-    that images' boundaries cut, gathered from ``qkv``, written over ``out``.
-
-    Args:
-        out: ``(B, H * W, C)`` attention of every window with the shared masks.
-        qkv: ``(B, H * W, 3C)`` row-major qkv it was computed from.
-    Returns:
-        ``(B, H * W, C)``: ``out`` with the real tokens of those windows replaced (a new
-        tensor, so that autograd gives the replaced results no gradient).
-    """
+    """The windows that images' boundaries cut, for kernels on row-major tokens (the fused Triton
+    one, whose region masks know nothing of per-image sizes): SDPA on them, gathered from the
+    ``(B, H * W, 3C)`` ``qkv``, written over their real tokens of ``out`` ``(B, H * W, C)`` in a
+    new tensor (so that autograd gives the replaced results no gradient)."""
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
@@ -274,61 +211,48 @@ def _attend_image_windows(
     picked: torch.Tensor, images: ImageWindows, bias: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
     run: Kernel, align: bool,
 ) -> torch.Tensor:
-    """Attention of the ``K`` windows that images' edges cut, each with its own mask.
+    """Attention of the ``K`` windows that images' edges cut, each with its own mask:
+    ``(1, K, N, 3C)`` qkv rows -> ``(K, N, nH, d)``."""
+    bias = per_window_bias(images.masks, bias, picked.dtype, align)
+    return run(_heads_first(picked, num_heads), bias, True, scale, dropout_p)[0]
 
-    Args:
-        picked: ``(1, K, N, 3C)`` their qkv rows, in window order.
-    Returns:
-        ``(K, N, nH, d)``.
+
+def _kernel_inputs(qkv: torch.Tensor, attn_bias: torch.Tensor, windows_in_heads: bool) -> Tuple[torch.Tensor, ...]:
+    """``q, k, v`` of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view) and the bias, as the kernels take them.
+
+    Windows go into the batch dimension, ``(B * nW, nH, N, d)``, read through their strides (no
+    copies), or, with ``windows_in_heads``, into the heads dimension, ``(B, nW * nH, N, d)``, so
+    that per-window biases ``(nW, nH, N, N)`` broadcast over the batch (one copy of q/k/v; no
+    loop over images, no batch-sized bias).
     """
-    return run(_heads_first(picked, num_heads), per_window_bias(images.masks, bias, picked.dtype, align), True,
-               scale, dropout_p)[0]
+    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
+    if not windows_in_heads:
+        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
+        return q, k, v, attn_bias
+    q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+    return q, k, v, attn_bias.reshape(1, num_windows * num_heads, n, n)
 
 
 def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
-    """SDPA of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view). Returns ``(B, nW, N, nH, d)``.
+    """SDPA of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view). Returns ``(B, nW, N, nH, d)``, a view.
 
-    One bias for all windows: windows go into SDPA's batch dimension and the kernels read
-    q/k/v through their strides (no copies). Per-window biases ``(nW, nH, N, N)``: windows go
-    into the heads dimension, ``(B, nW * nH, N, d)``, so one bias broadcasts over the batch
-    (one copy of q/k/v; no loop over images, no batch-sized bias); for one image (and the
-    windows that images' edges cut, gathered as one) they are SDPA's batch, with no copy.
+    Per-window biases of one image (and of the windows that images' edges cut, gathered as
+    one) keep the windows in SDPA's batch, each with its bias: no copy (:func:`_kernel_inputs`).
     """
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not per_window:
-        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
-        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-        # The kernels allocate the output as (B*nW, N, nH, d): this reshape is then a view.
-        return out.transpose(1, 2).reshape(batch, num_windows, n, num_heads, head_dim)
-    if batch == 1:  # windows are SDPA's batch, each with its bias: q/k/v read through strides
-        q, k, v = qkv[:, 0].unbind(0)  # (nW, nH, N, d) views
-        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-        return out.transpose(1, 2).reshape(1, num_windows, n, num_heads, head_dim)
-    q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-    attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
+    q, k, v, attn_bias = _kernel_inputs(qkv, attn_bias, per_window and qkv.shape[1] != 1)
     out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
+    return out.view(qkv.shape[1:]).transpose(2, 3)
 
 
 def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v`` with matmuls. Returns ``(B, nW, N, nH, d)``.
-
-    Windows go into the batch dimension (one bias) or the heads dimension (per-window
-    biases, which then broadcast over the batch), as in :func:`_sdpa`.
-    """
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not per_window:
-        q, k, v = qkv.reshape(3, batch * num_windows, num_heads, n, head_dim).unbind(0)
-    else:
-        q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-        attn_bias = attn_bias.reshape(1, num_windows * num_heads, n, n)
+    """``softmax(q k^T * scale + bias) v`` with matmuls (:func:`_kernel_inputs`). Returns ``(B, nW, N, nH, d)``."""
+    q, k, v, attn_bias = _kernel_inputs(qkv, attn_bias, per_window)
     # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
     # scaled copy of q would be), and no second logits-sized temporary is made.
     attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
-    out = attn @ v
-    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3)
+    return (attn @ v).view(qkv.shape[1:]).transpose(2, 3)
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -336,11 +260,10 @@ class _RecomputedAttention(torch.autograd.Function):
 
     Forward is the fused SDPA kernel (fast on CPU, no ``(..., N, N)`` tensor kept). Backward
     recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
-    hand (:func:`attention_backward`, a cache-sized group of windows at a time on CPU), which
-    also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
+    hand (:func:`attention_backward`, with ``chunk_bytes`` a cache-sized group of windows at a
+    time), which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
     The output is kept by the next linear layer anyway, so saving it here costs nothing.
-    With ``chunk_bytes`` the backward runs a cache-sized group of windows at a time.
     """
 
     @staticmethod
@@ -358,7 +281,7 @@ class _RecomputedAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         qkv, bias, out = ctx.saved_tensors
         num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
-        num_windows, mask = layout.num_windows, layout.mask
+        num_windows, mask, images = layout.num_windows, layout.mask, layout.images
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
         acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
@@ -367,51 +290,34 @@ class _RecomputedAttention(torch.autograd.Function):
         # instead of the N x N logits.
         delta = (grad_out.to(acc) * out.to(acc)).view(batch, -1, num_heads, head_dim).sum(-1)
         # Back to the window layout; padding rows get zero gradient and a zero delta.
-        grad_out, delta = layout.to_windows(grad_out), layout.to_windows(delta.to(dtype))
-        grad_out = grad_out.view(batch, num_windows, n, num_heads, head_dim)
-        delta = delta.view(batch, num_windows, n, num_heads)
-        qkv = _windows(qkv, num_heads, layout)
+        grad_out = layout.to_windows(grad_out).view(batch, num_windows, n, num_heads, head_dim)
+        delta = layout.to_windows(delta.to(dtype)).view(batch, num_windows, n, num_heads)
+        qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
         grad_qkv = torch.empty_like(qkv)
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
-        images = layout.images
         if images is not None:
             # Windows that images' boundaries cut have masks of their own: they are left out
             # of the shared-mask pass below (zero gradient and delta give them zero there)
             # and done afterwards with their masks.
-            flat_grad = grad_out.reshape(batch * num_windows, n, num_heads, head_dim)
-            flat_delta = delta.reshape(batch * num_windows, n, num_heads)
-            image_grad_out = flat_grad.index_select(0, images.windows).unsqueeze(0)
-            image_delta = flat_delta.index_select(0, images.windows).unsqueeze(0)
-            grad_out = flat_grad.index_fill(0, images.windows, 0).view_as(grad_out)
-            delta = flat_delta.index_fill(0, images.windows, 0).view_as(delta)
+            image_grads = [t.flatten(0, 1).index_select(0, images.windows).unsqueeze(0) for t in (grad_out, delta)]
+            grad_out, delta = [t.flatten(0, 1).index_fill(0, images.windows, 0).view_as(t) for t in (grad_out, delta)]
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
         if ctx.chunk_bytes:
             step = chunk_rows(batch * num_heads * n * n, qkv.element_size(), ctx.chunk_bytes // 2)
         for part in chunk_slices(num_windows, step):
-            attention_backward(
-                qkv[:, part], grad_out[:, part], delta[:, part], bias_c,
-                None if mask_c is None else mask_c[part], scale, grad_qkv[:, part], grad_bias,
-            )
+            part_mask = None if mask_c is None else mask_c[part]
+            attention_backward(qkv[:, part], grad_out[:, part], delta[:, part], bias_c, part_mask, scale,
+                               grad_qkv[:, part], grad_bias)
         if images is not None:
-            flat_qkv = qkv.reshape((batch * num_windows,) + qkv.shape[2:])
-            image_grad_qkv = torch.empty((1, images.windows.numel()) + qkv.shape[2:], dtype=dtype, device=qkv.device)
-            attention_backward(
-                flat_qkv.index_select(0, images.windows).unsqueeze(0), image_grad_out, image_delta, bias_c,
-                images.masks.to(dtype), scale, image_grad_qkv, grad_bias,
-            )
-            grad_qkv.view((batch * num_windows,) + qkv.shape[2:]).index_copy_(0, images.windows, image_grad_qkv[0])
+            image_qkv = qkv.flatten(0, 1).index_select(0, images.windows).unsqueeze(0)
+            image_dqkv = torch.empty_like(image_qkv)
+            attention_backward(image_qkv, *image_grads, bias_c, images.masks.to(dtype), scale, image_dqkv, grad_bias)
+            grad_qkv.view((batch * num_windows,) + qkv.shape[2:]).index_copy_(0, images.windows, image_dqkv[0])
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
-
-
-def _windows(qkv: torch.Tensor, num_heads: int, layout: WindowLayout) -> torch.Tensor:
-    """``(B, nW * N, 3C)`` -> a ``(B, nW, N, 3, nH, d)`` view."""
-    batch, tokens, three_c = qkv.shape
-    n = tokens // layout.num_windows
-    return qkv.view(batch, layout.num_windows, n, 3, num_heads, three_c // (3 * num_heads))
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
@@ -433,14 +339,8 @@ def _probs(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, mask: Optional[
 
 
 def attention_backward(
-    qkv: torch.Tensor,
-    grad_out: torch.Tensor,
-    delta: torch.Tensor,
-    bias: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    scale: float,
-    grad_qkv: torch.Tensor,
-    grad_bias: Optional[torch.Tensor],
+    qkv: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
+    scale: float, grad_qkv: torch.Tensor, grad_bias: Optional[torch.Tensor],
 ) -> None:
     """Gradients of window attention for some windows, recomputing the probabilities.
 
@@ -482,24 +382,16 @@ def _project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
 
 
 def window_attention(
-    qkv: torch.Tensor,
-    table: torch.Tensor,
-    table_window: int,
-    layout: WindowLayout,
-    num_heads: int,
-    scale: float,
-    dropout_p: float,
-    plan: Plan,
+    qkv: torch.Tensor, table: torch.Tensor, table_window: int, layout: WindowLayout, num_heads: int, scale: float,
+    dropout_p: float, plan: Plan,
 ) -> torch.Tensor:
-    """Multi-head attention inside each window with a relative position bias.
-
-    The computation, whichever kernel runs it, is :func:`reference_window_attention`
-    (there with the projections).
+    """Multi-head attention inside each window with a relative position bias, by the plan's kernel:
+    whichever runs, the computation is :func:`reference_window_attention` (there with the projections).
 
     Args:
         qkv: what :func:`swin_backbone.ops.norm_qkv` returned for the same ``layout`` and ``plan``.
-        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table.
-        table_window: ``tw``, the window the table is sized for (>= ``layout.window``).
+        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table of a ``tw = table_window``
+            window (>= ``layout.window``).
         dropout_p: attention dropout probability (applied only where the plan says dropout
             is active, i.e. in training).
     Returns:

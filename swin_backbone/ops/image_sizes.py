@@ -17,19 +17,15 @@ from .windows import (
     window_token_index,
 )
 
-#: Per image of a batch, the ``(h, w)`` that is the image on a map; ``None``: all fill it.
-ValidSizes = Optional[Tuple[Tuple[int, int], ...]]
+#: Per image of a batch, the ``(h, w)`` that is the image on a map.
+Sizes = Tuple[Tuple[int, int], ...]
+#: :data:`Sizes`, or ``None``: every image fills the map.
+ValidSizes = Optional[Sizes]
 
 
 def image_window_masks(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    valid: Tuple[int, int],
-    device: torch.device,
-    dtype: torch.dtype,
-    align: bool = False,
+    height: int, width: int, window: int, shift: int, valid: Tuple[int, int], device: torch.device,
+    dtype: torch.dtype, align: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The windows of an ``height x width`` map that an image of ``valid = (h, w)`` cuts.
 
@@ -47,21 +43,14 @@ def image_window_masks(
 
 
 def image_windows(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    valid_sizes: Tuple[Tuple[int, int], ...],
-    device: torch.device,
-    dtype: torch.dtype,
+    height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
     align: bool = False,
 ) -> Optional[ImageWindows]:
     """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``
     of the ``height x width`` map; ``None`` where no image's boundary cuts a window.
 
     Images that fill the map contribute nothing (they use the shared masks). Computed on the
-    CPU from the images' CPU masks (``nonzero`` there reads no device memory), one copy per
-    tensor to ``device``.
+    CPU from the images' CPU masks, as :func:`image_window_masks`, one copy per tensor to ``device``.
     """
     num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
     windows, masks = [], []
@@ -105,18 +94,14 @@ get_image_window_masks = size_cache(maxsize=512)(image_window_masks)
 get_image_windows = size_cache(maxsize=128)(image_windows)
 
 
-def stage_valid_sizes(
-    valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
-) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int) -> Tuple[Sizes, ...]:
     """Per stage, per image, the valid size on the stage's map (:func:`output_size` of each
     image's valid size in input pixels): ``(num_stages, B)`` pairs."""
     per_image = [output_size(h, w, patch_size, num_stages) for h, w in valid_sizes]
     return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
 
 
-def valid_token_mask(
-    height: int, width: int, valid_sizes: Tuple[Tuple[int, int], ...], device: torch.device
-) -> torch.Tensor:
+def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
     """``(B, H, W)`` bool: True where the token lies inside its image's valid size.
 
     The ``(B, 2)`` sizes go to ``device`` with one non-blocking copy (``torch.tensor(...,
@@ -127,9 +112,7 @@ def valid_token_mask(
     return rows & cols
 
 
-def zero_beyond_valid(
-    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, inplace: bool
-) -> torch.Tensor:
+def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
     """Zero every element of ``x`` beyond its image's valid ``(h, w)``.
 
     Args:
@@ -151,9 +134,7 @@ def zero_beyond_valid(
     return x
 
 
-def straddles(
-    valid_sizes: Tuple[Tuple[int, int], ...], height: int, width: int, cell: int
-) -> Tuple[Tuple[int, int, int, int, int], ...]:
+def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[Tuple[int, int, int, int, int], ...]:
     """What ``cell x cell`` cells straddling an image's edge read beyond the image.
 
     A cell holding both pixels (tokens) of image ``b`` and pixels beyond it reads, alone,
@@ -176,9 +157,7 @@ def straddles(
     return tuple(boxes)
 
 
-def zero_straddles_(
-    x: torch.Tensor, valid_sizes: Tuple[Tuple[int, int], ...], height_dim: int, cell: int
-) -> torch.Tensor:
+def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: int) -> torch.Tensor:
     """Zero, in place, the :func:`straddles` boxes of a batch-first map whose height and
     width are dims ``height_dim`` and ``height_dim + 1``. Returns ``x``."""
     height, width = x.shape[height_dim], x.shape[height_dim + 1]
@@ -210,17 +189,3 @@ def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor
                 cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
     return merged
 
-
-__all__ = [
-    "ValidSizes",
-    "get_image_window_masks",
-    "get_image_windows",
-    "image_window_masks",
-    "image_windows",
-    "merge_2x2",
-    "stage_valid_sizes",
-    "straddles",
-    "valid_token_mask",
-    "zero_beyond_valid",
-    "zero_straddles_",
-]

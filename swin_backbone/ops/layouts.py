@@ -57,10 +57,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class ImageWindows:
     """Windows of a batch whose mask differs per image: those an image's boundary cuts.
 
-    An image that is only the top-left ``h x w`` of a batch map treats every token beyond
-    it as padding (:func:`~.windows.region_labels` with ``valid``). That changes the mask only of the
-    windows holding both tokens of the image and tokens beyond it; windows wholly beyond
-    the image keep the shared mask (nothing of the image reads their results).
+    An image that is only the top-left ``h x w`` of a batch map treats every token beyond it as
+    padding (:func:`~.windows.region_labels` with ``valid``). That changes the mask only of windows
+    holding tokens of the image and tokens beyond it (windows wholly beyond it keep the shared mask:
+    nothing of the image reads their results).
 
     Attributes:
         windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
@@ -82,21 +82,16 @@ class ImageWindows:
 
 @dataclass(frozen=True)
 class WindowLayout:
-    """Everything a window-attention block needs for one map size, window and shift.
-
-    The tensors are built when a kernel first reads them, then kept with the layout (the
-    fused Triton kernel computes regions from coordinates and reads none of them); while
-    tracing they are all built with the layout.
+    """Everything a window-attention block needs for one map size, window and shift; its tensors
+    are built when first read, then kept (see the module docstring).
 
     Attributes:
-        height, width: real map size ``H, W``.
-        window, shift: effective window and shift.
+        height, width, window, shift: real map size ``H, W``; effective window and shift.
         has_padding: whether the window layout holds padding tokens (zeros).
         padding_masked: padding tokens are masked out of attention (``mask_padding``), so
             the values they carry cannot change any real token's result.
-        device: where the tensors live.
-        dtype, align: the mask's dtype (the compute dtype) and whether its rows are stored
-            8-aligned (:func:`window_attention_mask`).
+        device, dtype, align: where the tensors live; the mask's dtype (the compute dtype) and
+            whether its rows are stored 8-aligned (:func:`window_attention_mask`).
         tensors: the tensors built so far, by name (below). One dict shared by the layout
             and its ``dataclasses.replace`` copies, so that what one builds serves all.
         images: the windows that the boundaries of a batch's images cut (per-image valid
@@ -106,10 +101,8 @@ class WindowLayout:
     Tensors (properties):
         index: ``(nW * N,)`` gather from ``H * W (+1 pad)`` tokens to the window layout.
         inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
-        pad_slots: ``(nP,)`` positions of the padding tokens in the window layout, where
-            ``index`` reads token 0 and the gather then writes zeros (no padded copy of the
-            input); ``None`` while tracing, where ``index`` reads an appended zero token
-            ``H * W`` instead.
+        pad_slots: ``(nP,)`` positions of the padding tokens in the window layout, zeroed after
+            the gather (no padded copy of the input; :func:`gather_tokens`); ``None`` while tracing.
         mask: ``(nW, N, N)`` additive mask in the compute dtype, or ``None``.
         masked_windows: ``(nM,)`` indices of the windows whose mask is not all zeros, or
             ``None`` (unknown while tracing: then every window uses ``mask``). Shift
@@ -215,36 +208,21 @@ def _build_window_masks(layout: WindowLayout) -> Dict[str, Optional[torch.Tensor
 
 #: Which builder makes each of a layout's tensors (and the others it makes with it).
 _LAYOUT_BUILDERS: Dict[str, Callable[[WindowLayout], Dict[str, Optional[torch.Tensor]]]] = {
-    "index": _build_gathers,
-    "inverse": _build_gathers,
-    "pad_slots": _build_gathers,
-    "mask": _build_masks,
-    "masked_windows": _build_masks,
-    "window_masks": _build_window_masks,
+    "index": _build_gathers, "inverse": _build_gathers, "pad_slots": _build_gathers,
+    "mask": _build_masks, "masked_windows": _build_masks, "window_masks": _build_window_masks,
 }
 
 
 def build_window_layout(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    mask_padding: bool,
-    device: torch.device,
-    dtype: torch.dtype,
-    align: bool = False,
-    tracing: bool = False,
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
+    align: bool = False, tracing: bool = False,
 ) -> WindowLayout:
-    """A :class:`WindowLayout` (uncached; see :func:`get_window_layout`).
-
-    ``dtype`` is the mask's (the compute dtype); ``align`` stores mask rows 8-aligned.
-    Eagerly, no tensor is built here: each is built on the CPU and copied to ``device`` when
-    first read (no host-device synchronisation, nothing for kernels that read none).
+    """A :class:`WindowLayout` (uncached; see :func:`get_window_layout`). Eagerly, no tensor is built here.
 
     While tracing (``tracing``: the plan's), sizes may be symbolic and whether a size needs
-    padding is not known, so the layout then always allows for it (a zero token that may go unused, a mask that may be
-    all zeros): one graph serves every size. Its tensors are built here, with plain ops on
-    ``device`` (the tracer records them).
+    padding is not known, so the layout then always allows for it (a zero token that may go
+    unused, a mask that may be all zeros): one graph serves every size. Its tensors are built
+    here, with plain ops on ``device`` (the tracer records them).
     """
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
@@ -255,14 +233,9 @@ def build_window_layout(
         mask = None
         if shift > 0 or mask_padding:
             mask = mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
-        tensors = {
-            "index": window_token_index(height, width, window, shift, device),
-            "inverse": window_inverse_index(height, width, window, shift, device),
-            "pad_slots": None,
-            "mask": mask,
-            "masked_windows": None,
-            "window_masks": None,
-        }
+        tensors = {"index": window_token_index(height, width, window, shift, device),
+                   "inverse": window_inverse_index(height, width, window, shift, device),
+                   "pad_slots": None, "mask": mask, "masked_windows": None, "window_masks": None}
         return WindowLayout(has_padding=True, tensors=tensors, **dict(sizes, traced=True))
     has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
     return WindowLayout(has_padding=has_padding, tensors={}, **sizes)
@@ -368,41 +341,17 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
 
 
 def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-    """Pad, shift and partition row-major tokens in one gather.
-
-    Args:
-        x: ``(B, H * W, C)`` tokens of an ``H x W`` map.
-    Returns:
-        ``(B, nW * N, C)`` tokens in window layout; padding tokens are zeros.
-    """
+    """Pad, shift and partition ``(B, H * W, C)`` row-major tokens in one gather: ``(B, nW * N, C)``
+    tokens in window layout, padding tokens zeros."""
     if layout.traced:  # plain ops for the tracer
         return layout.to_windows(x)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
 def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-    """Inverse of :func:`window_partition`: un-partition, un-shift and crop in one gather.
-
-    Args:
-        windows: ``(B, nW * N, C)`` tokens in window layout.
-    Returns:
-        ``(B, H * W, C)`` row-major tokens.
-    """
+    """Inverse of :func:`window_partition`: un-partition, un-shift and crop in one gather,
+    ``(B, nW * N, C)`` window layout -> ``(B, H * W, C)`` row-major tokens."""
     if layout.traced:
         return layout.to_tokens(windows)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
-
-__all__ = [
-    "CPU",
-    "WindowLayout",
-    "build_window_layout",
-    "clear_caches",
-    "gather_tokens",
-    "get_relative_position_index",
-    "get_window_layout",
-    "size_cache",
-    "to_device",
-    "window_partition",
-    "window_reverse",
-]

@@ -27,7 +27,6 @@ import torch
 #: (no -inf, no NaN: a row always keeps its own token).
 MASK_VALUE = -1e4
 
-
 #: Region label given to tokens that exist only because of window padding.
 PAD_REGION = 9
 
@@ -57,9 +56,8 @@ def pad_amount(size: int, multiple: int) -> int:
     return padded_size(size, multiple) - size
 
 
-def effective_window(
-    height: int, width: int, window_size: int, shift_size: int, pad_small_map: bool
-) -> Tuple[int, int]:
+def effective_window(height: int, width: int, window_size: int, shift_size: int,
+                     pad_small_map: bool) -> Tuple[int, int]:
     """Window and shift actually used on an ``height x width`` map.
 
     With ``pad_small_map=True`` (detection / segmentation, = mmdet) the configured window is
@@ -73,10 +71,8 @@ def effective_window(
 
 
 def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:
-    """Spatial size of each stage's output for an ``height x width`` image.
-
-    Stage 0 is ``ceil(H / patch) x ceil(W / patch)``; each later stage halves it (ceil).
-    """
+    """Spatial size of each stage's output for an ``height x width`` image: stage 0 is
+    ``ceil(H / patch) x ceil(W / patch)``; each later stage halves it (ceil)."""
     h, w = ceil_div(height, patch_size), ceil_div(width, patch_size)
     sizes = [(h, w)]
     for _ in range(num_stages - 1):
@@ -85,11 +81,9 @@ def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tu
     return tuple(sizes)
 
 
-def _rolled_rows(size: int, padded: int, shift: int, device: torch.device) -> torch.Tensor:
-    """For each row of the padded, shifted map, the row of the unshifted map it shows.
-
-    Returns ``(padded,)`` int64; values >= ``size`` are padding rows.
-    """
+def _rolled_rows(padded: int, shift: int, device: torch.device) -> torch.Tensor:
+    """``(padded,)`` int64: for each row of the padded, shifted map, the row of the unshifted map
+    it shows (those >= the real size are padding rows)."""
     return _mod(torch.arange(padded, device=device) + shift, padded)
 
 
@@ -121,30 +115,19 @@ def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
     return grid.reshape(-1)[rows * wp + cols].view(-1, n)
 
 
-def window_token_index(
-    height: int, width: int, window: int, shift: int, device: torch.device
-) -> torch.Tensor:
-    """Gather index from row-major tokens to the shifted window layout.
-
-    Returns ``(nW * N,)`` int64 into ``H * W + 1`` tokens, where index ``H * W`` denotes a
-    zero padding token appended after the real ones.
-    """
+def window_token_index(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
+    """Gather index from row-major tokens to the shifted window layout: ``(nW * N,)`` int64 into
+    ``H * W + 1`` tokens, where index ``H * W`` denotes a zero padding token appended after the real ones."""
     hp, wp = padded_size(height, window), padded_size(width, window)
-    rows = _rolled_rows(height, hp, shift, device)
-    cols = _rolled_rows(width, wp, shift, device)
+    rows, cols = _rolled_rows(hp, shift, device), _rolled_rows(wp, shift, device)
     valid = (rows < height)[:, None] & (cols < width)[None, :]
     src = torch.where(valid, rows[:, None] * width + cols[None, :], height * width)
     return partition_grid(src, window).reshape(-1)
 
 
-def window_inverse_index(
-    height: int, width: int, window: int, shift: int, device: torch.device
-) -> torch.Tensor:
-    """Inverse of :func:`window_token_index` on the real tokens.
-
-    Returns ``(H * W,)`` int64: the position in the window layout of each row-major token,
-    so ``layout[inverse]`` undoes partition, shift and padding in one gather.
-    """
+def window_inverse_index(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
+    """Inverse of :func:`window_token_index` on the real tokens: ``(H * W,)`` int64, the position in the
+    window layout of each row-major token, so ``layout[inverse]`` undoes partition, shift and padding."""
     hp, wp = padded_size(height, window), padded_size(width, window)
     r = _mod(torch.arange(height, device=device) - shift, hp)  # row in the shifted map
     c = _mod(torch.arange(width, device=device) - shift, wp)
@@ -155,12 +138,7 @@ def window_inverse_index(
 
 
 def region_labels(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    mask_padding: bool,
-    device: torch.device,
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device,
     valid: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Region id of every token of the padded, shifted map, ``(Hp, Wp)`` int64.
@@ -171,18 +149,11 @@ def region_labels(
     labels of one image that is only the top-left ``h x w`` of the map: every token beyond
     it is padding too.
     """
-    if valid is not None:
-        height_, width_ = valid
-    else:
-        height_, width_ = height, width
+    height_, width_ = valid if valid is not None else (height, width)
     hp, wp = padded_size(height, window), padded_size(width, window)
-    labels = (
-        _shift_regions(hp, window, shift, device)[:, None] * 3
-        + _shift_regions(wp, window, shift, device)[None, :]
-    )
+    labels = _shift_regions(hp, window, shift, device)[:, None] * 3 + _shift_regions(wp, window, shift, device)[None, :]
     if mask_padding:
-        rows = _rolled_rows(height, hp, shift, device)
-        cols = _rolled_rows(width, wp, shift, device)
+        rows, cols = _rolled_rows(hp, shift, device), _rolled_rows(wp, shift, device)
         is_pad = (rows >= height_)[:, None] | (cols >= width_)[None, :]
         labels = labels.masked_fill(is_pad, PAD_REGION)
     return labels
@@ -196,13 +167,7 @@ def needs_mask(height: int, width: int, window: int, shift: int, mask_padding: b
 
 
 def window_attention_mask(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    mask_padding: bool,
-    device: torch.device,
-    dtype: torch.dtype,
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
     align: bool = False,
 ) -> Optional[torch.Tensor]:
     """Additive attention mask ``(nW, N, N)``: 0 within a region, :data:`MASK_VALUE` across.
@@ -242,13 +207,7 @@ def mask_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def mask_from_labels(
-    height: int,
-    width: int,
-    window: int,
-    shift: int,
-    mask_padding: bool,
-    device: torch.device,
-    dtype: torch.dtype,
+    height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
     align: bool = False,
 ) -> torch.Tensor:
     """:func:`window_attention_mask` without the ``needs_mask`` check, built on ``device``."""
@@ -270,24 +229,3 @@ def relative_position_index(window: int, table_window: int, device: torch.device
     dx = xs[:, None] - xs[None, :] + table_window - 1
     return (dy * (2 * table_window - 1) + dx).reshape(-1)
 
-
-__all__ = [
-    "MASK_VALUE",
-    "PAD_REGION",
-    "ceil_div",
-    "effective_window",
-    "mask_buffer",
-    "mask_from_labels",
-    "mask_rows",
-    "needs_mask",
-    "output_size",
-    "pad_amount",
-    "padded_size",
-    "partition_grid",
-    "region_labels",
-    "relative_position_index",
-    "row_length",
-    "window_attention_mask",
-    "window_inverse_index",
-    "window_token_index",
-]
