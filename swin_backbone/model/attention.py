@@ -14,25 +14,14 @@ class WindowAttention(nn.Module):
     """(Shifted) window multi-head self-attention with a relative position bias (W-MSA / SW-MSA).
 
     Args:
-        embed_dims: channels ``C``.
-        num_heads: heads ``nH`` (must divide ``C``).
+        embed_dims: channels ``C``, in ``num_heads`` heads ``nH`` (which must divide ``C``).
         window_size: window the bias table is sized for (``(2 * ws - 1) ** 2`` rows).
-        qkv_bias: learnable bias in the qkv projection.
         qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
-        attn_drop_rate: dropout on attention weights.
-        proj_drop_rate: dropout after the output projection.
+        attn_drop_rate, proj_drop_rate: dropout on attention weights, after the output projection.
     """
 
-    def __init__(
-        self,
-        embed_dims: int,
-        num_heads: int,
-        window_size: int,
-        qkv_bias: bool = True,
-        qk_scale: Optional[float] = None,
-        attn_drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-    ) -> None:
+    def __init__(self, embed_dims: int, num_heads: int, window_size: int, qkv_bias: bool = True,
+                 qk_scale: Optional[float] = None, attn_drop_rate: float = 0.0, proj_drop_rate: float = 0.0) -> None:
         super().__init__()
         self.embed_dims = embed_dims
         self.num_heads = num_heads

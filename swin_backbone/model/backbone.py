@@ -30,79 +30,49 @@ PRETRAINED_INIT = "SwinBackbonePretrained"
 class SwinBackbone(BaseModule):
     """Swin Transformer backbone emitting stage 1-4 feature maps, correct at any input size.
 
+    docs/arguments.md documents every argument for users (the mmdet / mmseg ones under
+    "Switching from mmdet / mmseg"); in short:
+
     Args:
         arch: ``'tiny'``, ``'small'``, ``'base'``, ``'large'`` (or ``'t'``/``'s'``/``'b'``/``'l'``);
             ``embed_dims`` / ``depths`` / ``num_heads`` given explicitly override it.
         embed_dims: channels ``C`` of stage 0; stage ``i`` has ``C * 2**i``.
-        depths: blocks per stage.
-        num_heads: attention heads per stage.
-        in_channels: image channels.
+        depths, num_heads: blocks and attention heads per stage.
         patch_size: patch-embedding stride (= kernel): ``P`` or ``(P, P)``.
         window_size: attention window (7; 12 for the 384-pretrained models), or one per stage.
-        mlp_ratio: MLP hidden width / embed width.
-        qkv_bias: learnable bias in the qkv projections.
         qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
         drop_rate: dropout after position embedding, attention projection and MLP.
-        attn_drop_rate: dropout on attention weights.
         drop_path_rate: stochastic depth, rising linearly from 0 over all blocks.
-        use_abs_pos_embed: add a learned absolute position embedding, stored at the
-            ``pretrain_img_size / patch_size`` grid and resized (bicubic) to each input.
-        pretrain_img_size: image size the absolute position embedding is stored for:
-            ``S``, ``(S,)`` or ``(H, W)``.
+        use_abs_pos_embed: a learned absolute position embedding, stored at the
+            ``pretrain_img_size / patch_size`` grid (``S``, ``(S,)`` or ``(H, W)``) and resized
+            (bicubic) to each input.
         patch_norm: LayerNorm after patch embedding and inside patch merging.
-        out_indices: stages whose outputs are returned, each after its own LayerNorm.
-            Stages after the last one listed (and its patch merging) are built, so that
-            checkpoints load as into the full model, but never run: their parameters get
-            ``requires_grad=False`` (DDP requires a gradient for every trainable parameter).
-        frozen_stages: ``-1`` freezes nothing; ``k >= 0`` freezes the patch embedding (and
-            the absolute position embedding) and stages ``0 .. k-1`` with their output norms:
-            their parameters get ``requires_grad=False`` at construction (DDP never sees
-            them) and the modules stay in eval mode in ``train()``.
-        with_cp: non-reentrant activation checkpointing per block (saves memory in training).
-        pad_small_map: ``True`` (default, = mmdet): maps smaller than the window are padded
-            up to it and still shifted. ``False`` (= official classification model): on a
-            map whose smaller side is <= the window, the window shrinks to that side and the
-            shift is off.
-        mask_padding: ``True`` (default): tokens added by window padding form their own
-            attention region, so real tokens never attend to them and features do not depend
-            on how much an image was padded. ``False`` reproduces mmdet exactly.
-        channels_last_outputs: ``False`` (default): outputs are contiguous NCHW tensors, as
-            every downstream op expects (mmcv's CPU RoIAlign, for one, silently reads
-            channels-last memory wrongly). ``True``: outputs are NCHW *views* of the
-            channels-last tokens (``torch.channels_last`` memory), saving one copy per
-            output, for necks and heads that handle any memory format (plain convs do).
-        attention: the window-attention kernel on CUDA. ``'auto'`` (default): the fused
-            Triton kernel or SDPA, whichever is faster among those that compute correctly on
-            this GPU, measured once per kind of attention (:mod:`swin_backbone.ops.kernel_choice`);
-            ``'sdpa'``: always SDPA; ``'triton'``: the fused kernel wherever it applies
-            (windows up to 8x8), verified once, an error naming the reason where it cannot
-            run. The environment variable ``SWIN_BACKBONE_ATTENTION`` (same values)
-            overrides it. On the CPU every value but ``'triton'`` runs the CPU plan.
-
-        The arguments below exist so that an mmdet 3.x / mmseg 1.x ``SwinTransformer`` config
-        builds this backbone with ``type='SwinBackbone'`` and every other key unchanged; they
-        mean what they mean there (see :mod:`swin_backbone.mmlab.dropin`). Values this
-        backbone cannot honour are a ``ValueError`` naming the argument.
-
-        strides: ``None``, or mmdet's one stride per stage: ``(patch_size, 2, 2, 2)`` (the
-            patch-embedding stride, then the patch-merging strides) is the only possible value.
-        act_cfg: ``None`` or ``dict(type='GELU')``, the activation of the MLPs.
-        norm_cfg: ``None`` or ``dict(type='LN')`` (``requires_grad=True``, ``eps=1e-5``
-            allowed), the norm everywhere in the backbone.
-        pretrained: deprecated (as in mmdet and mmseg) checkpoint path; becomes
-            ``init_cfg=dict(type='Pretrained', checkpoint=pretrained)`` with a warning. Giving
-            both ``pretrained`` and ``init_cfg`` is an error.
-        convert_weights: accepted for drop-in use of mmdet configs; checkpoint formats are
-            detected automatically, so it has no effect.
-        init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads
-            any supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
-
-        The last arguments make variants (as torchvision's ``block=`` / ``downsample_layer=``;
-        :class:`~swin_backbone.SwinV2Backbone` is one):
-
-        block, merging: the block and patch-merging classes; they take the arguments of
-            :class:`~swin_backbone.model.blocks.SwinBlock` / ``PatchMerging``.
-        block_options: per stage, per block, extra keyword arguments for ``block``.
+        out_indices: stages returned, each after its own LayerNorm. Later stages are built (so
+            checkpoints load) but never run: ``requires_grad=False``, as DDP needs a gradient for
+            every trainable parameter.
+        frozen_stages: ``k >= 0`` freezes the patch embedding (and absolute position embedding)
+            and stages ``0 .. k-1`` with their norms: ``requires_grad=False`` at construction,
+            eval mode kept in ``train()``.
+        with_cp: non-reentrant activation checkpointing per block.
+        pad_small_map: ``True`` (= mmdet): maps smaller than the window are padded up to it and
+            shifted; ``False`` (= the official classifier): the window shrinks to a map side
+            <= the window and the shift is off.
+        mask_padding: ``True``: window padding is its own attention region, so features do not
+            depend on padding; ``False`` reproduces mmdet exactly.
+        channels_last_outputs: ``True``: outputs are NCHW *views* of channels-last tokens (one
+            copy less each); ``False``: contiguous NCHW (mmcv's CPU RoIAlign misreads channels-last).
+        attention: the window-attention kernel on CUDA, ``'auto'``, ``'sdpa'`` or ``'triton'``
+            (:mod:`swin_backbone.ops.kernel_choice`); ``SWIN_BACKBONE_ATTENTION`` overrides it.
+        strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
+            ``SwinTransformer`` arguments, meaning what they mean there
+            (:mod:`swin_backbone.mmlab.dropin`); values this backbone cannot honour are a
+            ``ValueError`` naming the argument, and ``convert_weights`` has no effect.
+        init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads any
+            supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
+        block, merging, block_options: variants (as torchvision's ``block=``; see
+            :class:`~swin_backbone.SwinV2Backbone`): the block and patch-merging classes, taking the
+            arguments of :class:`~swin_backbone.model.blocks.SwinBlock` / ``PatchMerging``, and
+            per stage, per block extra keyword arguments for ``block``.
 
     Shapes:
         input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one
@@ -149,33 +119,17 @@ class SwinBackbone(BaseModule):
         embed_dims, depths, num_heads = values["embed_dims"], values["depths"], values["num_heads"]
         # mmdet / mmseg SwinTransformer argument forms -> ours (ValueError where impossible)
         mmlab = translate_mmlab_args(
-            num_stages=len(depths),
-            patch_size=patch_size,
-            strides=strides,
-            pretrain_img_size=pretrain_img_size,
-            act_cfg=act_cfg,
-            norm_cfg=norm_cfg,
-            pretrained=pretrained,
-            init_cfg=init_cfg,
+            num_stages=len(depths), patch_size=patch_size, strides=strides, pretrain_img_size=pretrain_img_size,
+            act_cfg=act_cfg, norm_cfg=norm_cfg, pretrained=pretrained, init_cfg=init_cfg,
         )
         super().__init__(init_cfg=mmlab.init_cfg)
         patch_size, pretrain_img_size = mmlab.patch_size, mmlab.pretrain_img_size
         out_indices = tuple(out_indices) if isinstance(out_indices, (list, tuple)) else out_indices
         windows = check_config(
-            embed_dims=embed_dims,
-            depths=depths,
-            num_heads=num_heads,
-            in_channels=in_channels,
-            patch_size=patch_size,
-            window_size=window_size,
-            mlp_ratio=mlp_ratio,
-            drop_rate=drop_rate,
-            attn_drop_rate=attn_drop_rate,
-            drop_path_rate=drop_path_rate,
-            pretrain_img_size=pretrain_img_size,
-            out_indices=out_indices,
-            frozen_stages=frozen_stages,
-            qk_scale=qk_scale,
+            embed_dims=embed_dims, depths=depths, num_heads=num_heads, in_channels=in_channels, patch_size=patch_size,
+            window_size=window_size, mlp_ratio=mlp_ratio, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate, pretrain_img_size=pretrain_img_size, out_indices=out_indices,
+            frozen_stages=frozen_stages, qk_scale=qk_scale,
             flags=dict(qkv_bias=qkv_bias, use_abs_pos_embed=use_abs_pos_embed, patch_norm=patch_norm, with_cp=with_cp,
                        pad_small_map=pad_small_map, mask_padding=mask_padding,
                        channels_last_outputs=channels_last_outputs, convert_weights=convert_weights),
@@ -212,36 +166,19 @@ class SwinBackbone(BaseModule):
         self.stages = nn.ModuleList()
         for i, depth in enumerate(depths):
             first = sum(depths[:i])
-            self.stages.append(
-                SwinStage(
-                    self.num_features[i],
-                    depth,
-                    num_heads[i],
-                    drop_path_rates=rates[first : first + depth],
-                    downsample=i < self.num_stages - 1,
-                    mlp_ratio=mlp_ratio,
-                    qkv_bias=qkv_bias,
-                    qk_scale=qk_scale,
-                    drop_rate=drop_rate,
-                    attn_drop_rate=attn_drop_rate,
-                    patch_norm=patch_norm,
-                    pad_small_map=pad_small_map,
-                    mask_padding=mask_padding,
-                    with_cp=with_cp,
-                    window_size=windows[i],
-                    block=block,
-                    merging=merging,
-                    block_options=None if block_options is None else block_options[i],
-                )
-            )
+            self.stages.append(SwinStage(
+                self.num_features[i], depth, num_heads[i], drop_path_rates=rates[first : first + depth],
+                downsample=i < self.num_stages - 1, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, qk_scale=qk_scale,
+                drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, patch_norm=patch_norm,
+                pad_small_map=pad_small_map, mask_padding=mask_padding, with_cp=with_cp, window_size=windows[i],
+                block=block, merging=merging, block_options=None if block_options is None else block_options[i],
+            ))
         for i in self.out_indices:
             self.add_module(f"norm{i}", nn.LayerNorm(self.num_features[i]))
 
         if convert_weights:
-            print_log(
-                "SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
-                logger="current",
-            )
+            print_log("SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
+                      logger="current")
         for hook in LOAD_STATE_DICT_PRE_HOOKS:
             register_load_state_dict_pre_hook(self, hook)
         self._freeze_stages()
@@ -325,19 +262,12 @@ class SwinBackbone(BaseModule):
 
         Args:
             x: the batch input; images sit at its top left, padded bottom / right.
-            valid_sizes: per image, the ``(h, w)`` in input pixels that is the image: a
-                sequence of ``B`` pairs or a ``(B, 2)`` int tensor; ``None``: each image is
-                the whole input. Everything beyond an image's valid size is then treated
-                like window padding at every stage (its own attention region, zeros where
-                patch merging reads it), and the returned maps are zero beyond
-                ``ceil(h / (patch_size * 2**i)) x ceil(w / ...)`` at stage ``i``: image
-                ``b``'s features over its valid region equal those of the image run alone
-                at its exact size, whatever the batch and its padding. Needs
-                ``mask_padding=True`` and ``pad_small_map=True``; with
-                ``use_abs_pos_embed`` the position embedding is resized to each image's own
-                size. A batch made by ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``
-                carries its images' sizes (:mod:`swin_backbone.mmlab.valid_sizes`); they
-                are used when ``valid_sizes`` is not given.
+            valid_sizes: per image, the ``(h, w)`` in input pixels that is the image (``B`` pairs
+                or a ``(B, 2)`` int tensor); ``None``: the sizes a ``Swin*DataPreprocessor`` attached
+                (:mod:`swin_backbone.mmlab.valid_sizes`), else the whole input. Beyond them is
+                treated like window padding at every stage and the maps returned are zero there, so
+                each image's features equal those of the image run alone (needs
+                ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
         if valid_sizes is None and not is_compiling():

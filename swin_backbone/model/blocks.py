@@ -80,24 +80,14 @@ class SwinBlock(nn.Module):
     """
 
     def __init__(
-        self,
-        embed_dims: int,
-        num_heads: int,
-        window_size: int,
-        shift: bool,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        qk_scale: Optional[float] = None,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
+        self, embed_dims: int, num_heads: int, window_size: int, shift: bool, mlp_ratio: float = 4.0,
+        qkv_bias: bool = True, qk_scale: Optional[float] = None, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
         self.shift = shift
         self.norm1 = nn.LayerNorm(embed_dims)
-        self.attn = WindowAttention(
-            embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate
-        )
+        self.attn = WindowAttention(embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate)
         self.drop_path = DropPath(drop_path_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
@@ -108,8 +98,7 @@ class SwinBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
-        ``(B, H * W, C)`` -> ``(B, H * W, C)``. ``plan``: how to compute it (default: decided
-        for this call)."""
+        ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         # The residual goes into the branch's fresh output (x + y == y + x exactly).
         x = self.drop_path(self.attn(x, self.norm1, layout, plan)).add_(x)
@@ -141,40 +130,17 @@ class PatchMerging(nn.Module):
 class SwinStage(nn.Module):
     """``depth`` Swin blocks (every second one shifted) and an optional patch merging.
 
-    Args:
-        embed_dims, num_heads, window_size, mlp_ratio, qkv_bias, qk_scale, drop_rate,
-            attn_drop_rate: as in :class:`SwinBlock`.
-        depth: number of blocks.
-        drop_path_rates: one stochastic-depth rate per block.
-        downsample: append a :class:`PatchMerging`.
-        patch_norm: LayerNorm inside the patch merging.
-        pad_small_map, mask_padding: see :class:`~swin_backbone.SwinBackbone`.
-        with_cp: non-reentrant activation checkpointing per block.
-        block, merging: the block and patch-merging classes (Swin V2 passes its own; they
-            take the arguments of :class:`SwinBlock` / :class:`PatchMerging`).
-        block_options: per-block extra keyword arguments for ``block`` (one mapping per block).
+    Arguments as :class:`SwinBlock`'s and :class:`~swin_backbone.SwinBackbone`'s, plus
+    ``drop_path_rates`` (one per block), ``downsample`` (append a ``merging``) and
+    ``block_options`` (per block, extra keyword arguments for ``block``).
     """
 
     def __init__(
-        self,
-        embed_dims: int,
-        depth: int,
-        num_heads: int,
-        window_size: int,
-        drop_path_rates: Sequence[float],
-        downsample: bool,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        qk_scale: Optional[float] = None,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        patch_norm: bool = True,
-        pad_small_map: bool = True,
-        mask_padding: bool = True,
-        with_cp: bool = False,
-        block: Callable[..., nn.Module] = SwinBlock,
-        merging: Callable[..., nn.Module] = PatchMerging,
-        block_options: Optional[Sequence[Mapping[str, Any]]] = None,
+        self, embed_dims: int, depth: int, num_heads: int, window_size: int, drop_path_rates: Sequence[float],
+        downsample: bool, mlp_ratio: float = 4.0, qkv_bias: bool = True, qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0, attn_drop_rate: float = 0.0, patch_norm: bool = True, pad_small_map: bool = True,
+        mask_padding: bool = True, with_cp: bool = False, block: Callable[..., nn.Module] = SwinBlock,
+        merging: Callable[..., nn.Module] = PatchMerging, block_options: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> None:
         super().__init__()
         self.window_size = window_size
@@ -183,19 +149,9 @@ class SwinStage(nn.Module):
         self.mask_padding = mask_padding
         self.with_cp = with_cp
         self.blocks = nn.ModuleList(
-            block(
-                embed_dims,
-                num_heads,
-                window_size,
-                shift=i % 2 == 1,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                qk_scale=qk_scale,
-                drop_rate=drop_rate,
-                attn_drop_rate=attn_drop_rate,
-                drop_path_rate=drop_path_rates[i],
-                **(block_options[i] if block_options else {}),
-            )
+            block(embed_dims, num_heads, window_size, shift=i % 2 == 1, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+                  qk_scale=qk_scale, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+                  drop_path_rate=drop_path_rates[i], **(block_options[i] if block_options else {}))
             for i in range(depth)
         )
         self.downsample = merging(embed_dims, norm=patch_norm) if downsample else None

@@ -39,28 +39,15 @@ class WindowAttentionV2(nn.Module):
     ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + 16 sigmoid(cpb_mlp(coords)) + mask) v``
     per head, with ``q = x W_q + q_bias``, ``k = x W_k`` (zero bias), ``v = x W_v + v_bias``.
 
-    Args:
-        embed_dims: channels ``C``.
-        num_heads: heads ``nH`` (must divide ``C``).
-        window_size: the stage's window ``tw`` (the position bias is evaluated on its
-            ``(2 tw - 1)**2`` offsets; a smaller effective window reads a subset).
-        pretrained_window_size: window of the pre-training run whose weights are fine-tuned
-            at ``window_size`` (coordinates are normalised by it); ``0``: ``window_size``.
-        qkv_bias: learnable q and v biases (k has none).
-        attn_drop_rate: dropout on attention weights.
-        proj_drop_rate: dropout after the output projection.
+    Arguments as :class:`~swin_backbone.model.attention.WindowAttention`'s, except: the position
+    bias is evaluated on the ``(2 tw - 1)**2`` offsets of ``window_size`` ``tw`` (a smaller
+    effective window reads a subset); ``pretrained_window_size``: window of the pre-training run
+    whose weights are fine-tuned at ``window_size`` (coordinates are normalised by it), ``0``:
+    ``window_size``; ``qkv_bias``: learnable q and v biases (k has none).
     """
 
-    def __init__(
-        self,
-        embed_dims: int,
-        num_heads: int,
-        window_size: int,
-        pretrained_window_size: int = 0,
-        qkv_bias: bool = True,
-        attn_drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-    ) -> None:
+    def __init__(self, embed_dims: int, num_heads: int, window_size: int, pretrained_window_size: int = 0,
+                 qkv_bias: bool = True, attn_drop_rate: float = 0.0, proj_drop_rate: float = 0.0) -> None:
         super().__init__()
         self.embed_dims = embed_dims
         self.num_heads = num_heads
@@ -68,11 +55,8 @@ class WindowAttentionV2(nn.Module):
         self.pretrained_window_size = pretrained_window_size
         self.attn_drop_rate = attn_drop_rate
         self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
-        self.cpb_mlp = nn.Sequential(
-            nn.Linear(2, CPB_HIDDEN_DIMS, bias=True),
-            nn.ReLU(inplace=True),
-            nn.Linear(CPB_HIDDEN_DIMS, num_heads, bias=False),
-        )
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, CPB_HIDDEN_DIMS, bias=True), nn.ReLU(inplace=True),
+                                     nn.Linear(CPB_HIDDEN_DIMS, num_heads, bias=False))
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=False)
         if qkv_bias:
             self.q_bias: Optional[nn.Parameter] = nn.Parameter(torch.zeros(embed_dims))
@@ -109,10 +93,8 @@ class WindowAttentionV2(nn.Module):
         return ops.AttentionInputs(qkv, self.position_bias_table(), self.window_size, self.num_heads, 1.0)
 
     def extra_repr(self) -> str:
-        return (
-            f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
-            f"pretrained_window_size={self.pretrained_window_size}"
-        )
+        return (f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
+                f"pretrained_window_size={self.pretrained_window_size}")
 
 
 class SwinBlockV2(nn.Module):
@@ -125,19 +107,9 @@ class SwinBlockV2(nn.Module):
     """
 
     def __init__(
-        self,
-        embed_dims: int,
-        num_heads: int,
-        window_size: int,
-        shift: bool,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        qk_scale: Optional[float] = None,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        pretrained_window_size: int = 0,
-        extra_norm: bool = False,
+        self, embed_dims: int, num_heads: int, window_size: int, shift: bool, mlp_ratio: float = 4.0,
+        qkv_bias: bool = True, qk_scale: Optional[float] = None, drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0, pretrained_window_size: int = 0, extra_norm: bool = False,
     ) -> None:
         super().__init__()
         if qk_scale is not None:
@@ -198,45 +170,34 @@ class SwinV2Backbone(SwinBackbone):
     """Swin Transformer V2 backbone emitting stage 1-4 feature maps, correct at any input size.
 
     Arguments as :class:`~swin_backbone.SwinBackbone` (same meaning, same mmdet / mmseg
-    drop-in forms), except:
+    drop-in forms), except (docs/swin-v2.md):
 
     Args:
-        arch: ``'tiny'``, ``'small'``, ``'base'``, ``'large'``, ``'huge'``, ``'giant'`` (or
-            their initials), or a published model name such as
-            ``'swinv2_base_window12to16_192to256'`` (:data:`~swin_backbone.model.presets.PUBLISHED_V2`), which also sets
-            ``window_size`` and ``pretrained_window_sizes`` unless they are given.
-        window_size: the attention window, an int or one per stage (default 8, or the
-            published model's).
-        pretrained_window_sizes: per stage (or one int), the window the weights were
-            pre-trained with; the position-bias coordinates are normalised by it, which is
-            how the published fine-tunes (e.g. window 16 from ``(12, 12, 12, 6)``) were
-            trained. ``0`` (default): the stage's own window.
-        extra_norm_every_n_blocks: an extra LayerNorm (``norm3``) after blocks
-            ``n - 1, 2n - 1, ...`` of every stage (counted from 0 within each stage, as
-            mmpretrain's huge / giant); ``0``: none. Default: the preset's.
+        arch: ``'tiny'`` ... ``'giant'`` (or initials), or a published model name
+            (:data:`~swin_backbone.model.presets.PUBLISHED_V2`), which also sets ``window_size``
+            and ``pretrained_window_sizes`` unless they are given.
+        window_size: an int or one per stage (default 8, or the published model's).
+        pretrained_window_sizes: per stage (or one int), the window the weights were pre-trained
+            with, which normalises the position-bias coordinates; ``0`` (default): the stage's own.
+        extra_norm_every_n_blocks: an extra LayerNorm (``norm3``) after blocks ``n - 1, 2n - 1, ...``
+            of every stage (counted from 0 in each stage, as mmpretrain's huge / giant); ``0``: none.
+            Default: the preset's.
         qkv_bias: learnable q and v biases (the k bias is always zero).
         qk_scale: must be ``None``: cosine attention learns a per-head ``logit_scale``.
 
-    Initialisation (``init_weights``): as V1 (truncated-normal linears, unit LayerNorms),
-    then the post-norms ``norm1`` / ``norm2`` of every block are zeroed (official
-    ``_init_respostnorm``), ``logit_scale = log 10``, q / v biases 0. A ``Pretrained``
-    ``init_cfg`` loads afterwards, from any V2 checkpoint format; V1 checkpoints are refused.
+    ``init_weights`` zeroes every block's post-norms ``norm1`` / ``norm2`` after V1's init
+    (official ``_init_respostnorm``) and sets ``logit_scale = log 10``, q / v biases 0; a
+    ``Pretrained`` ``init_cfg`` then loads any V2 checkpoint format (V1 ones are refused).
     """
 
     #: Swin version of this backbone's parameters (checked against checkpoints).
     swin_version = 2
 
     def __init__(
-        self,
-        arch: Optional[str] = "tiny",
-        embed_dims: Optional[int] = None,
-        depths: Optional[Sequence[int]] = None,
-        num_heads: Optional[Sequence[int]] = None,
-        window_size: Optional[Union[int, Sequence[int]]] = None,
+        self, arch: Optional[str] = "tiny", embed_dims: Optional[int] = None, depths: Optional[Sequence[int]] = None,
+        num_heads: Optional[Sequence[int]] = None, window_size: Optional[Union[int, Sequence[int]]] = None,
         pretrained_window_sizes: Optional[Union[int, Sequence[int]]] = None,
-        extra_norm_every_n_blocks: Optional[int] = None,
-        qk_scale: Optional[float] = None,
-        **kwargs: Any,
+        extra_norm_every_n_blocks: Optional[int] = None, qk_scale: Optional[float] = None, **kwargs: Any,
     ) -> None:
         if qk_scale is not None:
             fail("qk_scale", "None (Swin V2's cosine attention learns its scale: logit_scale)", qk_scale)

@@ -2,18 +2,8 @@
 
 Each function takes the :class:`~swin_backbone.ops.planner.Plan` decided once per forward by
 :func:`plan_forward` and runs the implementation it names; nothing here or in the model asks
-about devices or grad modes again. The implementations live in the submodules:
-
-* :mod:`.windows`: pure window / shift / padding arithmetic and masks;
-* :mod:`.layouts`: a map size's window layout (gathers, mask), the ops' caches, token gathers;
-* :mod:`.image_sizes`: per-image valid sizes in a padded batch;
-* :mod:`.stage` / :mod:`.kernel_choice`: a stage's layouts and attention kernel, measured on CUDA;
-* :mod:`.attention`: window attention kernels (SDPA, plain, CPU recompute);
-* :mod:`.triton_attention`: the fused CUDA kernel (where triton is available);
-* :mod:`.recompute`: LayerNorm -> linear / MLP autograd functions that keep only their inputs;
-* :mod:`.chunked`: CPU work in cache-sized row chunks;
-* :mod:`.cosine`: Swin V2's cosine-attention q / k and continuous position bias table, which
-  feed the same attention kernels.
+about devices or grad modes again. The implementations live in the submodules (docs/design.md
+lists them, one line each).
 """
 from __future__ import annotations
 
@@ -23,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention as _attention
 from . import recompute as _recompute
+from .attention import _project as project  # a tensor of its own, not a view: residuals are added into it in place
 from .attention import window_attention
 from .chunked import add_by_rows_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
@@ -36,26 +26,9 @@ from .recompute import mlp_branch
 from .stage import AttentionInputs, finish_forward, plan_stage, stage_layouts
 
 __all__ = [
-    "AttentionInputs",
-    "Plan",
-    "check_attention",
-    "clear_caches",
-    "continuous_position_bias",
-    "cosine_qkv",
-    "finish_forward",
-    "mask_input",
-    "merge_patches",
-    "mlp_residual",
-    "norm_linear",
-    "norm_qkv",
-    "output_nchw",
-    "override",
-    "plan_for",
-    "plan_for_module",
-    "plan_forward",
-    "plan_stage",
-    "project",
-    "stage_layouts",
+    "AttentionInputs", "Plan", "check_attention", "clear_caches", "continuous_position_bias", "cosine_qkv",
+    "finish_forward", "mask_input", "merge_patches", "mlp_residual", "norm_linear", "norm_qkv", "output_nchw",
+    "override", "plan_for", "plan_for_module", "plan_forward", "plan_stage", "project", "stage_layouts",
     "window_attention",
 ]
 
@@ -67,10 +40,8 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, linear: nn.Linear, plan: Plan)
     return linear(norm(x))
 
 
-def norm_qkv(
-    x: torch.Tensor, norm: Optional[nn.Module], weight: torch.Tensor, bias: Optional[torch.Tensor],
-    layout: WindowLayout, plan: Plan,
-) -> torch.Tensor:
+def norm_qkv(x: torch.Tensor, norm: Optional[nn.Module], weight: torch.Tensor, bias: Optional[torch.Tensor],
+             layout: WindowLayout, plan: Plan) -> torch.Tensor:
     """LayerNorm (``None``: none, Swin V2), (shifted) window partition and qkv projection
     ``F.linear(.., weight, bias)`` of ``(B, H * W, C)`` tokens.
 
@@ -84,15 +55,8 @@ def norm_qkv(
     return F.linear(x if windows is None else window_partition(x, windows), weight, bias)
 
 
-def project(tokens: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(tokens)`` for ``(B, L, C)`` tokens, as a tensor of its own (not a view), so a
-    residual can be added into it in place (:func:`~swin_backbone.ops.attention._project`)."""
-    return _attention._project(tokens, linear)
-
-
-def mlp_residual(
-    x: torch.Tensor, mlp: nn.Module, norm: nn.Module, norm_first: bool, drop_path: nn.Module, plan: Plan
-) -> torch.Tensor:
+def mlp_residual(x: torch.Tensor, mlp: nn.Module, norm: nn.Module, norm_first: bool, drop_path: nn.Module,
+                 plan: Plan) -> torch.Tensor:
     """The MLP residual of ``(B, L, C)`` tokens that the caller owns: ``x + drop_path(mlp(norm(x)))``
     with the norm first (Swin V1), ``x + drop_path(norm(mlp(x)))`` with it after (Swin V2).
 

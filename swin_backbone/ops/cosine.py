@@ -10,18 +10,15 @@ Both parts fit the V1 kernels unchanged (SDPA, plain, CPU recompute, the fused T
   scale, so that the dot product of the prepared q and k *is* the scaled cosine; the window
   attention then runs with ``scale=1.0``. Normalisation is per token, so it commutes with the
   window partition: it applies to window-ordered and row-major ``qkv`` alike.
-* :func:`continuous_position_bias` evaluates the CPB MLP once over the
-  ``((2 tw - 1)**2, 2)`` table of log-spaced relative coordinates; ``16 * sigmoid`` is
-  elementwise, so applying it before the gather gives the same ``((2 tw - 1)**2, nH)`` table
-  that :func:`swin_backbone.ops.window_attention` gathers for V1's learned table.
-
-The coordinate arithmetic is pure (:func:`log_spaced_coords`) and cached per
-``(table window, pretrained window, device, dtype)`` like the window layouts.
+* :func:`continuous_position_bias` evaluates the CPB MLP once over the table of log-spaced
+  relative coordinates (:func:`log_spaced_coords`, cached like the window layouts);
+  ``16 * sigmoid`` is elementwise, so applying it before the gather gives the table that
+  :func:`swin_backbone.ops.window_attention` gathers as V1's learned one.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +47,9 @@ def log_spaced_coords(table_window: int, pretrained_window: int) -> torch.Tensor
     Row ``r = (dy + tw - 1) * (2 tw - 1) + (dx + tw - 1)`` holds ``(f(dy), f(dx))`` with
     ``f(d) = sign(d) * log2(1 + 8 |d| / (n - 1)) / log2(8)``, where ``n`` is
     ``pretrained_window`` if it is > 0 (a fine-tune of a model pre-trained with that
-    window), else ``table_window``. The row order is that of
-    :func:`~swin_backbone.ops.windows.relative_position_index`, so the table gathers like
-    V1's. A 1-wide window (``n = 1``) has only the offset 0, which maps to 0.
+    window), else ``table_window``. Rows are in the order of
+    :func:`~swin_backbone.ops.windows.relative_position_index` (the table gathers like V1's).
+    A 1-wide window (``n = 1``) has only the offset 0, which maps to 0.
     """
     if table_window < 1:
         raise ValueError(f"table_window: expected an int >= 1, got {table_window!r}")
@@ -85,22 +82,13 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
 
-def cosine_qkv(
-    qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int, plan: Optional[Plan] = None
-) -> torch.Tensor:
-    """Prepare ``qkv`` so that plain dot-product attention with ``scale=1.0`` computes
-    Swin V2's scaled cosine logits.
-
-    Args:
-        qkv: ``(..., 3C)`` projected tokens, q / k / v each ``nH`` heads of ``C / nH``
-            channels (any token order: the operation is per token). With a ``plan``, a
-            tensor the caller owns: where nothing records a gradient it is overwritten.
-        logit_scale: ``(nH, 1, 1)`` (or ``nH`` elements) learnable log scale.
-        num_heads: ``nH``.
-        plan: the forward's plan (``None``: plain autograd ops on a new tensor).
-    Returns:
-        ``(..., 3C)`` in ``qkv``'s dtype: ``[normalize(q) * exp(min(logit_scale, log 100)),
-        normalize(k), v]`` per head; the same values, bit for bit, on every path.
+def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
+               plan: Optional[Plan] = None) -> torch.Tensor:
+    """``(..., 3C)`` projected tokens (q / k / v each ``num_heads`` heads, any token order) ->
+    ``[normalize(q) * exp(min(logit_scale, log 100)), normalize(k), v]`` per head, in ``qkv``'s
+    dtype, the same values bit for bit on every path; ``logit_scale``: ``(nH, 1, 1)`` (or ``nH``
+    elements). With a ``plan``, ``qkv`` is a tensor the caller owns, overwritten where nothing
+    records a gradient (``None``: plain autograd ops on a new tensor).
 
     q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
     head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
@@ -179,13 +167,3 @@ class _CosineQKV(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_scale = dot[..., 0, :, :].reshape(-1, scale.shape[0]).sum(0).unsqueeze(-1) / scale
         return grad_heads, grad_scale
-
-
-__all__: Sequence[str] = (
-    "BIAS_SCALE",
-    "LOGIT_SCALE_MAX",
-    "continuous_position_bias",
-    "cosine_qkv",
-    "get_log_spaced_coords",
-    "log_spaced_coords",
-)

@@ -81,53 +81,36 @@ def cpu_chunk_bytes() -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one forward (or one stage of it) is computed.
+    """How one forward (or one stage of it) is computed (the situations: docs/design.md, "The planner")."""
 
-    Attributes:
-        device: ``'cpu'``, ``'cuda'``, ...
-        mask_dtype: dtype of cached masks: the compute dtype (the autocast dtype under autocast).
-        align_masks: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy
-            misaligned ones on every call).
-        grad: autograd records this forward (some input or parameter requires grad).
-        tracing: ``torch.compile`` / ``torch.export`` is tracing: plain ops only (and on
-            CUDA, under ``torch.compile``, the fused Triton kernel as a custom operator).
-        dropout: dropout after the position embedding, projection and MLP is active.
-        stochastic: any dropout or stochastic depth is active (training mode, rate > 0).
-        attn_dropout: attention dropout is active.
-        attention: one of :data:`ATTENTION_KERNELS`; in a forward's plan also ``"auto"``
-            (CUDA: measured per stage). A stage's plan (:func:`swin_backbone.ops.plan_stage`)
-            always names the kernel.
-        attention_mode: the backbone's ``attention`` setting (``'auto'``, ``'sdpa'``,
-            ``'triton'``) after the ``SWIN_BACKBONE_ATTENTION`` override.
-        save_memory: norm -> qkv and norm -> MLP use the input-keeping autograd functions.
-        chunk_bytes: CPU row-chunk size in bytes, 0 for whole tensors.
-        fixup_share: up to this share of masked windows, attention runs every window with
-            the shared bias and redoes the masked ones (above it, one per-window bias).
-        valid_sizes: per image of the batch, the ``(h, w)`` that is the image on the map this
-            plan is for (input pixels for the forward's plan, tokens for a stage's);
-            ``None``: every image fills the map (the shared masks alone, as without).
-        stage_valid_sizes: the forward's plan only: ``valid_sizes`` of each stage's map
-            (:func:`~swin_backbone.ops.image_sizes.stage_valid_sizes`), ``None`` per stage where
-            every image fills it.
-    """
-
-    device: str
-    mask_dtype: torch.dtype
+    device: str  #: ``'cpu'``, ``'cuda'``, ...
+    mask_dtype: torch.dtype  #: dtype of cached masks: the compute dtype (the autocast dtype under autocast)
+    #: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy misaligned ones on every call)
     align_masks: bool
-    grad: bool
+    grad: bool  #: autograd records this forward (some input or parameter requires grad)
+    #: ``torch.compile`` / ``torch.export`` is tracing: plain ops only (and on CUDA, under
+    #: ``torch.compile``, the fused Triton kernel as a custom operator)
     tracing: bool
-    dropout: bool
-    stochastic: bool
-    attn_dropout: bool
+    dropout: bool  #: dropout after the position embedding, projection and MLP is active
+    stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
+    attn_dropout: bool  #: attention dropout is active
+    #: one of :data:`ATTENTION_KERNELS`; in a forward's plan also ``"auto"`` (CUDA: measured per
+    #: stage). A stage's plan (:func:`swin_backbone.ops.plan_stage`) always names the kernel.
     attention: str
-    save_memory: bool
-    chunk_bytes: int
+    save_memory: bool  #: norm -> qkv and norm -> MLP use the input-keeping autograd functions
+    chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
+    #: up to this share of masked windows, attention runs every window with the shared bias and
+    #: redoes the masked ones (above it, one per-window bias)
     fixup_share: float
+    #: the backbone's ``attention`` setting (``'auto'``, ``'sdpa'``, ``'triton'``) after the
+    #: ``SWIN_BACKBONE_ATTENTION`` override
     attention_mode: str = "auto"
+    #: per image, the ``(h, w)`` that is the image on this plan's map (input pixels for the
+    #: forward's plan, tokens for a stage's); ``None``: every image fills the map
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
+    #: the forward's plan only: ``valid_sizes`` of each stage's map, ``None`` where all fill it
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
-    #: a stage's plan: Triton ``num_warps`` of the chosen launch (0: the kernel's default)
-    triton_warps: int = 0
+    triton_warps: int = 0  #: a stage's plan: Triton ``num_warps`` of the chosen launch (0: the kernel's default)
     #: a stage's plan: the signature whose measured choice this is (``None`` if not measured)
     attention_signature: Optional[object] = None
 
@@ -149,25 +132,15 @@ class Plan:
 
 
 def plan_forward(
-    x: torch.Tensor,
-    model: nn.Module,
-    attn_dropout: bool,
-    dropout: bool,
-    drop_path: bool,
-    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None,
-    attention: str = "auto",
+    x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool,
+    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None, attention: str = "auto",
 ) -> Plan:
     """Decide how ``model`` computes its forward on ``x`` (once per forward).
 
-    Args:
-        x: the model's input (its device, dtype and ``requires_grad`` matter).
-        model: the module about to run (its parameters' ``requires_grad`` matter).
-        attn_dropout, dropout, drop_path: whether attention dropout, other dropout and
-            stochastic depth are in effect (training mode and a rate > 0).
-        valid_sizes: checked per-image valid ``(h, w)`` in input pixels, or ``None`` (every
-            image is the whole input). ``model`` then needs ``patch_size`` and ``stages``.
-        attention: the attention mode (``'auto'``, ``'sdpa'``, ``'triton'``: see
-            :mod:`swin_backbone.ops.kernel_choice`), already checked.
+    ``x``'s device, dtype and ``requires_grad`` matter, and those of ``model``'s parameters;
+    ``attn_dropout``, ``dropout``, ``drop_path``: whether each is in effect (training mode and
+    a rate > 0); ``valid_sizes``: checked per-image ``(h, w)`` in input pixels (``model`` then
+    needs ``patch_size`` and ``stages``); ``attention``: the checked attention mode.
     """
     stochastic = attn_dropout or dropout or drop_path
     device = x.device.type
@@ -198,9 +171,7 @@ def _stage_valid_sizes(
 
     maps = output_size(size[0], size[1], patch_size, num_stages)
     per_stage = stage_valid_sizes(valid_sizes, patch_size, num_stages)
-    return tuple(
-        None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)
-    )
+    return tuple(None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage))
 
 
 def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
@@ -213,25 +184,14 @@ def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
                         attention=getattr(module, "attention_mode", "auto"))
 
 
-def decide(
-    device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool, attn_dropout: bool,
-    attention: str = "auto",
-) -> Plan:
+def decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
+           attn_dropout: bool, attention: str = "auto") -> Plan:
     """:func:`plan_forward`'s decision from the situation alone (cached)."""
     return _decide_cached(device, mask_dtype, grad, tracing, dropout, stochastic, attn_dropout, attention, _SWITCHES)
 
 
-def _decide(
-    device: str,
-    mask_dtype: torch.dtype,
-    grad: bool,
-    tracing: bool,
-    dropout: bool,
-    stochastic: bool,
-    attn_dropout: bool,
-    mode: str,
-    s: Switches,
-) -> Plan:
+def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
+            attn_dropout: bool, mode: str, s: Switches) -> Plan:
     cpu = device == "cpu"
     if mode == "triton" and not attn_dropout and not _exporting():
         # Forced: the fused kernel wherever it applies (checked per stage; errors say why not).
@@ -259,17 +219,9 @@ def _decide(
         attention = "sdpa"
     eager = not tracing
     return Plan(
-        device=device,
-        mask_dtype=mask_dtype,
-        align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
-        grad=grad,
-        tracing=tracing,
-        dropout=dropout,
-        stochastic=stochastic,
-        attn_dropout=attn_dropout,
-        attention=attention,
-        attention_mode=mode,
-        save_memory=eager and grad and s.save_memory,
+        device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
+        grad=grad, tracing=tracing, dropout=dropout, stochastic=stochastic, attn_dropout=attn_dropout,
+        attention=attention, attention_mode=mode, save_memory=eager and grad and s.save_memory,
         chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
         # A CPU strategy: on GPUs the redo would add kernel launches.
         fixup_share=s.fixup_share if eager and cpu else 0.0,

@@ -52,10 +52,9 @@ class _Mlp(torch.autograd.Function):
     ``h = fc1(...)`` and the LayerNorm's statistics (post-norm: and its input ``y``), not the
     LayerNorm or GELU outputs, which are recomputed.
 
-    The GELU -> fc2 forward and the whole backward run in row chunks (chunked.py): GELU, the
-    recomputed LayerNorm output and every gradient exist a chunk at a time, and each bias /
-    weight gradient is accumulated while its chunk is in cache. fp16 / bf16 run as one chunk,
-    so their weight gradients come from single fp32-accumulating matmuls. Under autocast the
+    In the row chunks of the GELU -> fc2 forward and the whole backward (:func:`_row_parts`),
+    GELU, the recomputed LayerNorm output and every gradient exist a chunk at a time, and each
+    bias / weight gradient is accumulated while its chunk is in cache. Under autocast the
     LayerNorm runs in the dtype ``nn.LayerNorm`` would, as in :class:`_NormLinear`.
     """
 
@@ -77,7 +76,7 @@ class _Mlp(torch.autograd.Function):
             out, mean, rstd = torch.native_layer_norm(y.to(ln_dtype), (y.shape[-1],), norm_weight, norm_bias, eps)
         ctx.save_for_backward(x, w1, h, w2, y, mean, rstd, norm_weight, norm_bias)
         ctx.eps, ctx.pre, ctx.post, ctx.chunk_bytes, ctx.ln_dtype = eps, pre, post, chunk_bytes, ln_dtype
-        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (w1, b1, w2, b2, norm_weight, norm_bias))
         return out
 
     @staticmethod
@@ -143,19 +142,9 @@ class _Mlp(torch.autograd.Function):
                 _add(grad_nb, dnb)
             if grad_x is not None:
                 grad_x[part] = grad_in
-        b1_dtype, b2_dtype = ctx.bias_dtypes
-        return (
-            None if grad_x is None else grad_x.view(x.shape),
-            None if grad_w1 is None else grad_w1.to(w1.dtype),
-            None if grad_b1 is None else grad_b1.to(b1_dtype),
-            None if grad_w2 is None else grad_w2.to(w2.dtype),
-            None if grad_b2 is None else grad_b2.to(b2_dtype),
-            None if grad_nw is None else grad_nw.to(norm_weight.dtype),
-            None if grad_nb is None else grad_nb.to(norm_bias.dtype),
-            None,
-            None,
-            None,
-        )
+        grads = (grad_w1, grad_b1, grad_w2, grad_b2, grad_nw, grad_nb)  # each in its parameter's dtype
+        return (None if grad_x is None else grad_x.view(x.shape),
+                *(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)), None, None, None)
 
 
 def _add(total: Optional[torch.Tensor], part: Optional[torch.Tensor]) -> None:
@@ -243,13 +232,9 @@ def norm_linear(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor, bias: Op
                 layout: Optional[WindowLayout] = None) -> torch.Tensor:
     """``F.linear(window_partition(norm(x), layout), weight, bias)`` (no partition when
     ``layout`` is None), keeping only ``x`` and the LayerNorm statistics for backward
-    (:class:`_NormLinear`).
-
-    Args:
-        x: ``(B, L, C)`` tokens (``L = H * W`` of ``layout``) or any ``(..., C)`` without one.
-        norm: an affine ``nn.LayerNorm`` over ``C`` (anything else runs unfused).
-    Returns:
-        ``(B, nW * N, C_out)`` with a layout, else ``(..., C_out)``.
+    (:class:`_NormLinear`; ``norm`` other than an affine ``nn.LayerNorm`` runs unfused):
+    ``(B, L, C)`` tokens (``L = H * W`` of ``layout``) -> ``(B, nW * N, C_out)``, or without a
+    layout ``(..., C)`` -> ``(..., C_out)``.
     """
     if _fusable(norm, x):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, weight, bias, layout)
@@ -269,13 +254,9 @@ def mlp(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, norm: Optional[nn.Modul
         chunk_bytes: int = 0) -> torch.Tensor:
     """``fc2(gelu(fc1(norm(x))))`` (``norm_first``) or ``norm(fc2(gelu(fc1(x))))``, keeping
     only ``x``, ``fc1``'s output and the LayerNorm's statistics (and input) for backward
-    (:class:`_Mlp`).
-
-    Args:
-        x: ``(..., C)``. norm: an affine ``nn.LayerNorm`` (anything else runs unfused) or None.
-        chunk_bytes: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
-    Returns:
-        ``(..., C_out)``, a tensor of its own (a residual may be added into it in place).
+    (:class:`_Mlp`; ``norm`` other than an affine ``nn.LayerNorm`` or None runs unfused):
+    ``(..., C)`` -> ``(..., C_out)``, a tensor of its own (a residual may be added into it in
+    place). ``chunk_bytes``: row-chunk size of the GELU -> fc2 forward and the backward (0: whole).
     """
     if norm is None or _fusable(norm, x):
         nw, nb, eps = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
