@@ -244,7 +244,8 @@ def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: f
     return out.view(qkv.shape[1:]).transpose(2, 3)
 
 
-def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
+def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float,
+           dropout_p: float) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` with matmuls (:func:`_kernel_inputs`). Returns ``(B, nW, N, nH, d)``."""
     q, k, v, attn_bias = _kernel_inputs(qkv, attn_bias, per_window)
     # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
@@ -400,8 +401,8 @@ def window_attention(
     if plan.attention == "triton":
         try:
             out = fused_window_attention(
-                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads,
-                scale, plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
+                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads, scale,
+                plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
             )
         except Exception as error:
             if plan.attention_signature is None or plan.tracing:

@@ -118,7 +118,8 @@ class Plan:
         """The plan for stage ``index``: the no-grad variant when nothing in it needs a
         gradient (frozen stages run like inference), with the stage's valid sizes."""
         plan = self
-        if self.grad and not self.tracing and not x.requires_grad and not any(p.requires_grad for p in stage.parameters()):
+        input_frozen = self.grad and not self.tracing and not x.requires_grad
+        if input_frozen and not any(p.requires_grad for p in stage.parameters()):
             plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout,
                           self.attention_mode)
         valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
