@@ -136,25 +136,39 @@ def test_memory_saving_mlp_under_bf16_autocast():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 10])
-def test_chunked_mlp_residual_matches_plain(chunk_budget, rows):
+def _mlp_and_norm(dtype=torch.float64):
     torch.manual_seed(0)
-    mlp, norm = Mlp(8, 32).double(), nn.LayerNorm(8).double()
+    mlp, norm = Mlp(8, 32).to(dtype), nn.LayerNorm(8).to(dtype)
+    with torch.no_grad():  # non-trivial affine parameters
+        norm.weight.normal_(1, 0.3)
+        norm.bias.normal_(0, 0.3)
+    return mlp, norm
+
+
+def _plain_branch(x, mlp, norm, norm_first):
+    return mlp(norm(x)) if norm_first else norm(mlp(x))
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("rows", [0, 1, 10])
+def test_chunked_mlp_residual_matches_plain(chunk_budget, rows, norm_first):
+    # The CPU inference MLP residual of Swin V1 (norm first) and V2 (norm after), in place by row chunks.
+    mlp, norm = _mlp_and_norm()
     x = torch.randn(1, rows, 8, dtype=torch.float64)
     with torch.no_grad():
-        ref = x + mlp(norm(x))
-        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, True), 32, max(chunk_budget, 1))
+        ref = x + _plain_branch(x, mlp, norm, norm_first)
+        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, norm_first), 32, max(chunk_budget, 1))
     assert got is x  # in place
     torch.testing.assert_close(got, ref)
 
 
-def test_chunked_mlp_residual_under_autocast():
-    torch.manual_seed(0)
-    mlp, norm = Mlp(8, 32), nn.LayerNorm(8)
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+def test_chunked_mlp_residual_under_autocast(norm_first):
+    mlp, norm = _mlp_and_norm(torch.float32)
     x = torch.randn(2, 7, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = x + mlp.fc2(mlp.act(mlp.fc1(norm(x))))
-        got = add_by_rows_(x, lambda rows: mlp_branch(rows, mlp, norm, True), 32, 3 * 32 * 2)
+        ref = x + _plain_branch(x, mlp, norm, norm_first)
+        got = add_by_rows_(x.clone(), lambda rows: mlp_branch(rows, mlp, norm, norm_first), 32, 3 * 32 * 2)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
