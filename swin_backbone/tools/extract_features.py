@@ -425,13 +425,6 @@ class DistContext:
         if self.initialized:
             self._collective(dist.barrier)
 
-    def close(self) -> None:
-        """Leave the job once every rank is done. The barrier first: gloo's teardown, entered
-        while a peer is still working (rank 0 writing the index), can hang at exit (pytorch#75097)."""
-        if self.initialized:
-            self.barrier()
-            dist.destroy_process_group()
-            self.initialized = False
 
     def gather(self, obj: Any) -> Optional[List[Any]]:
         """Every rank's ``obj`` on rank 0 (``None`` elsewhere); waits for all ranks."""
@@ -1006,16 +999,52 @@ def extract(argv: Optional[Sequence[str]] = None) -> dict:
         result = record(run)(args, ctx)
     else:
         result = run(args, ctx)
-    # Only after a success: a failed rank's peers may be inside a collective, and tearing the
-    # group down under them can hang; torchrun ends them instead.
-    ctx.close()
+    ctx.barrier()  # every rank done (rank 0 has written the index)
     return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point (``swin-extract-features``): the exit status. 0: done (a
     summary on stdout, the index in OUT_DIR); 2: a usage error (argparse); 1: a failure, said
-    in one line on stderr (also when not one image could be read)."""
+    in one line on stderr (also when not one image could be read).
+
+    Under torchrun the process ends here, without tearing the process group down
+    (:func:`_leave_job`)."""
+    try:
+        code = _main(argv)
+    except BaseException as err:  # (a usage error comes before the job is joined)
+        if not _in_job():
+            raise
+        if not isinstance(err, SystemExit):
+            traceback.print_exc()
+        code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
+    if _in_job():
+        _leave_job(code)
+    return code
+
+
+def _in_job() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _leave_job(code: int) -> None:
+    """End a torchrun rank with ``code`` without Python's teardown.
+
+    Before torch 2.8 the gloo process group's destructor joins its worker threads while
+    holding the GIL, and a worker that frees the last finished collective (whose tensors
+    have Python objects) waits for the GIL: the rank hangs at exit, at random (pytorch#56297,
+    fixed by pytorch#154976), with or without ``destroy_process_group()``. Every output is
+    written and closed by now, so the rank flushes what it printed and leaves.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     prog = "swin-extract-features"
     try:
         summary = extract(argv)
