@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import recompute as _recompute
-from .attention import _project as project  # a tensor of its own, not a view: residuals are added into it in place
+from .attention import project  # a tensor of its own, not a view: residuals are added into it in place
 from .attention import window_attention
 from .chunked import add_by_rows_, norm_nchw_by_rows
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels

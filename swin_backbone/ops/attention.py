@@ -368,7 +368,7 @@ def attention_backward(
     grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
 
 
-def _project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+def project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """``linear(tokens)`` for ``(B, L, C)`` tokens, returned as a tensor of its own.
 
     ``F.linear`` on 3-d input returns a view of its 2-d result, and the block adds its residual

@@ -1030,10 +1030,10 @@ def _in_job() -> bool:
 def _leave_job(code: int) -> None:
     """End a torchrun rank with ``code`` without Python's teardown.
 
-    Before torch 2.8 the gloo process group's destructor joins its worker threads while
-    holding the GIL, and a worker that frees the last finished collective (whose tensors
-    have Python objects) waits for the GIL: the rank hangs at exit, at random (pytorch#56297,
-    fixed by pytorch#154976), with or without ``destroy_process_group()``. Every output is
+    The gloo process group's destructor joins its worker threads while holding the GIL (until
+    pytorch#154976, 2025: torch 2.0 and 2.1 have it), and a worker that frees the last finished
+    collective (whose tensors have Python objects) waits for the GIL: the rank hangs at exit, at
+    random (pytorch#56297), with or without ``destroy_process_group()``. Every output is
     written and closed by now, so the rank flushes what it printed and leaves.
     """
     import logging
