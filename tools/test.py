@@ -55,3 +55,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    R.leave_job(0)  # a torchrun rank ends without the process group's teardown

@@ -58,6 +58,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from ..torch_compat import load_supports_mmap
+from .job import in_job, leave_job
 from ..images import READERS, ImageReadError, LoaderSettings, decode_rgb, jpeg_truncated, read_bytes, resolve_reader
 from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size,
                         mean_pool, pca_rgb, resize_to, side_by_side, split_arch)
@@ -1009,39 +1010,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     in one line on stderr (also when not one image could be read).
 
     Under torchrun the process ends here, without tearing the process group down
-    (:func:`_leave_job`)."""
+    (:func:`~swin_backbone.tools.job.leave_job`)."""
     try:
         code = _main(argv)
     except BaseException as err:  # (a usage error comes before the job is joined)
-        if not _in_job():
+        if not in_job():
             raise
         if not isinstance(err, SystemExit):
             traceback.print_exc()
         code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
-    if _in_job():
-        _leave_job(code)
+    leave_job(code)
     return code
-
-
-def _in_job() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _leave_job(code: int) -> None:
-    """End a torchrun rank with ``code`` without Python's teardown.
-
-    The gloo process group's destructor joins its worker threads while holding the GIL (until
-    pytorch#154976, 2025: torch 2.0 and 2.1 have it), and a worker that frees the last finished
-    collective (whose tensors have Python objects) waits for the GIL: the rank hangs at exit, at
-    random (pytorch#56297), with or without ``destroy_process_group()``. Every output is
-    written and closed by now, so the rank flushes what it printed and leaves.
-    """
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -16,6 +16,7 @@ from mmengine.optim import OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
 from ..mmlab.compat import allow_mmengine_checkpoints
+from .job import leave_job  # noqa: F401  (tools/train.py and tools/test.py end with it)
 from ..mmlab.runner import (  # noqa: F401  (the tools' one namespace: tools/test.py uses them as R.*)
     SCOPES,
     CheckpointMismatchError,
