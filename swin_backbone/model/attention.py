@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.layouts import WindowLayout
 
 
 class WindowAttention(nn.Module):
@@ -33,29 +32,19 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop_rate)
 
-    def forward(
-        self, x: torch.Tensor, norm: nn.Module, layout: WindowLayout, plan: Optional[ops.Plan] = None
-    ) -> torch.Tensor:
-        """``proj(attention(windows(norm(x))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+        """``proj(attention(qkv(windows(x))))``: ``(B, H * W, C)`` normalised tokens -> ``(B, H * W, C)``.
 
-        The tokens are normalised, padded, shifted and cut into ``layout``'s windows, attend
-        within their window (a bias per relative offset, a mask between shift regions and
-        padding), and return to row-major order before the output projection, which thus
-        runs on real tokens only.
+        The tokens are padded, shifted and cut into ``layout``'s windows (one gather), projected
+        to q, k, v, attend within their window (a bias per relative offset, a mask between shift
+        regions and padding), and return to row-major order before the output projection,
+        which thus runs on real tokens only.
         """
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        qkv = ops.norm_qkv(x, norm, self.qkv.weight, self.qkv.bias, layout, plan)
-        out = ops.window_attention(
-            qkv, self.relative_position_bias_table, self.window_size, layout, self.num_heads, self.scale,
-            self.attn_drop_rate, plan,
-        )
-        return self.proj_drop(ops.project(out, self.proj))
-
-    def inputs(self, x: torch.Tensor, norm: nn.Module) -> ops.AttentionInputs:
-        """The row-major ``qkv`` of ``norm(x)``, the bias table and the attention's sizes."""
-        return ops.AttentionInputs(
-            self.qkv(norm(x)), self.relative_position_bias_table, self.window_size, self.num_heads, self.scale
-        )
+        qkv = self.qkv(ops.window_partition(x, layout, plan))
+        out = ops.window_attention(qkv, self.relative_position_bias_table, self.window_size, layout, self.num_heads,
+                                   self.scale, self.attn_drop_rate, plan)
+        return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
         return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"

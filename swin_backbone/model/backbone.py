@@ -61,8 +61,9 @@ class SwinBackbone(BaseModule):
             depend on padding; ``False`` reproduces mmdet exactly.
         channels_last_outputs: ``True``: outputs are NCHW *views* of channels-last tokens (one
             copy less each); ``False``: contiguous NCHW (mmcv's CPU RoIAlign misreads channels-last).
-        attention: the window-attention kernel on CUDA, ``'auto'``, ``'sdpa'`` or ``'triton'``
-            (:mod:`swin_backbone.ops.kernel_choice`); ``SWIN_BACKBONE_ATTENTION`` overrides it.
+        attention: the window-attention kernel on CUDA: ``'auto'`` (= ``'sdpa'``: memory-efficient
+            SDPA), ``'sdpa'``, or ``'triton'``, the fused kernel, opt-in (docs/gpu-kernel.md);
+            ``SWIN_BACKBONE_ATTENTION`` overrides it.
         strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
             ``SwinTransformer`` arguments, meaning what they mean there
             (:mod:`swin_backbone.mmlab.dropin`); values this backbone cannot honour are a
@@ -294,7 +295,6 @@ class SwinBackbone(BaseModule):
                 outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
             if i < last:
                 x = stage.downsample(out, stage_plan)
-        ops.finish_forward(plan)
         return tuple(outs)
 
     @property

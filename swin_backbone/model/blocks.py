@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 from .. import ops
-from ..ops.layouts import WindowLayout
 from ..ops.windows import effective_window, pad_amount
 from .attention import WindowAttention
 
@@ -39,22 +38,27 @@ class PatchEmbed(nn.Module):
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: in training, zero a sample's branch with probability ``p`` and scale
-    the rest by ``1 / (1 - p)`` (Huang et al. 2016; timm's / torchvision's ``mode='row'``)."""
+    """Stochastic depth: in training, zero a sample's branch with probability ``drop_prob`` and
+    scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; timm's / torchvision's ``mode='row'``)."""
 
-    def __init__(self, p: float = 0.0) -> None:
+    def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()
-        self.p = p
+        self.drop_prob = drop_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
+        if not self.training or self.drop_prob == 0.0:
             return x
-        keep = 1.0 - self.p
+        keep = 1.0 - self.drop_prob
         noise = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
         return x * noise
 
     def extra_repr(self) -> str:
-        return f"p={self.p}"
+        return f"drop_prob={self.drop_prob}"
+
+
+def drop_path(rate: float) -> nn.Module:
+    """:class:`DropPath` for a rate > 0, else ``nn.Identity`` (as timm: nothing to call)."""
+    return DropPath(rate) if rate > 0 else nn.Identity()
 
 
 class Mlp(nn.Module):
@@ -76,7 +80,7 @@ class SwinBlock(nn.Module):
     """Pre-norm (shifted-)window attention + MLP, each with a residual and stochastic depth.
 
     The block itself holds no size-dependent state: the stage hands it a
-    :class:`~swin_backbone.ops.layouts.WindowLayout` with the gather indices and mask.
+    :class:`~swin_backbone.ops.WindowLayout` with the gather indices and mask.
     """
 
     def __init__(
@@ -88,21 +92,20 @@ class SwinBlock(nn.Module):
         self.shift = shift
         self.norm1 = nn.LayerNorm(embed_dims)
         self.attn = WindowAttention(embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate)
-        self.drop_path = DropPath(drop_path_rate)
+        self.drop_path = drop_path(drop_path_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
-    def attention_inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
-        """What this block's window attention reads for tokens ``x`` (for measuring kernels)."""
-        return self.attn.inputs(x, self.norm1)
-
-    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        # The residual goes into the branch's fresh output (x + y == y + x exactly).
-        x = self.drop_path(self.attn(x, self.norm1, layout, plan)).add_(x)
-        return ops.mlp_residual(x, self.mlp, self.norm2, True, self.drop_path, plan)
+        x = x + self.drop_path(self.attn(self.norm1(x), layout, plan))
+        return ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path(mlp(norm2(x)))`` of ``(..., C)`` tokens."""
+        return self.drop_path(self.mlp(self.norm2(x)))
 
 
 class PatchMerging(nn.Module):
@@ -124,7 +127,7 @@ class PatchMerging(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        return ops.norm_linear(ops.merge_patches(x, plan), self.norm, self.reduction, plan)
+        return self.reduction(self.norm(ops.merge_patches(x, plan)))
 
 
 class SwinStage(nn.Module):
@@ -143,6 +146,8 @@ class SwinStage(nn.Module):
         merging: Callable[..., nn.Module] = PatchMerging, block_options: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> None:
         super().__init__()
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
         self.window_size = window_size
         self.shift_size = window_size // 2
         self.pad_small_map = pad_small_map
@@ -161,18 +166,17 @@ class SwinStage(nn.Module):
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         b, h, w, c = x.shape
         window, shift = effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
+        with_cp = self.with_cp and self.training and plan.grad
+        plan, regular, shifted = ops.plan_stage(plan, h, w, window, shift, self.window_size, self.mask_padding,
+                                                self.num_heads, self.embed_dims // self.num_heads, x.device, with_cp)
         tokens = x.reshape(b, h * w, c)
-        # The layouts, and the attention kernel for this stage (measured on the first
-        # block's inputs the first time a GPU meets this kind of attention).
-        first = self.blocks[0]
-        plan, regular, shifted = ops.plan_stage(
-            plan, h, w, window, shift, self.mask_padding, first.attn.num_heads, first.attn.embed_dims, x.device,
-            lambda: first.attention_inputs(tokens),
-        )
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular
-            if self.with_cp and self.training and plan.grad:
+            if with_cp:
                 tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
             else:
                 tokens = block(tokens, layout, plan)
         return tokens.view(b, h, w, c)
+
+
+ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))

@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.layouts import WindowLayout
 from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
-from .blocks import DropPath, Mlp
+from .blocks import Mlp, drop_path
 from .presets import DEFAULT_WINDOW, resolve_arch
 
 #: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
@@ -76,21 +75,18 @@ class WindowAttentionV2(nn.Module):
         """``((2 tw - 1)**2, nH)``: ``16 * sigmoid(cpb_mlp(log-spaced coordinates))``."""
         return ops.continuous_position_bias(self.cpb_mlp, self.window_size, self.pretrained_window_size)
 
-    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``proj(attention(windows(x)))``: ``(B, H * W, C)`` -> ``(B, H * W, C)`` (no norm
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        qkv = ops.norm_qkv(x, None, self.qkv.weight, self.qkv_bias(), layout, plan)
+        qkv = self.qkv(ops.window_partition(x, layout, plan))
+        if self.q_bias is not None:
+            qkv = qkv + self.qkv_bias()
         qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
         )
-        return self.proj_drop(ops.project(out, self.proj))
-
-    def inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
-        """The row-major cosine-prepared ``qkv`` of ``x``, the position bias table and sizes."""
-        qkv = ops.cosine_qkv(F.linear(x, self.qkv.weight, self.qkv_bias()), self.logit_scale, self.num_heads)
-        return ops.AttentionInputs(qkv, self.position_bias_table(), self.window_size, self.num_heads, 1.0)
+        return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
         return (f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}, "
@@ -119,23 +115,21 @@ class SwinBlockV2(nn.Module):
             embed_dims, num_heads, window_size, pretrained_window_size, qkv_bias, attn_drop_rate, drop_rate
         )
         self.norm1 = nn.LayerNorm(embed_dims)
-        self.drop_path = DropPath(drop_path_rate)
+        self.drop_path = drop_path(drop_path_rate)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None
 
-    def attention_inputs(self, x: torch.Tensor) -> ops.AttentionInputs:
-        """What this block's window attention reads for tokens ``x`` (for measuring kernels)."""
-        return self.attn.inputs(x)
-
-    def forward(self, x: torch.Tensor, layout: WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        # The residual goes into the branch's fresh output (LayerNorm's backward does not
-        # need its output, so adding into it in place is safe).
-        x = self.drop_path(self.norm1(self.attn(x, layout, plan))).add_(x)
-        x = ops.mlp_residual(x, self.mlp, self.norm2, False, self.drop_path, plan)
+        x = x + self.drop_path(self.norm1(self.attn(x, layout, plan)))
+        x = ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
         return x if self.norm3 is None else self.norm3(x)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path(norm2(mlp(x)))`` of ``(..., C)`` tokens."""
+        return self.drop_path(self.norm2(self.mlp(x)))
 
     def reset_post_norms(self) -> None:
         """Zero ``norm1`` / ``norm2`` (official ``_init_respostnorm``): every residual
@@ -236,3 +230,6 @@ class SwinV2Backbone(SwinBackbone):
     def no_weight_decay_keywords() -> Tuple[str, ...]:
         """Parameter-name parts the official recipe excludes from weight decay."""
         return ("cpb_mlp", "logit_scale", "relative_position_bias_table", "absolute_pos_embed")
+
+
+ops.PLAIN_SWIN_MODULES.extend((WindowAttentionV2, SwinBlockV2, PatchMergingV2))

@@ -1,38 +1,39 @@
-"""Window multi-head self-attention with a relative position bias: the algorithm and its kernels.
+"""Window multi-head self-attention with a relative position bias: the algorithm, the window
+gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the whole algorithm in plain torch, to hold against the
-paper. Every kernel is the same computation, fused (tested against it): each computes
-``softmax(q k^T * scale + bias + mask) v`` inside every window and returns the result in
-row-major token order; :func:`window_attention` runs the one the plan names
-(:mod:`swin_backbone.ops.planner` decides):
+paper. :func:`window_attention` computes the same thing (tested against it) with the kernel
+the plan names (:mod:`swin_backbone.ops.planner` decides, once per forward): the tokens
+enter the window layout by one gather (:func:`window_partition`: pad + shift + partition),
+each kernel computes ``softmax(q k^T * scale + bias + mask) v`` inside every window, and the
+result returns to row-major token order (:func:`window_reverse`), so that the output
+projection runs on real tokens only.
 
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the bias (+ region mask) as an additive
   float mask. On CUDA its memory-efficient kernel also gives the bias gradient; masks and
   biases handed to it satisfy that kernel's conditions (last-dim stride 1, rows aligned to 8
   elements, the query's dtype: :func:`sdpa_ready`), so it never falls to the math kernel.
-* ``plain``: matmul + softmax with autograd's own graph (attention dropout; tracing).
+* ``plain``: matmul + softmax with autograd's own graph (attention dropout; TorchScript
+  tracing, whose exporters and FLOP counters read matmuls).
 * ``recompute``: CPU training: the SDPA forward, and a hand-written backward that recomputes
-  the probabilities from ``qkv`` (:class:`_RecomputedAttention`); small layers keep them.
-* ``triton`` (CUDA): :mod:`swin_backbone.ops.triton_attention`, reading row-major tokens.
+  the probabilities from ``qkv`` (:class:`_RecomputedAttention`), which also gives the bias
+  gradient CPU SDPA cannot.
+* ``triton`` (CUDA, opt-in): :mod:`swin_backbone.ops.triton_attention`, reading row-major tokens.
 
-Masked windows (shift regions, padding) have two strategies: one ``(nW, nH, N, N)`` bias for
-every window, or, where masked windows are few (CPU), every window with the shared bias and
-the masked ones recomputed with theirs. All give the same numbers (tested).
+Windows that per-image valid sizes cut (image-exact batches) are computed again after the
+kernel, with their own masks (:func:`_redo_image_windows`), whichever kernel ran.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_compat import scaled_dot_product_attention
-from . import kernel_choice
-from .chunked import chunk_rows, chunk_slices
-from .layouts import ImageWindows, WindowLayout, get_relative_position_index, window_partition, window_reverse
-from .planner import Plan
+from ..torch_compat import SDPA_HAS_SCALE, scaled_dot_product_attention
+from .layouts import WindowLayout
+from .planner import Plan, chunk_slices
 from .triton_ops import fused_window_attention
 from .windows import padded_size, relative_position_index, window_attention_mask
 
@@ -76,14 +77,6 @@ def reference_window_attention(
     return proj(out[:, :height, :width].reshape(batch, height * width, channels))
 
 
-def relative_position_bias(table: torch.Tensor, window: int, table_window: int) -> torch.Tensor:
-    """``(nH, N, N)`` contiguous bias of a ``window x window`` window from a
-    ``((2 * tw - 1) ** 2, nH)`` table (``window <= tw``: a subset of its offsets)."""
-    index = get_relative_position_index(window, table_window, table.device)
-    n = window * window
-    return table.t().index_select(1, index).view(-1, n, n)
-
-
 def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
     """``bias`` as fused SDPA kernels take it: in ``dtype`` and, with ``align`` (CUDA), with
     its last dimension stride 1 and its rows aligned to 8 elements (CUDA's memory-efficient
@@ -115,145 +108,175 @@ def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, 
     return (mask.unsqueeze(1) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
 
 
-def run_kernel(
-    qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float = 0.0,
-    kernel: str = "sdpa", fixup: bool = False, chunk_bytes: int = 0, align: bool = False,
+class _TokenGather(torch.autograd.Function):
+    """``gather_tokens(x, index, pad_in, pad_slots)`` whose backward is a gather too.
+
+    ``index`` and ``inverse`` are mutually inverse on the real tokens (each real token occurs
+    exactly once in the window layout), so the gradient is a plain gather with ``inverse``
+    instead of ``index_select``'s scatter-add, which is several times slower on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, pad_slots, pad_in: bool, pad_out: bool):
+        ctx.save_for_backward(inverse, pad_slots)
+        ctx.pad_out = pad_out
+        return gather_tokens(x, index, pad_in, pad_slots)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        inverse, pad_slots = ctx.saved_tensors
+        return gather_tokens(grad, inverse, ctx.pad_out, pad_slots), None, None, None, None, None
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Optional[torch.Tensor],
+                  traced: bool = False) -> torch.Tensor:
+    """``(B, L, C)`` -> ``(B, len(index), C)``, with zeros at the padding slots if ``pad``.
+
+    Padding slots are ``pad_slots`` (``index`` reads any real token there, then the slots are
+    zeroed), or, when ``pad_slots`` is ``None`` (tracing), ``index == L`` (a zero token is
+    appended to ``x`` first).
+    """
+    if pad and pad_slots is None:
+        return F.pad(x, (0, 0, 0, 1)).index_select(1, index)
+    batch, length, channels = x.shape
+    if traced:
+        out = x.index_select(1, index)
+    else:
+        # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
+        # (B * L, C) rows it is a parallel row copy.
+        rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
+        out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
+    return out.index_fill_(1, pad_slots, 0) if pad else out
+
+
+def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Optional[Plan] = None) -> torch.Tensor:
+    """Pad, shift and partition ``(B, H * W, C)`` row-major tokens in one gather: ``(B, nW * N, C)``
+    tokens in window layout, padding tokens zeros; ``x`` itself where the plan's kernel reads
+    row-major tokens (the fused Triton one gathers its windows itself)."""
+    if plan is not None and plan.attention == "triton":
+        return x
+    if layout.traced or not (x.requires_grad and torch.is_grad_enabled()):
+        return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
+    return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
+
+
+def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """Inverse of :func:`window_partition`: un-partition, un-shift and crop in one gather,
+    ``(B, nW * N, C)`` window layout -> ``(B, H * W, C)`` row-major tokens."""
+    if layout.traced or not (windows.requires_grad and torch.is_grad_enabled()):
+        return gather_tokens(windows, layout.inverse, False, None, layout.traced)
+    return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
+
+
+def window_attention(
+    qkv: torch.Tensor, table: torch.Tensor, table_window: int, layout: WindowLayout, num_heads: int, scale: float,
+    dropout_p: float, plan: Plan,
 ) -> torch.Tensor:
-    """Window attention over ``layout``, returned as ``(B, H * W, C)`` row-major tokens (the output
-    projection then runs on real tokens only).
+    """Multi-head attention inside each window with a relative position bias, by the plan's kernel:
+    whichever runs, the computation is :func:`reference_window_attention` (there with the projections).
 
     Args:
-        qkv: ``(B, nW * N, 3C)`` projected tokens in ``layout``'s window order.
-        bias: ``(nH, N, N)`` relative position bias.
-        dropout_p: attention dropout (``plain`` only).
-        kernel: ``'sdpa'``, ``'plain'`` or ``'recompute'``.
-        fixup: run every window with the shared bias, then redo the masked windows with
-            their masks (instead of one per-window bias for all).
-        chunk_bytes: ``recompute`` only: its backward's group size (see :class:`_RecomputedAttention`).
-        align: hand SDPA 8-aligned biases (CUDA; see :func:`sdpa_ready`).
+        qkv: ``(B, nW * N, 3C)`` projected tokens in ``layout``'s window order
+            (:func:`window_partition` before the qkv projection); for ``plan.attention ==
+            'triton'``, ``(B, H * W, 3C)`` row-major (the kernel gathers its windows itself).
+        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table of a ``tw = table_window``
+            window (>= ``layout.window``; the layout's ``bias_index`` was built for it).
+        dropout_p: attention dropout probability (applied only where the plan says attention
+            dropout is active, i.e. in training).
+    Returns:
+        ``(B, H * W, C)`` row-major tokens, before the output projection.
     """
-    if kernel == "recompute":
-        if dropout_p > 0:
-            raise ValueError(f"kernel='recompute' has no attention dropout, got dropout_p={dropout_p}")
-        return _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, fixup, chunk_bytes, align)
-    if kernel not in ("sdpa", "plain"):
-        raise ValueError(f"kernel: expected 'sdpa', 'plain' or 'recompute', got {kernel!r}")
-    run = _sdpa if kernel == "sdpa" else _plain
-    out = attention_in_windows(qkv, bias, layout, num_heads, scale, dropout_p, run, fixup, align)
-    return window_reverse(out, layout)
+    n = layout.window * layout.window
+    bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
+    dropout_p = dropout_p if plan.attn_dropout else 0.0
+    if plan.attention == "triton":
+        out = fused_window_attention(qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window,
+                                     num_heads, scale, plan.tracing)
+    elif plan.attention == "recompute":
+        out = _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, plan.chunk_bytes, plan.align_masks)
+    else:
+        run = _plain if plan.attention == "plain" else _sdpa
+        out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p, run,
+                                   plan.align_masks)
+        out = window_reverse(out, layout)
+    if layout.images is None:
+        return out
+    return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
 
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, bool, float, float], torch.Tensor]
+#: A kernel: ``(q, k, v, bias, scale, dropout_p)`` -> attention output, shapes as SDPA's.
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
 
 
 def attention_in_windows(
-    qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
-    run: Kernel, fixup: bool, align: bool = False,
+    qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], num_windows: int, num_heads: int,
+    scale: float, dropout_p: float, run: Kernel, align: bool = False,
 ) -> torch.Tensor:
-    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`): ``(B, nW * N, C)`` in window layout."""
-    batch, tokens, three_c = qkv.shape
-    num_windows = layout.num_windows
-    n = tokens // num_windows
-    rows = qkv.view(batch, num_windows, n, three_c)  # contiguous window rows: cheap to gather from
-    qkv = _heads_first(rows, num_heads)  # (3, B, nW, nH, N, d), a view
-    mask, masked = layout.mask, layout.masked_windows
-    if mask is None or (fixup and masked is not None):
-        out = run(qkv, sdpa_ready(bias, qkv.dtype, align).unsqueeze(0), False, scale, dropout_p)  # (B, nW, N, nH, d)
-        if mask is not None and masked.numel():
-            fix = sdpa_ready(layout.window_masks.to(qkv.dtype).unsqueeze(1) + bias.to(qkv.dtype), qkv.dtype, align)
-            fixed = run(_heads_first(rows.index_select(1, masked), num_heads), fix, True, scale, dropout_p)
-            # In place when nothing needs the old values (SDPA keeps its output for backward).
-            out = out.index_copy(1, masked, fixed) if out.requires_grad else out.index_copy_(1, masked, fixed)
-    else:
-        out = run(qkv, per_window_bias(mask, bias, qkv.dtype, align), True, scale, dropout_p)
-    images = layout.images
-    if images is not None:  # the windows that images' boundaries cut, again with their own masks
-        # The K windows, flat over the batch, go into the windows dimension of one "image".
-        picked = rows.view(1, batch * num_windows, n, three_c).index_select(1, images.windows)
-        fixed = _attend_image_windows(picked, images, bias, num_heads, scale, dropout_p, run, align)
-        flat = out.flatten(0, 1)  # (B * nW, N, nH, d)
-        copy = flat.index_copy if flat.requires_grad or fixed.requires_grad else flat.index_copy_
-        out = copy(0, images.windows, fixed)
-    return out.reshape(batch, tokens, three_c // 3)
+    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`): ``(B, nW * N, 3C)``
+    -> ``(B, nW * N, C)``, window layout; ``bias`` ``(nH, N, N)``, plus ``mask`` ``(nW, N, N)`` per window.
 
-
-def _heads_first(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``(B, W, N, 3C)`` window rows -> the ``(3, B, W, nH, N, d)`` view the kernels read.
-
-    Windows are picked (``index_select``) on the rows before this view: gathering whole
-    contiguous rows is a copy of the picked windows only, where gathering from the strided
-    view would first copy all of ``qkv``.
+    Without a mask the windows go into the kernel's batch dimension, ``(B * nW, nH, N, d)``,
+    read through their strides (no copies). With one they go into the heads dimension,
+    ``(B, nW * nH, N, d)`` (one copy of q / k / v), so that the per-window biases broadcast
+    over the batch: no loop over images, no batch-sized bias. (A batch of one keeps the
+    windows in the batch dimension: no copy.)
     """
-    batch, num_windows, n, three_c = rows.shape
-    return rows.view(batch, num_windows, n, 3, num_heads, three_c // (3 * num_heads)).permute(3, 0, 1, 4, 2, 5)
+    batch, tokens, three_c = qkv.shape
+    n, head_dim = tokens // num_windows, three_c // (3 * num_heads)
+    heads = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)  # (3, B, nW, nH, N, d)
+    if mask is None:
+        q, k, v = heads.flatten(1, 2).unbind(0)
+        out = run(q, k, v, sdpa_ready(bias, qkv.dtype, align), scale, dropout_p)
+    elif batch == 1:
+        q, k, v = heads.flatten(1, 2).unbind(0)
+        out = run(q, k, v, per_window_bias(mask, bias, qkv.dtype, align), scale, dropout_p)
+    else:
+        q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+        attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, num_windows * num_heads, n, n)
+        out = run(q, k, v, attn_bias, scale, dropout_p)
+    return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3).reshape(batch, tokens, three_c // 3)
 
 
-def redo_image_windows_in_tokens(
+def _redo_image_windows(
     out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float,
-    align: bool,
+    dropout_p: float, plan: Plan,
 ) -> torch.Tensor:
-    """The windows that images' boundaries cut, for kernels on row-major tokens (the fused Triton
-    one, whose region masks know nothing of per-image sizes): SDPA on them, gathered from the
-    ``(B, H * W, 3C)`` ``qkv``, written over their real tokens of ``out`` ``(B, H * W, C)`` in a
-    new tensor (so that autograd gives the replaced results no gradient)."""
+    """The ``K`` windows that images' boundaries cut (per-image valid sizes), computed again
+    with their own masks and written over their real tokens of the row-major ``out``
+    ``(B, H * W, C)``, in a new tensor: autograd then gives the kernel's replaced results no
+    gradient. ``qkv`` as :func:`window_attention` took it; SDPA (or matmul + softmax for
+    attention dropout) with autograd on the few windows."""
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
-    k = images.windows.numel()
-    picked = qkv.reshape(batch * tokens, three_c).index_select(0, images.rows).view(1, k, n, three_c)
-    fixed = _attend_image_windows(picked, images, bias, num_heads, scale, 0.0, _sdpa, align)
-    fixed = fixed.reshape(k * n, -1).index_select(0, images.real)
-    flat = out.reshape(batch * tokens, -1)
-    return flat.index_copy(0, images.real_rows, fixed).view_as(out)
+    if plan.attention == "triton":  # row-major qkv
+        picked = qkv.reshape(-1, three_c).index_select(0, images.rows)
+    else:
+        picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
+    run = _plain if dropout_p > 0 or plan.attention == "plain" else _sdpa
+    fixed = attention_in_windows(picked.view(1, -1, three_c), bias, images.masks, images.windows.numel(), num_heads,
+                                 scale, dropout_p, run, plan.align_masks)
+    fixed = fixed.view(-1, three_c // 3).index_select(0, images.real)
+    return out.reshape(-1, out.shape[-1]).index_copy(0, images.real_rows, fixed).view_as(out)
 
 
-def _attend_image_windows(
-    picked: torch.Tensor, images: ImageWindows, bias: torch.Tensor, num_heads: int, scale: float, dropout_p: float,
-    run: Kernel, align: bool,
-) -> torch.Tensor:
-    """Attention of the ``K`` windows that images' edges cut, each with its own mask:
-    ``(1, K, N, 3C)`` qkv rows -> ``(K, N, nH, d)``."""
-    bias = per_window_bias(images.masks, bias, picked.dtype, align)
-    return run(_heads_first(picked, num_heads), bias, True, scale, dropout_p)[0]
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
+          dropout_p: float) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (torch 2.0, which takes no ``scale``: a scaled query)."""
+    if SDPA_HAS_SCALE:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    return scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
 
 
-def _kernel_inputs(qkv: torch.Tensor, attn_bias: torch.Tensor, windows_in_heads: bool) -> Tuple[torch.Tensor, ...]:
-    """``q, k, v`` of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view) and the bias, as the kernels take them.
-
-    Windows go into the batch dimension, ``(B * nW, nH, N, d)``, read through their strides (no
-    copies), or, with ``windows_in_heads``, into the heads dimension, ``(B, nW * nH, N, d)``, so
-    that per-window biases ``(nW, nH, N, N)`` broadcast over the batch (one copy of q/k/v; no
-    loop over images, no batch-sized bias).
-    """
-    _, batch, num_windows, num_heads, n, head_dim = qkv.shape
-    if not windows_in_heads:
-        q, k, v = qkv.flatten(1, 2).unbind(0)  # (B * nW, nH, N, d) views
-        return q, k, v, attn_bias
-    q, k, v = qkv.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-    return q, k, v, attn_bias.reshape(1, num_windows * num_heads, n, n)
-
-
-def _sdpa(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float, dropout_p: float) -> torch.Tensor:
-    """SDPA of ``qkv`` ``(3, B, nW, nH, N, d)`` (a strided view). Returns ``(B, nW, N, nH, d)``, a view.
-
-    Per-window biases of one image (and of the windows that images' edges cut, gathered as
-    one) keep the windows in SDPA's batch, each with its bias: no copy (:func:`_kernel_inputs`).
-    """
-    q, k, v, attn_bias = _kernel_inputs(qkv, attn_bias, per_window and qkv.shape[1] != 1)
-    out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-    return out.view(qkv.shape[1:]).transpose(2, 3)
-
-
-def _plain(qkv: torch.Tensor, attn_bias: torch.Tensor, per_window: bool, scale: float,
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
            dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v`` with matmuls (:func:`_kernel_inputs`). Returns ``(B, nW, N, nH, d)``."""
-    q, k, v, attn_bias = _kernel_inputs(qkv, attn_bias, per_window)
+    """``softmax(q k^T * scale + bias) v`` with matmuls."""
     # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
     # scaled copy of q would be), and no second logits-sized temporary is made.
     attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
-    return (attn @ v).view(qkv.shape[1:]).transpose(2, 3)
+    return attn @ v
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -264,16 +287,16 @@ class _RecomputedAttention(torch.autograd.Function):
     hand (:func:`attention_backward`, with ``chunk_bytes`` a cache-sized group of windows at a
     time), which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
     would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
-    The output is kept by the next linear layer anyway, so saving it here costs nothing.
+    The output is kept by the output projection anyway, so saving it here costs nothing.
     """
 
     @staticmethod
-    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, fixup: bool,
-                chunk_bytes: int, align: bool):
+    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, chunk_bytes: int, align: bool):
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad, even
         # here, where no gradient can flow through it.
-        out = attention_in_windows(qkv, bias.detach(), layout, num_heads, scale, 0.0, _sdpa, fixup, align)
-        out = layout.to_tokens(out)  # (B, H * W, C)
+        out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, _sdpa,
+                                   align)
+        out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, chunk_bytes
         return out
@@ -282,7 +305,7 @@ class _RecomputedAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         qkv, bias, out = ctx.saved_tensors
         num_heads, scale, layout = ctx.num_heads, ctx.scale, ctx.layout
-        num_windows, mask, images = layout.num_windows, layout.mask, layout.images
+        num_windows, mask = layout.num_windows, layout.mask
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
         acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
@@ -291,34 +314,24 @@ class _RecomputedAttention(torch.autograd.Function):
         # instead of the N x N logits.
         delta = (grad_out.to(acc) * out.to(acc)).view(batch, -1, num_heads, head_dim).sum(-1)
         # Back to the window layout; padding rows get zero gradient and a zero delta.
-        grad_out = layout.to_windows(grad_out).view(batch, num_windows, n, num_heads, head_dim)
-        delta = layout.to_windows(delta.to(dtype)).view(batch, num_windows, n, num_heads)
+        to_windows = (layout.index, layout.has_padding, layout.pad_slots)
+        grad_out = gather_tokens(grad_out, *to_windows).view(batch, num_windows, n, num_heads, head_dim)
+        delta = gather_tokens(delta.to(dtype), *to_windows).view(batch, num_windows, n, num_heads)
         qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
         grad_qkv = torch.empty_like(qkv)
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
-        if images is not None:
-            # Windows that images' boundaries cut have masks of their own: they are left out
-            # of the shared-mask pass below (zero gradient and delta give them zero there)
-            # and done afterwards with their masks.
-            image_grads = [t.flatten(0, 1).index_select(0, images.windows).unsqueeze(0) for t in (grad_out, delta)]
-            grad_out, delta = [t.flatten(0, 1).index_fill(0, images.windows, 0).view_as(t) for t in (grad_out, delta)]
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         step = num_windows
         if ctx.chunk_bytes:
-            step = chunk_rows(batch * num_heads * n * n, qkv.element_size(), ctx.chunk_bytes // 2)
+            step = max(1, ctx.chunk_bytes // 2 // (batch * num_heads * n * n * qkv.element_size()))
         for part in chunk_slices(num_windows, step):
             part_mask = None if mask_c is None else mask_c[part]
             attention_backward(qkv[:, part], grad_out[:, part], delta[:, part], bias_c, part_mask, scale,
                                grad_qkv[:, part], grad_bias)
-        if images is not None:
-            image_qkv = qkv.flatten(0, 1).index_select(0, images.windows).unsqueeze(0)
-            image_dqkv = torch.empty_like(image_qkv)
-            attention_backward(image_qkv, *image_grads, bias_c, images.masks.to(dtype), scale, image_dqkv, grad_bias)
-            grad_qkv.view((batch * num_windows,) + qkv.shape[2:]).index_copy_(0, images.windows, image_dqkv[0])
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
@@ -366,76 +379,3 @@ def attention_backward(
     torch.matmul(grad_logits.transpose(-2, -1), q, out=grads[1])  # q is already scaled
     torch.matmul(probs.transpose(-2, -1), grad_out, out=grads[2])
     grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
-
-
-def project(tokens: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """``linear(tokens)`` for ``(B, L, C)`` tokens, returned as a tensor of its own.
-
-    ``F.linear`` on 3-d input returns a view of its 2-d result, and the block adds its residual
-    into this output in place: on a view, autograd records that as a copy into the base
-    (``CopySlices``), whose backward allocates, zero-fills and copies a map-sized gradient.
-    ``_unsafe_view`` is the reshape ``torch.matmul`` itself returns in this case: safe
-    because nothing else holds the 2-d result.
-    """
-    batch, length, channels = tokens.shape
-    out = linear(tokens.reshape(batch * length, channels))
-    return torch.ops.aten._unsafe_view(out, (batch, length, out.shape[-1]))
-
-
-def window_attention(
-    qkv: torch.Tensor, table: torch.Tensor, table_window: int, layout: WindowLayout, num_heads: int, scale: float,
-    dropout_p: float, plan: Plan,
-) -> torch.Tensor:
-    """Multi-head attention inside each window with a relative position bias, by the plan's kernel:
-    whichever runs, the computation is :func:`reference_window_attention` (there with the projections).
-
-    Args:
-        qkv: what :func:`swin_backbone.ops.norm_qkv` returned for the same ``layout`` and ``plan``.
-        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table of a ``tw = table_window``
-            window (>= ``layout.window``).
-        dropout_p: attention dropout probability (applied only where the plan says dropout
-            is active, i.e. in training).
-    Returns:
-        ``(B, H * W, C)`` row-major tokens, before the output projection.
-    """
-    if plan.attention == "triton":
-        try:
-            out = fused_window_attention(
-                qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window, num_heads, scale,
-                plan.triton_warps, plan.tracing, _backward_fallback(table_window, layout, num_heads, scale, plan),
-            )
-        except Exception as error:
-            if plan.attention_signature is None or plan.tracing:
-                raise
-            # A launch the measurement did not meet (e.g. a new compile key) failed: this call
-            # runs SDPA, and the signature is decided again at the next forward.
-            kernel_choice.reject(plan.attention_signature, error)
-            return window_attention(window_partition(qkv, layout), table, table_window, layout, num_heads, scale,
-                                    dropout_p, dataclasses.replace(plan, attention="sdpa"))
-        if layout.images is None:
-            return out
-        # Windows that images' boundaries cut: their own masks, with SDPA (few windows).
-        bias = relative_position_bias(table, layout.window, table_window)
-        return redo_image_windows_in_tokens(out, qkv, bias, layout, num_heads, scale, plan.align_masks)
-    bias = relative_position_bias(table, layout.window, table_window)
-    fixup = layout.masked_windows is not None and plan.fixup_masked(layout.masked_windows.numel(), layout.num_windows)
-    return run_kernel(
-        qkv, bias, layout, num_heads, scale, dropout_p if plan.attn_dropout else 0.0, plan.attention, fixup,
-        plan.chunk_bytes, plan.align_masks,
-    )
-
-
-def _backward_fallback(table_window: int, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
-    """For an auto-chosen fused kernel: gradients through SDPA if its backward launch fails."""
-    if plan.attention_signature is None or plan.tracing or not plan.grad:
-        return None
-
-    def fallback(grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor):
-        kernel_choice.reject(plan.attention_signature, "backward launch failed")
-        with torch.enable_grad():
-            q, t = qkv.detach().requires_grad_(), table.detach().requires_grad_()
-            sdpa = dataclasses.replace(plan, attention="sdpa", attention_signature=None, save_memory=False)
-            out = window_attention(window_partition(q, layout), t, table_window, layout, num_heads, scale, 0.0, sdpa)
-            return torch.autograd.grad(out, (q, t), grad_out)
-
-    return fallback

@@ -1,12 +1,12 @@
 """The one place that decides how a forward is computed.
 
 :func:`plan_forward` looks at the situation once per forward (device, autocast dtype, grad
-mode, tracing, dropout) and returns a :class:`Plan`: which window-attention kernel runs,
-whether the memory-saving autograd functions replace autograd's own graph, whether CPU work
-runs in cache-sized row chunks, and the per-layout choices derived from those (masked-window
-strategy, qkv projection before or after the window partition). The model modules pass the
-plan to the functions of :mod:`swin_backbone.ops` and never ask about devices or grad modes
-themselves; ``ops`` routes each call to the implementation the plan names.
+mode, tracing, dropout, and whether every module is a plain torch / Swin module without hooks)
+and returns a :class:`Plan`: which window-attention kernel runs, whether training saves memory
+with torch's selective activation checkpointing, whether CPU inference runs the MLP and the
+output norms in cache-sized row chunks. :func:`plan_stage` adds a stage's window layouts. The
+model modules pass the plan to the functions of :mod:`swin_backbone.ops` and never ask about
+devices or grad modes themselves; every submodule still runs as that module.
 
 Every optimisation can be switched off for an ablation (``tools/benchmark.py --ablate``) with
 :func:`override`; the measured effect of each is in ``docs/performance.md``.
@@ -15,38 +15,52 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+from mmengine.logging import print_log
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 
-from ..torch_compat import compute_dtype, is_compiling, is_exporting
-from .layouts import register_cache
+from ..torch_compat import compute_dtype, is_compiling
+from .image_sizes import get_image_windows, stage_valid_sizes
+from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache
+from .windows import output_size
 
-#: Window-attention implementations (see :mod:`swin_backbone.ops.attention`). A forward's plan
-#: may also say ``"auto"``: each stage's kernel is then chosen by measurement
-#: (:func:`swin_backbone.ops.plan_stage`, :mod:`swin_backbone.ops.kernel_choice`).
+#: Window-attention kernels (:mod:`swin_backbone.ops.attention`).
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
+#: The backbone's ``attention`` argument: ``'auto'`` (SDPA wherever SDPA runs; matmul + softmax
+#: and the CPU training kernel where it does not), ``'sdpa'``, or ``'triton'`` (the fused CUDA
+#: kernel, opt-in: docs/gpu-kernel.md).
+ATTENTION_CHOICES = ("auto", "sdpa", "triton")
 
-#: Largest share of masked windows for which the shared-bias-then-fixup strategy is used.
-FIXUP_SHARE = 0.25
+#: Environment variable that overrides every backbone's ``attention`` argument.
+ENV_VAR = "SWIN_BACKBONE_ATTENTION"
+
+#: The operators whose outputs selective activation checkpointing keeps (the matmuls: their
+#: recomputation is what costs); LayerNorm, GELU, dropout and gathers are recomputed in backward.
+SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
+
+#: Torch's selective activation checkpointing (torch >= 2.4), else ``None``.
+_SAC = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
+_SAVE_MATMULS = None if _SAC is None else functools.partial(_SAC, SAVED_OPS)
 
 
 @dataclass(frozen=True)
 class Switches:
     """What :func:`plan_forward` may use; an ablation turns each optimisation off in turn
-    (booleans False, sizes 0, the project-first threshold ``inf``)."""
+    (booleans False, sizes 0)."""
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
-    save_memory: bool = True  #: LayerNorm -> linear / MLP functions that keep only their inputs
-    triton: bool = True  #: CUDA: the fused Triton window-attention kernel where it applies
+    save_memory: bool = True  #: training: selective activation checkpointing of the MLP branch
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
-    fixup_share: float = FIXUP_SHARE  #: up to this share of masked windows: shared bias, then redo them
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
 
 
@@ -65,6 +79,19 @@ def override(**changes) -> Iterator[Switches]:
         _SWITCHES = old
 
 
+def resolve_attention(value: object, name: str = "attention") -> str:
+    """The attention mode in force: :data:`ENV_VAR` if set, else ``value``. Raises
+    ``ValueError`` naming ``name`` (or the variable) for anything but :data:`ATTENTION_CHOICES`."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        if env not in ATTENTION_CHOICES:
+            raise ValueError(f"{ENV_VAR}: expected one of {ATTENTION_CHOICES}, got {env!r}")
+        return env
+    if not isinstance(value, str) or value not in ATTENTION_CHOICES:
+        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}")
+    return value
+
+
 def cpu_chunk_bytes() -> int:
     """Bytes of a CPU row chunk: twice the L2 cache of the cores torch uses, within 4-16 MiB.
 
@@ -79,6 +106,45 @@ def cpu_chunk_bytes() -> int:
     return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
 
 
+def chunk_slices(total: int, step: int) -> List[slice]:
+    """Slices covering ``range(total)`` in chunks of at most ``step``, as even as possible
+    (2048 rows by 1365 would leave a 683-row tail, whose matmuls run at a lower rate)."""
+    count = max(1, -(-total // max(step, 1)))
+    base, extra = divmod(total, count)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+# ------------------------------------------------------------------------------ plain modules
+#: torch modules the fast paths may call piece by piece: exact types (a subclass, a quantized,
+#: adapted or parametrized layer may compute something else on a part of its input).
+PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, nn.Conv2d, nn.ReLU, nn.ModuleList,
+                       nn.Sequential)
+#: The package's own module classes (registered by swin_backbone.model), exact types too.
+PLAIN_SWIN_MODULES: List[type] = []
+
+
+def plain_modules(model: nn.Module) -> bool:
+    """Whether every submodule of ``model`` (``model`` itself aside: it runs once whatever
+    happens inside) is exactly a :data:`PLAIN_TORCH_MODULES` or :data:`PLAIN_SWIN_MODULES`
+    class, and no forward hook (module or global) is registered below ``model``.
+
+    The one predicate behind the shortcuts that treat modules as what their class computes:
+    calling them on a part of their input (CPU row chunks), and adding a residual into their
+    output in place. Only then does a chunk compute exactly what one call computes, does no
+    hook see a piece of a tensor, and is an output a fresh tensor. A subclassed, quantized,
+    adapted (LoRA) or parametrized layer changes its class, so the type check covers them."""
+    module_hooks = nn.modules.module
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return False
+    plain = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
+    return all(type(m) in plain and not m._forward_hooks and not m._forward_pre_hooks
+               for m in model.modules() if m is not model)
+
+
+# ------------------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
 class Plan:
     """How one forward (or one stage of it) is computed (the situations: docs/design.md, "The planner")."""
@@ -88,48 +154,47 @@ class Plan:
     #: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy misaligned ones on every call)
     align_masks: bool
     grad: bool  #: autograd records this forward (some input or parameter requires grad)
-    #: ``torch.compile`` / ``torch.export`` is tracing: plain ops only (and on CUDA, under
-    #: ``torch.compile``, the fused Triton kernel as a custom operator)
+    #: ``torch.compile``, ``torch.export`` or TorchScript tracing (``torch.jit.trace``, the ONNX
+    #: exporter mmdeploy drives, FLOP counters): plain torch ops only, layouts built by the tracer
     tracing: bool
     dropout: bool  #: dropout after the position embedding, projection and MLP is active
     stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
     attn_dropout: bool  #: attention dropout is active
-    #: one of :data:`ATTENTION_KERNELS`; in a forward's plan also ``"auto"`` (CUDA: measured per
-    #: stage). A stage's plan (:func:`swin_backbone.ops.plan_stage`) always names the kernel.
-    attention: str
-    save_memory: bool  #: norm -> qkv and norm -> MLP use the input-keeping autograd functions
+    attention: str  #: one of :data:`ATTENTION_KERNELS` (``'triton'`` is checked per stage: :func:`plan_stage`)
+    save_memory: bool  #: the MLP branch runs under selective activation checkpointing
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: up to this share of masked windows, attention runs every window with the shared bias and
-    #: redoes the masked ones (above it, one per-window bias)
-    fixup_share: float
-    #: the backbone's ``attention`` setting (``'auto'``, ``'sdpa'``, ``'triton'``) after the
-    #: ``SWIN_BACKBONE_ATTENTION`` override
-    attention_mode: str = "auto"
+    #: every module is a plain one without hooks (:func:`plain_modules`): residuals may be added
+    #: into a branch's output in place
+    plain: bool = False
+    #: CPU inference with plain modules: row-wise modules run a cache-sized chunk of rows
+    #: (``chunk_bytes``) at a time
+    chunked: bool = False
     #: per image, the ``(h, w)`` that is the image on this plan's map (input pixels for the
     #: forward's plan, tokens for a stage's); ``None``: every image fills the map
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
     #: the forward's plan only: ``valid_sizes`` of each stage's map, ``None`` where all fill it
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
-    triton_warps: int = 0  #: a stage's plan: Triton ``num_warps`` of the chosen launch (0: the kernel's default)
-    #: a stage's plan: the signature whose measured choice this is (``None`` if not measured)
-    attention_signature: Optional[object] = None
 
     def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
         """The plan for stage ``index``: the no-grad variant when nothing in it needs a
         gradient (frozen stages run like inference), with the stage's valid sizes."""
         plan = self
-        input_frozen = self.grad and not self.tracing and not x.requires_grad
-        if input_frozen and not any(p.requires_grad for p in stage.parameters()):
+        if self.grad and not self.tracing and not x.requires_grad and not any(
+                p.requires_grad for p in stage.parameters()):
+            mode = "triton" if self.attention == "triton" else "auto"
             plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout,
-                          self.attention_mode)
+                          mode)
+            plan = dataclasses.replace(plan, plain=self.plain, chunked=self.plain and plan.chunk_bytes > 0)
         valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
         if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
             return plan
         return dataclasses.replace(plan, valid_sizes=valid, stage_valid_sizes=None)
 
-    def fixup_masked(self, num_masked: int, num_windows: int) -> bool:
-        """Whether attention computes all windows with the shared bias and redoes the masked ones."""
-        return num_masked <= self.fixup_share * num_windows
+
+def tracing() -> bool:
+    """Whether a tracer records this forward: ``torch.compile`` / ``torch.export`` (dynamo) or
+    TorchScript (``torch.jit.trace``, and the exporters and FLOP counters built on it)."""
+    return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
 def plan_forward(
@@ -144,45 +209,32 @@ def plan_forward(
     needs ``patch_size`` and ``stages``); ``attention``: the checked attention mode.
     """
     stochastic = attn_dropout or dropout or drop_path
-    device = x.device.type
-    dtype = compute_dtype(x)
-    tracing = is_compiling()
-    grad = torch.is_grad_enabled()
-    if tracing:
+    device, dtype, grad = x.device.type, compute_dtype(x), torch.is_grad_enabled()
+    if tracing():
         if valid_sizes is not None:
-            raise ValueError(
-                "valid_sizes: expected None while tracing (torch.compile / torch.export); per-image "
-                "valid sizes run eagerly"
-            )
+            raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
+                             "torch.jit.trace); per-image valid sizes run eagerly")
         return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, attention, _SWITCHES)
     grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
     plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout, attention)
+    plain = plain_modules(model)
+    plan = dataclasses.replace(plan, plain=plain, chunked=plain and plan.chunk_bytes > 0 and not grad and not stochastic)
     if valid_sizes is None:
         return plan
-    return dataclasses.replace(plan, valid_sizes=valid_sizes, stage_valid_sizes=_stage_valid_sizes(
-        tuple(x.shape[-2:]), valid_sizes, model.patch_size, len(model.stages)))
-
-
-def _stage_valid_sizes(
-    size: Tuple[int, int], valid_sizes: Tuple[Tuple[int, int], ...], patch_size: int, num_stages: int
-) -> Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]:
-    """Per stage, the images' valid sizes on its map, ``None`` where all fill the map."""
-    from .image_sizes import stage_valid_sizes
-    from .windows import output_size
-
-    maps = output_size(size[0], size[1], patch_size, num_stages)
-    per_stage = stage_valid_sizes(valid_sizes, patch_size, num_stages)
-    return tuple(None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage))
+    maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(model.stages))
+    per_stage = stage_valid_sizes(valid_sizes, model.patch_size, len(model.stages))
+    return dataclasses.replace(plan, valid_sizes=valid_sizes, stage_valid_sizes=tuple(
+        None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)))
 
 
 def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
     """The plan for calling one of the model's modules on its own (no plan handed down):
     dropout and stochastic depth are read off the module's submodules."""
-    rates = [getattr(m, "p", 0.0) for m in module.modules() if type(m).__name__ in ("Dropout", "DropPath")]
-    attn = any(getattr(m, "attn_drop_rate", 0.0) > 0 for m in module.modules())
     active = module.training
-    return plan_forward(x, module, active and attn, active and any(r > 0 for r in rates), False,
-                        attention=getattr(module, "attention_mode", "auto"))
+    dropout = active and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+    drop_path = active and any(getattr(m, "drop_prob", 0.0) > 0 for m in module.modules())  # DropPath
+    attn = active and any(getattr(m, "attn_drop_rate", 0.0) > 0 for m in module.modules())
+    return plan_forward(x, module, attn, dropout, drop_path)
 
 
 def decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
@@ -194,54 +246,31 @@ def decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, drop
 def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
             attn_dropout: bool, mode: str, s: Switches) -> Plan:
     cpu = device == "cpu"
-    if mode == "triton" and not attn_dropout and not _exporting():
-        # Forced: the fused kernel wherever it applies (checked per stage; errors say why not).
-        attention = "triton"
-    elif tracing and device == "cuda" and mode == "auto" and s.triton and not attn_dropout and not _exporting() \
-            and _triton_ready():
-        # torch.compile on CUDA: the kernel measured in eager mode before, if any, as one
-        # opaque operator in the graph (ops.triton_ops); else what the branch below gives.
-        attention = "auto"
+    if mode == "triton" and device == "cuda" and not attn_dropout:
+        attention = "triton"  # opt-in; checked and verified per stage (plan_stage)
     elif tracing:
-        # The tracer sees plain torch ops (inductor fuses them itself); SDPA is one op too.
-        # Exported programs stay plain torch (portable: ONNX, other runtimes).
-        attention = "plain" if grad or attn_dropout or not s.sdpa else "sdpa"
+        # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
+        # In inference under torch.compile / export SDPA is one op too.
+        attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
     elif attn_dropout or not s.sdpa:
         attention = "plain"
-    elif device == "cuda":
-        # The fused Triton kernel or memory-efficient SDPA (which takes a float bias and
-        # computes its gradient): verified and measured per stage (ops.plan_stage).
-        attention = "auto" if mode == "auto" and s.triton and _triton_ready() else "sdpa"
-    elif grad:
+    elif grad and cpu:
         # CPU SDPA gives no bias gradient (and falls to its slow math kernel for a mask that
         # requires grad): SDPA forward with a hand-written backward instead.
         attention = "recompute" if s.recompute_attention else "plain"
     else:
+        # CUDA: memory-efficient SDPA, which takes a float bias and computes its gradient.
         attention = "sdpa"
     eager = not tracing
     return Plan(
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, dropout=dropout, stochastic=stochastic, attn_dropout=attn_dropout,
-        attention=attention, attention_mode=mode, save_memory=eager and grad and s.save_memory,
+        attention=attention, save_memory=eager and grad and s.save_memory and _SAVE_MATMULS is not None,
         chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
-        # A CPU strategy: on GPUs the redo would add kernel launches.
-        fixup_share=s.fixup_share if eager and cpu else 0.0,
     )
 
 
 _decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches are part of the key)
-
-
-def _exporting() -> bool:
-    """Whether ``torch.export`` (or an exporter built on it) is tracing."""
-    return is_exporting()
-
-
-def _triton_ready() -> bool:
-    """Whether the fused Triton kernel can run here (triton importable)."""
-    from .triton_attention import triton
-
-    return triton is not None and torch.version.hip is None  # measured on NVIDIA GPUs only
 
 
 def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
@@ -249,7 +278,95 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
     grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
     plan = decide(x.device.type, x.dtype, grad, False, False, False, False, "auto")
     if attention is not None:
-        if attention not in ATTENTION_KERNELS + ("auto",):
-            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS + ('auto',)}, got {attention!r}")
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS}, got {attention!r}")
         fields["attention"] = attention
     return dataclasses.replace(plan, **fields)
+
+
+# ------------------------------------------------------------------------------ a stage's plan
+def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
+               num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
+               ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
+    """``(plan, regular, shifted)``: a stage's (cached) window layouts of an effective ``window``
+    and ``shift`` for a bias table of ``table_window``, ``shifted`` ``None`` for no shift, each with the windows the plan's per-image valid sizes cut; and the stage's plan:
+    the fused Triton kernel checked where it was asked for (an error naming the reason where
+    it cannot run or fails its check; SDPA, said once, where it does not cover the shape), and
+    no selective checkpointing inside blocks that ``with_cp`` checkpoints whole."""
+    def layout(offset: int) -> WindowLayout:
+        args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
+                table_window)
+        made = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
+        if plan.valid_sizes is None:
+            return made
+        images = get_image_windows(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
+                                   plan.align_masks)
+        return made if images is None else dataclasses.replace(made, images=images)
+
+    regular, shifted = layout(0), layout(shift) if shift > 0 else None
+    if with_cp and plan.save_memory:
+        plan = dataclasses.replace(plan, save_memory=False)
+    if plan.attention == "triton":
+        plan = _check_triton(plan, height, width, window, mask_padding, num_heads, head_dim, device)
+    return plan, regular, shifted
+
+
+def _check_triton(plan: Plan, height: int, width: int, window: int, mask_padding: bool, num_heads: int, head_dim: int,
+                  device: torch.device) -> Plan:
+    from .triton_attention import MAX_HEAD_DIM, MAX_TOKENS, static_reason, verify_once
+
+    if window * window > MAX_TOKENS or head_dim > MAX_HEAD_DIM or (
+            not mask_padding and (height % window or width % window)):
+        _say_once(f"attention='triton': the fused kernel does not cover window {window}, head_dim {head_dim}"
+                  f"{'' if mask_padding else ', mask_padding=False on a padded map'}: SDPA runs that stage")
+        return dataclasses.replace(plan, attention="plain" if plan.tracing and plan.grad else "sdpa")
+    reason = static_reason(plan.mask_dtype, device, window, num_heads, head_dim, height=height, width=width,
+                           mask_padding=mask_padding)
+    if reason:
+        raise RuntimeError(f"attention='triton' (or {ENV_VAR}=triton): the fused Triton kernel cannot run here: "
+                           f"{reason}")
+    if not plan.tracing:
+        verify_once(device, plan.mask_dtype)
+    return plan
+
+
+_SAID: set = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print_log(message, logger="current", level=logging.WARNING)
+
+
+# ------------------------------------------------------------------------------ residuals
+def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
+                 plan: Plan) -> torch.Tensor:
+    """``x + branch(x)`` for ``(B, L, C)`` tokens ``x`` that the caller owns, where ``branch`` is a
+    row-wise residual branch (the MLP's, ``hidden`` its widest channel count), run as:
+
+    * CPU inference with plain modules (:attr:`Plan.chunked`): a cache-sized chunk of rows at a
+      time, added into ``x`` in place: the hidden activations stay in cache and no new map-sized
+      tensor is made;
+    * training (:attr:`Plan.save_memory`): under torch's selective activation checkpointing,
+      which keeps the branch's input and its matmul outputs and recomputes LayerNorm, GELU and
+      dropout in backward (the modules run again there, as under any torch checkpoint);
+    * else: one call.
+
+    The residual is added into the branch's fresh output where the modules are plain (their
+    output is a new tensor), else out of place.
+    """
+    if plan.chunked:
+        rows = x.view(-1, x.shape[-1])
+        # Chunks as even as possible (2048 rows by 1365 would leave a 683-row tail, whose
+        # matmuls run at a lower rate).
+        count = max(1, -(-rows.shape[0] * hidden * x.element_size() // plan.chunk_bytes))
+        for i in range(count):
+            chunk = rows[i * rows.shape[0] // count:(i + 1) * rows.shape[0] // count]
+            chunk.add_(branch(chunk))
+        return x
+    if plan.save_memory:
+        y = torch_checkpoint.checkpoint(branch, x, use_reentrant=False, context_fn=_SAVE_MATMULS)
+    else:
+        y = branch(x)
+    return y.add_(x) if plan.plain else x + y
