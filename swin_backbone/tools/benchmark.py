@@ -30,9 +30,9 @@ row unless said otherwise:
      window-attention kernel, and the ``constant_pad_nd`` / ``copy_`` ops (all, and inside
      SDPA calls: the fused CUDA kernels' copies of masks whose rows are not 8-aligned);
   6. ``--compile``: ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of mmdet,
-     ours, and ours with the fused Triton kernel switched off (``ours_no_triton``: a copy
-     with the same weights, compiled and run under ``ops.override(triton=False)``: inductor's
-     own attention against the kernel kept in the graph), with (5) for both of ours; eval
+     ours, and ours with the opt-in fused Triton kernel (``ours_triton``: a copy with the same
+     weights and ``attention='triton'``: the kernel kept in the graph as a custom operator),
+     with (5) for both of ours; eval
      bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of mmdet and ours against both
      eager in the same rounds; ``--compile only``: just these (a device call of its own);
   7. ``--upernet CONFIG``: a UPerNet (mmseg) training step, bf16.
@@ -82,21 +82,17 @@ ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window
 ABLATIONS: Dict[str, Dict[str, object]] = {
     "no SDPA (matmul attention)": dict(sdpa=False),
     "no recompute attention (autograd)": dict(recompute_attention=False),
-    "no memory-saving norm->linear/MLP": dict(save_memory=False),
+    "no selective checkpointing of the MLP": dict(save_memory=False),
     "no CPU row chunks": dict(chunk_bytes=0),
     "row chunks x0.5": dict(chunk_bytes="half"),
     "row chunks x2": dict(chunk_bytes="double"),
-    "no masked-window fixup": dict(fixup_share=0.0),
-    "fixup share 0.1 (default 0.25)": dict(fixup_share=0.1),
-    "fixup share 0.5": dict(fixup_share=0.5),
 }
 
 #: ``--ablate --v2`` variants (names of :data:`ABLATIONS`): every one reaches SwinV2Backbone
-#: through the same ``ops`` functions as V1. sdpa, recompute_attention and fixup_share:
-#: ``WindowAttentionV2`` runs ``ops.window_attention`` (kernel and masked-window strategy of
-#: the plan) on V1's stage layouts; save_memory: ``ops.norm_qkv`` (no norm),
+#: through the same ``ops`` functions as V1. sdpa and recompute_attention: ``WindowAttentionV2``
+#: runs ``ops.window_attention`` (the plan's kernel) on V1's stage layouts; save_memory:
 #: ``ops.cosine_qkv`` and ``ops.mlp_residual`` (norm after); chunk_bytes: the latter's inference
-#: and training paths, the recompute attention's backward and ``ops.output_nchw``.
+#: path, the recompute attention's backward and ``ops.output_nchw``.
 V2_ABLATIONS: Tuple[str, ...] = tuple(ABLATIONS)
 
 
@@ -743,10 +739,10 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
     """``--compile`` rows of ``models`` (mmdet, ours) at ``size``, bf16 autocast:
 
     * ``compiled_eval_bf16_8x3x{H}x{W}``, ``compiled_train_bf16_2x3x{H}x{W}``: ``torch.compile``
-      (dynamic) of mmdet, ours and ``ours_no_triton`` (a copy of ours, same weights, compiled
-      and run with the fused Triton kernel off: inductor's own attention against the kernel
-      as a custom operator in the graph), one step each per round (warmup + iters rounds);
-    * ``sdpa_kernels["compiled_{eval,train}_bf16[_no_triton]"]``: which attention ran in both;
+      (dynamic) of mmdet, ours (SDPA) and ``ours_triton`` (a copy of ours, same weights, with
+      ``attention='triton'``: the opt-in fused kernel as a custom operator in the graph), one
+      step each per round (warmup + iters rounds);
+    * ``sdpa_kernels["compiled_{eval,train}_bf16[_triton]"]``: which attention ran in both;
     * ``compiled_reduce_overhead_eval_bf16_1x3x{H}x{W}``: eval 1x with
       ``mode="reduce-overhead"`` (CUDA graphs, one input size) of mmdet and ours, and both
       eager (``*_eager``), in the same rounds; ``cudagraph_skips``: compiled graphs that
@@ -756,12 +752,12 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
     h, w = size
     bf16 = torch.bfloat16
     _allow_recompiles()
-    # The planner reads the switch while tracing: the copy is compiled and always run under the
-    # override, and being a module of its own it shares no guards / caches with "ours".
+    # The opt-in fused kernel: a copy of ours with attention='triton' (a module of its own: it
+    # shares no guards / caches with "ours").
     twin = copy.deepcopy(models["ours"])
-    compiled = {k: compile_model(m, dynamic=True) for k, m in {**models, "ours_no_triton": twin}.items()}
+    twin.attention = "triton"
+    compiled = {k: compile_model(m, dynamic=True) for k, m in {**models, "ours_triton": twin}.items()}
     changes: Dict[str, Dict[str, object]] = {k: {} for k in compiled}
-    changes["ours_no_triton"] = dict(triton=False)
     x8 = torch.randn(8, 3, h, w, device=device)
     x2 = torch.randn(2, 3, h, w, device=device)
     for m in compiled.values():
@@ -775,7 +771,7 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
                        args.iters, args.warmup)
     results[f"compiled_train_bf16_2x3x{h}x{w}"] = summarize(f"torch.compile train bf16 2x3x{h}x{w}", times)
     kernels = results.setdefault("sdpa_kernels", {})  # (no eager rows with --compile only)
-    for name, suffix in (("ours", ""), ("ours_no_triton", "_no_triton")):  # the timed shapes: no recompiles
+    for name, suffix in (("ours", ""), ("ours_triton", "_triton")):  # the timed shapes: no recompiles
         m = compiled[name]
         kernels[f"compiled_eval_bf16{suffix}"] = sdpa_kernels(m.eval(), x8, bf16, False, changes[name])
         kernels[f"compiled_train_bf16{suffix}"] = sdpa_kernels(m.train(), x2, bf16, True, changes[name])
