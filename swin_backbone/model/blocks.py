@@ -100,7 +100,7 @@ class SwinBlock(nn.Module):
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
-        x = x + self.drop_path(self.attn(self.norm1(x), layout, plan))
+        x = x + self.drop_path(self.attn(x, self.norm1, layout, plan))
         return ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:

@@ -339,7 +339,17 @@ def _say_once(message: str) -> None:
         print_log(message, logger="current", level=logging.WARNING)
 
 
-# ------------------------------------------------------------------------------ residuals
+# ------------------------------------------------------------------------------ memory and residuals
+def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
+    """``fn(*args, plan)``, in training (:attr:`Plan.save_memory`) under torch's selective
+    activation checkpointing: of what ``fn`` computes only its matmul outputs are kept (which
+    the next step keeps anyway, e.g. qkv for the attention), the rest (LayerNorm, gathers) is
+    recomputed in backward, where its modules run again (as under any torch checkpoint)."""
+    if plan.save_memory:
+        return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=_SAVE_MATMULS)
+    return fn(*args, plan)
+
+
 def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
                  plan: Plan) -> torch.Tensor:
     """``x + branch(x)`` for ``(B, L, C)`` tokens ``x`` that the caller owns, where ``branch`` is a
