@@ -498,7 +498,7 @@ def _fully_shard():
     return fully_shard
 
 
-def _fsdp_step(kind: str, fully_shard: Callable, rank: int, world: int) -> str:
+def _fsdp_step(kind: str, fully_shard: Callable, rank: int, world: int) -> Dict[str, object]:
     """``kind``'s model with ``fully_shard`` on every block and on the whole, trained one step
     on this rank's batch; its gathered gradients against the unsharded model's on all ranks'
     batches (FSDP averages over ranks)."""
@@ -524,41 +524,54 @@ def _fsdp_step(kind: str, fully_shard: Callable, rank: int, world: int) -> str:
             continue
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         worst = max(worst, (grad - q.grad).abs().max().item())
-    return f"gradients {count} max_difference {worst:.3e} missing {missing}"
+    return dict(gradients=count, max_difference=worst, missing=missing)
 
 
-def _fsdp_worker(kinds: Sequence[str]) -> None:
-    """One torchrun rank: :func:`_fsdp_step` for each kind, one result line each."""
+def _fsdp_worker(out_dir: str, kinds: Sequence[str]) -> None:
+    """One torchrun rank: :func:`_fsdp_step` for each kind, written to ``out_dir/rank<r>.json``."""
+    import json
+
     import torch.distributed as dist
 
     fully_shard = _fully_shard()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
     for kind in kinds:
         try:
-            print(f"FSDP {kind} rank {rank}: {_fsdp_step(kind, fully_shard, rank, world)}", flush=True)
+            results[kind] = _fsdp_step(kind, fully_shard, rank, world)
         except Exception as error:  # reported per kind: the other kind still runs
-            print(f"FSDP {kind} rank {rank}: error {type(error).__name__}: {error}", flush=True)
+            results[kind] = dict(error=f"{type(error).__name__}: {error}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def fsdp_run():
-    """One 2-rank torchrun (gloo, CPU) for both kinds: (return code, stdout, stderr)."""
+def fsdp_run(tmp_path_factory):
+    """One 2-rank torchrun (gloo, CPU) for both kinds: (per rank results, the run's log)."""
+    import json
+
     try:
         _fully_shard()
     except ImportError:
         pytest.skip(f"torch {torch.__version__} has no FSDP2 fully_shard")
+    out_dir = tmp_path_factory.mktemp("fsdp")
     kinds = [k for k in KINDS if k != "mmdet" or _has("mmdet")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "tests.test_wrappers", "fsdp"] + kinds
+           "--master-port", str(port), "-m", "tests.test_wrappers", "fsdp", str(out_dir)] + kinds
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    return proc.returncode, proc.stdout, proc.stderr
+    log = f"exit status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    results = {}
+    for rank in (0, 1):
+        path = out_dir / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    return results, log, proc.returncode
 
 
 def _has(module: str) -> bool:
@@ -573,14 +586,15 @@ def test_fsdp2_fully_shard_per_block(kind, fsdp_run):
     # the unsharded model's.
     if kind == "mmdet":
         pytest.importorskip("mmdet")
-    returncode, out, err = fsdp_run
-    results = re.findall(rf"FSDP {kind} rank (\d): gradients (\d+) max_difference (\S+) missing (.*)", out)
-    assert sorted(r[0] for r in results) == ["0", "1"], "\n".join(re.findall(rf"FSDP {kind} .*", out)) or err[-4000:]
-    for rank, count, worst, missing in results:
-        assert int(count) > 0 and missing == "[]", f"{kind} rank {rank}: parameters without a gradient: {missing}"
-        assert float(worst) < 1e-5, f"{kind} rank {rank}: gradients differ from the unsharded model's by {worst}"
-    assert returncode == 0, (out + err)[-4000:]
+    results, log, returncode = fsdp_run
+    for rank in (0, 1):
+        result = results[rank].get(kind)
+        assert result is not None, f"rank {rank} reported nothing for {kind}: {log}"
+        assert "error" not in result, f"{kind} rank {rank}: {result['error']}"
+        assert result["gradients"] > 0 and not result["missing"], f"{kind} rank {rank}: no gradient: {result}"
+        assert result["max_difference"] < 1e-5, f"{kind} rank {rank}: gradients differ from the unsharded: {result}"
+    assert returncode == 0, log
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fsdp"]:
-    _fsdp_worker(sys.argv[2:])
+    _fsdp_worker(sys.argv[2], sys.argv[3:])
