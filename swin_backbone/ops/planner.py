@@ -59,7 +59,7 @@ class Switches:
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
-    save_memory: bool = True  #: training: selective activation checkpointing of the MLP branch
+    save_memory: bool = True  #: training: selective activation checkpointing (qkv projection, MLP branch)
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
 
@@ -129,18 +129,23 @@ PLAIN_SWIN_MODULES: List[type] = []
 def plain_modules(model: nn.Module) -> bool:
     """Whether every submodule of ``model`` (``model`` itself aside: it runs once whatever
     happens inside) is exactly a :data:`PLAIN_TORCH_MODULES` or :data:`PLAIN_SWIN_MODULES`
-    class, and no forward hook (module or global) is registered below ``model``.
+    class holding its own ``nn.Parameter`` objects (not tensors swapped in for one call, as
+    ``torch.func.functional_call`` does: a recomputation in backward would read the originals),
+    and no forward hook (module or global) is registered below ``model``.
 
     The one predicate behind the shortcuts that treat modules as what their class computes:
-    calling them on a part of their input (CPU row chunks), and adding a residual into their
-    output in place. Only then does a chunk compute exactly what one call computes, does no
-    hook see a piece of a tensor, and is an output a fresh tensor. A subclassed, quantized,
-    adapted (LoRA) or parametrized layer changes its class, so the type check covers them."""
+    calling them on a part of their input (CPU row chunks) or again in backward (selective
+    activation checkpointing), and adding a residual into their output in place. Only then
+    does a chunk compute exactly what one call computes, does no hook, observer or stateful
+    subclass see a module run twice or on a piece of a tensor, and is an output a fresh
+    tensor. A subclassed, quantized, adapted (LoRA) or parametrized layer changes its class,
+    so the type check covers them; otherwise every module runs exactly once per forward."""
     module_hooks = nn.modules.module
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return False
     plain = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
     return all(type(m) in plain and not m._forward_hooks and not m._forward_pre_hooks
+               and all(p is None or isinstance(p, nn.Parameter) for p in m._parameters.values())
                for m in model.modules() if m is not model)
 
 
@@ -161,7 +166,9 @@ class Plan:
     stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
     attn_dropout: bool  #: attention dropout is active
     attention: str  #: one of :data:`ATTENTION_KERNELS` (``'triton'`` is checked per stage: :func:`plan_stage`)
-    save_memory: bool  #: the MLP branch runs under selective activation checkpointing
+    #: training with plain modules: the qkv projection and the MLP branch run under selective
+    #: activation checkpointing (:func:`checkpointed`, :func:`mlp_residual`)
+    save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
     #: every module is a plain one without hooks (:func:`plain_modules`): residuals may be added
     #: into a branch's output in place
@@ -218,7 +225,10 @@ def plan_forward(
     grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
     plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout, attention)
     plain = plain_modules(model)
-    plan = dataclasses.replace(plan, plain=plain, chunked=plain and plan.chunk_bytes > 0 and not grad and not stochastic)
+    # Recomputation in backward (checkpointing) and row chunks call modules more than once per
+    # forward: exact only for plain modules, which no hook, subclass or adapter observes.
+    plan = dataclasses.replace(plan, plain=plain, save_memory=plan.save_memory and plain,
+                               chunked=plain and plan.chunk_bytes > 0 and not grad and not stochastic)
     if valid_sizes is None:
         return plan
     maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(model.stages))

@@ -129,8 +129,10 @@ def window_inverse_index(height: int, width: int, window: int, shift: int, devic
     """Inverse of :func:`window_token_index` on the real tokens: ``(H * W,)`` int64, the position in the
     window layout of each row-major token, so ``layout[inverse]`` undoes partition, shift and padding."""
     hp, wp = padded_size(height, window), padded_size(width, window)
-    r = _mod(torch.arange(height, device=device) - shift, hp)  # row in the shifted map
-    c = _mod(torch.arange(width, device=device) - shift, wp)
+    # Row / column in the shifted map; kept non-negative: the TorchScript ONNX exporter turns
+    # integer floor division into a truncating one, which differs for negative numbers.
+    r = _mod(torch.arange(height, device=device) + (hp - shift), hp)
+    c = _mod(torch.arange(width, device=device) + (wp - shift), wp)
     n_win_w = wp // window
     win = (r[:, None] // window) * n_win_w + (c[None, :] // window)
     pos = _mod(r[:, None], window) * window + _mod(c[None, :], window)
@@ -196,6 +198,8 @@ def mask_buffer(labels: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.
     """
     differs = labels[:, :, None] != labels[:, None, :]
     n = differs.shape[-1]
+    if not align:  # (out of place: the TorchScript ONNX exporter mistranslates in-place writes into views)
+        return torch.zeros(differs.shape, device=labels.device, dtype=dtype).masked_fill(differs, MASK_VALUE)
     buffer = torch.zeros(differs.shape[:-1] + (row_length(n, align),), device=labels.device, dtype=dtype)
     buffer.narrow(-1, 0, n).masked_fill_(differs, MASK_VALUE)
     return buffer
