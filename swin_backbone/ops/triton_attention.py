@@ -62,9 +62,12 @@ MAX_HEAD_DIM = BLOCK_D
 #: newer targets join when the test builds them.
 COMPILE_TARGETS: Tuple[int, ...] = (80, 86, 89, 90)
 
-#: Oldest and newest ``(major, minor)`` Triton whose compile matrix is clean for
-#: :data:`COMPILE_TARGETS` (the test fails on an installed Triton outside this range).
-TRITON_VERSIONS: Tuple[Tuple[int, int], Tuple[int, int]] = ((3, 0), (3, 8))
+#: The Triton ``(major, minor)`` versions whose compile matrix (every launch variant for every
+#: target of :data:`COMPILE_TARGETS`) is clean: the installed one is checked by the test, the
+#: others were checked with their wheels the same way (docs/gpu-kernel.md). 3.3, 3.4 and 3.9
+#: spill 1.1-1.5 KB per thread in the sm_90 TF32 backward. The test fails on an installed
+#: Triton missing here, so a new version joins once its matrix passes.
+TRITON_VERSIONS: Tuple[Tuple[int, int], ...] = ((3, 0), (3, 1), (3, 2), (3, 5), (3, 6), (3, 7), (3, 8))
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -268,7 +271,7 @@ def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_hea
                   dropout_p: float = 0.0) -> Optional[str]:
     """Why :func:`triton_window_attention` cannot run on this attention, or ``None`` if it can.
 
-    The gate: triton installed and within :data:`TRITON_VERSIONS`; an NVIDIA GPU whose compute
+    The gate: triton installed, a version of :data:`TRITON_VERSIONS`; an NVIDIA GPU whose compute
     capability is one of :data:`COMPILE_TARGETS` (or CPU tensors in the Triton interpreter);
     fp32, fp16 or bf16; windows up to :data:`MAX_TOKENS` tokens, heads up to
     :data:`MAX_HEAD_DIM` channels; no attention dropout. The kernel implements
@@ -336,11 +339,11 @@ def capability_reason(name: str, major: int, minor: int) -> Optional[str]:
 def triton_version_reason(version: str) -> Optional[str]:
     """Why the kernel does not run with this Triton version (``None``: it does): the version
     gate, :data:`TRITON_VERSIONS`."""
-    oldest, newest = TRITON_VERSIONS
-    if oldest <= _parse_version(version) <= newest:
+    if _parse_version(version) in TRITON_VERSIONS:
         return None
-    return (f"triton {version}: the kernel's compile matrix is checked for triton {oldest[0]}.{oldest[1]} to "
-            f"{newest[0]}.{newest[1]} (tests/ops/test_triton_compile.py)")
+    checked = ", ".join(f"{major}.{minor}" for major, minor in TRITON_VERSIONS)
+    return (f"triton {version}: the kernel's compile matrix is clean with triton {checked} only "
+            "(tests/ops/test_triton_compile.py)")
 
 
 def _parse_version(version: str) -> Tuple[int, int]:
@@ -537,7 +540,9 @@ def verify_once(device: torch.device, dtype: torch.dtype) -> None:
     The first call runs forward and backward on a small random problem (:data:`CHECK_PROBLEM`)
     and compares the output and the gradients of ``qkv`` and the table with
     :func:`~swin_backbone.ops.attention.reference_window_attention` in float64 on the CPU
-    (:func:`reference_attention`, :data:`TOLERANCE`). Nothing is written outside the process, and no collective runs.
+    (:func:`reference_attention`, :data:`TOLERANCE`). Every launch of a dtype is the same
+    compile variant, so this runs the binary all later launches run. Nothing is written
+    outside the process, and no collective runs (each rank checks its own GPU).
 
     Raises:
         RuntimeError: naming the device, dtype and what differed (or the exception) if the
