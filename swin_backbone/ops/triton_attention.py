@@ -3,56 +3,84 @@
 :func:`triton_window_attention` takes the ``(B, H * W, 3C)`` output of the qkv projection in
 row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order:
 pad, shift, partition, region mask, relative position bias, softmax and the reverse are fused
-into one pass over the windows. Whether it runs is :mod:`.kernel_choice`'s decision. Importing
-this module compiles nothing and works without a GPU or triton (:func:`unsupported_reason` then
-says so); the interpreter (CPU tensors, for tests) needs ``TRITON_INTERPRET=1`` before
-``triton.language`` is first imported. How and why: docs/design.md, "The fused Triton kernel".
+into one pass over the windows. It is opt-in (``attention='triton'``); SDPA is the default.
+
+Where it may run is static (:func:`static_reason`): the GPU generations and Triton versions of
+:data:`COMPILE_TARGETS` and :data:`TRITON_VERSIONS`, the compile matrix that
+``tests/ops/test_triton_compile.py`` builds on the CPU for every variant the launcher can pick
+(:func:`launch_variants`). :func:`verify_once` runs it once per process, device, dtype and TF32
+setting against :func:`swin_backbone.ops.attention.reference_window_attention`. Importing this
+module compiles nothing and works without a GPU or triton; the interpreter (CPU tensors, for
+tests) needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported. Design, gate
+and how to measure it: docs/gpu-kernel.md.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..torch_compat import matmul_allows_tf32
-from .layouts import get_relative_position_index
+from .windows import relative_position_index
 
-try:  # triton is optional: the module must import (and answer ``unsupported_reason``) without it
+try:  # triton is optional: the module must import (and answer ``static_reason``) without it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-__all__ = ["triton_window_attention", "unsupported_reason", "TARGET_PROGRAMS"]
+__all__ = ["triton_window_attention", "static_reason", "unsupported_reason", "verify_once", "MAX_TOKENS",
+           "MAX_HEAD_DIM", "COMPILE_TARGETS", "TRITON_VERSIONS"]
 
 #: Program instances a launch aims for (several waves on a large GPU); windows are grouped so
 #: that ``nH * G`` stays near it. Also bounds the table-gradient buffer ``(G, nH, N, N)``.
 TARGET_PROGRAMS = 1024
 
-#: Largest window size ``N = ws * ws`` a program holds in one block (``ws <= 8``): a whole
-#: window's logits live in registers, and the 128- and 256-row blocks of larger windows need
-#: more shared memory than GPUs have (compiler report in docs/performance.md).
-MAX_TOKENS = 64
+#: The one launch shape: a whole window (``N = ws * ws <= 64`` tokens, ``ws <= 8``) in a
+#: 64-row block, a head (``head_dim <= 32``) in a 32-column block, 8 warps. Larger blocks
+#: spill kilobytes of registers per thread (head_dim 64 / 128: 1.8 / 34 KB in the backward,
+#: docs/gpu-kernel.md); one shape keeps the variants few enough to compile-check them all and
+#: makes :func:`verify_once` run every variant of its dtype.
+BLOCK_N = 64
+BLOCK_D = 32
+NUM_WARPS = 8
+NUM_STAGES = 2
 
-#: Oldest triton the kernel is written for (``tl.dot(input_precision=...)``).
-TRITON_FLOOR = (3, 0)
+#: Largest window size ``N = ws * ws`` (``ws <= 8``).
+MAX_TOKENS = BLOCK_N
 
-#: Largest head dimension (padded up to a power of two >= 16 inside the kernel).
-MAX_HEAD_DIM = 128
+#: Largest head dimension (Swin's is 32 in every published configuration).
+MAX_HEAD_DIM = BLOCK_D
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The GPU targets (compute capability ``major * 10 + minor``) the compile test builds every
+#: launch variant for and finds clean (no compiler error, spills within its bound): the kernel
+#: runs on exactly these. sm_70 / sm_75 fail or abort in Triton 3.0-3.3 (docs/gpu-kernel.md);
+#: newer targets join when the test builds them.
+COMPILE_TARGETS: Tuple[int, ...] = (80, 86, 89, 90)
+
+#: The Triton ``(major, minor)`` versions whose compile matrix (every launch variant for every
+#: target of :data:`COMPILE_TARGETS`) is clean: the installed one is checked by the test, the
+#: others were checked with their wheels the same way (docs/gpu-kernel.md). 3.3, 3.4 and 3.9
+#: spill 1.1-1.5 KB per thread in the sm_90 TF32 backward. The test fails on an installed
+#: Triton missing here, so a new version joins once its matrix passes.
+TRITON_VERSIONS: Tuple[Tuple[int, int], ...] = ((3, 0), (3, 1), (3, 2), (3, 5), (3, 6), (3, 7), (3, 8))
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def launch_variants() -> List[Tuple[str, str, bool]]:
+    """Every ``(element type, input precision, backward)`` the launcher compiles: with the one
+    launch shape these are all the kernel's compile variants (per target)."""
+    types = [("fp32", "ieee"), ("fp32", "tf32"), ("fp16", "ieee"), ("bf16", "ieee")]
+    return [(ty, precision, backward) for ty, precision in types for backward in (False, True)]
 
 
 def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _interpreting() -> bool:
@@ -87,7 +115,8 @@ def _library_interpreted() -> bool:
 # they share the window index math, the loads and the computation of P.
 # Pointers: qkv (B, H * W, 3C) row-major, contiguous; table ((2tw-1)**2, nH) contiguous; io: the
 # forward's output (B, H * W, C), the backward's gradient of it; grad_qkv: backward, (B, H * W, 3C)
-# gradient of qkv (written); dbias: backward, (G, nH, N, N) fp32 per-group bias gradient (written).
+# gradient of qkv (written); dbias: backward, (G, nH, N, N) fp32 per-group bias gradient (written,
+# always: one variant per dtype, and the compile test checks every variant).
 # windows_per_image nW, windows_per_row Wp // ws, total_windows B * nW, seq_len N = ws * ws,
 # qk_scale = scale * log2(e).
 # --------------------------------------------------------------------------------------------
@@ -96,7 +125,6 @@ def _window_attention_kernel(
     height, width, padded_h, padded_w, window, shift, table_window, windows_per_image, windows_per_row,
     total_windows, windows_per_program, num_heads, head_dim, seq_len, qk_scale, scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
 ):
     head = tl.program_id(0)
     group = tl.program_id(1)
@@ -124,7 +152,7 @@ def _window_attention_kernel(
     k_cols = q_cols + channels
     v_cols = q_cols + 2 * channels
 
-    if BIAS_GRAD:  # backward only
+    if BACKWARD:
         dbias = tl.full((BLOCK_N, BLOCK_N), 0.0, dtype=tl.float32)
 
     for step in range(windows_per_program):
@@ -167,32 +195,40 @@ def _window_attention_kernel(
         if BACKWARD:
             p = p / row_sum[:, None]
             grad_out = tl.load(io_rows, mask=tile_ok, other=0.0)
-            # dV and dK are computed transposed, (D, N), from transposes of *loaded* tiles
-            # only: a transposed dot result (P^T dO, dS^T q) fed to tl.dot is what Triton
-            # miscompiles on Hopper in some versions (wrong dK without an error).
-            grad_v_t = tl.dot(tl.trans(grad_out), p.to(grad_out.dtype), input_precision=INPUT_PRECISION)
+            # fp32 without TF32 (FMA dots, no tensor cores) computes dV and dK as (N, D) tiles;
+            # tensor-core dots compute them transposed, (D, N), from transposes of *loaded*
+            # tiles only: a transposed dot result (P^T dO, dS^T q) fed to tl.dot is what Triton
+            # miscompiles on Hopper in some versions (wrong dK without an error), and the
+            # transposed form spills kilobytes per thread in fp32 (ptxas, docs/gpu-kernel.md).
+            fma: tl.constexpr = INPUT_PRECISION == "ieee" and q.dtype == tl.float32
             grad_p = tl.dot(grad_out, tl.trans(v), input_precision=INPUT_PRECISION)
             # Softmax backward: dS = P * (dP - rowsum(P * dP)), the gradient of the logits
             # scale * q k^T + bias (base e). Padding queries have dO = 0, so their rows are 0.
             delta = tl.sum(p * grad_p, axis=1)
             grad_s = p * (grad_p - delta[:, None])
-            if BIAS_GRAD:
-                dbias += grad_s
+            dbias += grad_s
             grad_s_in = grad_s.to(q.dtype)
             grad_q = tl.dot(grad_s_in, k, input_precision=INPUT_PRECISION) * scale
-            grad_k_t = tl.dot(tl.trans(q), grad_s_in, input_precision=INPUT_PRECISION) * scale
             grad_rows = grad_qkv_ptr + row[:, None] * (3 * channels)
-            grad_rows_t = grad_qkv_ptr + row[None, :] * (3 * channels)  # (D, N) tiles
-            tile_ok_t = col_ok[:, None] & real[None, :]
             out_ty = grad_qkv_ptr.dtype.element_ty
             tl.store(grad_rows + q_cols[None, :], grad_q.to(out_ty), mask=tile_ok)
-            tl.store(grad_rows_t + k_cols[:, None], grad_k_t.to(out_ty), mask=tile_ok_t)
-            tl.store(grad_rows_t + v_cols[:, None], grad_v_t.to(out_ty), mask=tile_ok_t)
+            if fma:
+                grad_v = tl.dot(tl.trans(p), grad_out, input_precision=INPUT_PRECISION)
+                grad_k = tl.dot(tl.trans(grad_s_in), q, input_precision=INPUT_PRECISION) * scale
+                tl.store(grad_rows + k_cols[None, :], grad_k.to(out_ty), mask=tile_ok)
+                tl.store(grad_rows + v_cols[None, :], grad_v.to(out_ty), mask=tile_ok)
+            else:
+                grad_v_t = tl.dot(tl.trans(grad_out), p.to(grad_out.dtype), input_precision=INPUT_PRECISION)
+                grad_k_t = tl.dot(tl.trans(q), grad_s_in, input_precision=INPUT_PRECISION) * scale
+                grad_rows_t = grad_qkv_ptr + row[None, :] * (3 * channels)  # (D, N) tiles
+                tile_ok_t = col_ok[:, None] & real[None, :]
+                tl.store(grad_rows_t + k_cols[:, None], grad_k_t.to(out_ty), mask=tile_ok_t)
+                tl.store(grad_rows_t + v_cols[:, None], grad_v_t.to(out_ty), mask=tile_ok_t)
         else:
             out = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION) / row_sum[:, None]
             tl.store(io_rows, out.to(io_ptr.dtype.element_ty), mask=tile_ok)
 
-    if BIAS_GRAD:
+    if BACKWARD:
         slot = dbias_ptr + (group * num_heads + head).to(tl.int64) * seq_len * seq_len
         tl.store(slot + pos[:, None] * seq_len + pos[None, :], dbias, mask=pair_ok)
 
@@ -204,29 +240,26 @@ def _kernel():
     """The kernel, jit-decorated for the current mode (compiled or interpreted) on first use."""
     interpret = _interpreting()
     if interpret not in _JITTED:
-        # Triton specializes integer arguments on their values (== 1, divisible by 16): the
-        # size-dependent ones would compile a new kernel for many input sizes.
-        _JITTED[interpret] = triton.jit(_window_attention_kernel, do_not_specialize=_SIZE_ARGUMENTS)
+        # Triton specializes integer arguments on their values (== 1, divisible by 16): none
+        # is, so that one variant per dtype serves every size and model (the variants the
+        # compile test builds and verify_once runs). Pointers keep their 16-byte alignment
+        # hint: the launcher hands over aligned tensors only.
+        _JITTED[interpret] = triton.jit(_window_attention_kernel, do_not_specialize=INTEGER_ARGUMENTS)
     return _JITTED[interpret]
 
 
-#: The kernel's arguments that vary with the input size.
-_SIZE_ARGUMENTS = ("height", "width", "padded_h", "padded_w", "shift", "windows_per_image", "windows_per_row",
-                   "total_windows", "windows_per_program")
+#: The kernel's integer arguments (all passed as i32, never specialized).
+INTEGER_ARGUMENTS = ("height", "width", "padded_h", "padded_w", "window", "shift", "table_window",
+                     "windows_per_image", "windows_per_row", "total_windows", "windows_per_program", "num_heads",
+                     "head_dim", "seq_len")
 
 
 # --------------------------------------------------------------------------------------------
-# Host side
+# Where it may run
 # --------------------------------------------------------------------------------------------
 def unsupported_reason(qkv: torch.Tensor, window: int, num_heads: int, *, height: Optional[int] = None,
                        width: Optional[int] = None, mask_padding: bool = True, dropout_p: float = 0.0) -> Optional[str]:
-    """Why :func:`triton_window_attention` cannot run on these inputs, or ``None`` if it can.
-
-    Only the device, dtype and shape of ``qkv`` ``(B, H * W, 3C)`` are read. The kernel implements
-    ``mask_padding=True`` (padding tokens are their own region): with ``False`` real tokens attend
-    to the padding tokens' projected zeros, which it never loads, so ``height`` and ``width`` must
-    rule padding out.
-    """
+    """:func:`static_reason` for a ``(B, H * W, 3C)`` ``qkv`` (its device, dtype and shape)."""
     if qkv.dim() != 3 or num_heads <= 0 or qkv.shape[-1] % (3 * num_heads):
         return f"qkv of shape {tuple(qkv.shape)} is not (B, L, 3 * num_heads * head_dim) for num_heads={num_heads}"
     return static_reason(qkv.dtype, qkv.device, window, num_heads, qkv.shape[-1] // (3 * num_heads), height=height,
@@ -236,30 +269,37 @@ def unsupported_reason(qkv: torch.Tensor, window: int, num_heads: int, *, height
 def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_heads: int, head_dim: int, *,
                   height: Optional[int] = None, width: Optional[int] = None, mask_padding: bool = True,
                   dropout_p: float = 0.0) -> Optional[str]:
-    """:func:`unsupported_reason` from the attention's description alone (no tensor)."""
+    """Why :func:`triton_window_attention` cannot run on this attention, or ``None`` if it can.
+
+    The gate: triton installed, a version of :data:`TRITON_VERSIONS`; an NVIDIA GPU whose compute
+    capability is one of :data:`COMPILE_TARGETS` (or CPU tensors in the Triton interpreter);
+    fp32, fp16 or bf16; windows up to :data:`MAX_TOKENS` tokens, heads up to
+    :data:`MAX_HEAD_DIM` channels; no attention dropout. The kernel implements
+    ``mask_padding=True`` (padding tokens are their own region): with ``False``, ``height`` and
+    ``width`` must rule padding out.
+    """
     if triton is None:
         return "triton is not installed"
-    if _triton_version() < TRITON_FLOOR:
-        return f"triton {triton.__version__} is older than {'.'.join(map(str, TRITON_FLOOR))}"
+    reason = triton_version_reason(str(triton.__version__))
+    if reason is not None:
+        return reason
     interpret = _interpreting()
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
+        reason = _gpu_reason(device)
+        if reason is not None:
+            return reason
     elif not (interpret and device.type == "cpu"):
-        return f"device {device.type!r} needs CUDA (or TRITON_INTERPRET=1 for CPU tensors)"
+        return f"device {device.type!r} needs an NVIDIA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
     if interpret and not _library_interpreted():
         return "TRITON_INTERPRET=1 was set after triton.language was imported (set it before)"
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not one of float32, float16, bfloat16"
-    if dtype == torch.bfloat16:
-        if interpret:
-            return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
-        if torch.version.hip is None and torch.cuda.get_device_capability(device) < (8, 0):  # cuda here
-            return "bfloat16 needs a GPU of compute capability >= 8.0"
-    if head_dim > MAX_HEAD_DIM:
-        return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    if dtype == torch.bfloat16 and interpret:
+        return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
+    if head_dim <= 0 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim}: the kernel holds 1..{MAX_HEAD_DIM} channels per head"
     if window <= 0 or window * window > MAX_TOKENS:
-        return f"window {window}: a window must hold 1..{MAX_TOKENS} tokens"
+        return f"window {window}: a window must hold 1..{MAX_TOKENS} tokens (window <= {int(MAX_TOKENS ** 0.5)})"
     if dropout_p > 0:
         return "no attention dropout in the kernel"
     if not mask_padding:
@@ -270,11 +310,55 @@ def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_hea
     return None
 
 
-def _triton_version() -> Tuple[int, ...]:
-    parts = str(getattr(triton, "__version__", "0")).split("+")[0].split(".")[:2]
-    return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
+_GPU_REASONS: Dict[int, Optional[str]] = {}
 
 
+def _gpu_reason(device: torch.device) -> Optional[str]:
+    """The capability part of the gate, once per device index (it does not change)."""
+    if torch.version.hip is not None:
+        return "ROCm: the kernel is compiled and checked for NVIDIA GPUs only"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _GPU_REASONS:
+        _GPU_REASONS[index] = capability_reason(torch.cuda.get_device_name(index),
+                                                *torch.cuda.get_device_capability(index))
+    return _GPU_REASONS[index]
+
+
+def capability_reason(name: str, major: int, minor: int) -> Optional[str]:
+    """Why the kernel does not run on a GPU of compute capability ``major.minor`` (``None``: it
+    does): the capability gate, :data:`COMPILE_TARGETS`."""
+    if major * 10 + minor in COMPILE_TARGETS:
+        return None
+    targets = ", ".join(f"sm_{t}" for t in COMPILE_TARGETS)
+    return (f"{name} (compute capability {major}.{minor}): the kernel is compile-checked for {targets} only "
+            "(tests/ops/test_triton_compile.py)")
+
+
+def triton_version_reason(version: str) -> Optional[str]:
+    """Why the kernel does not run with this Triton version (``None``: it does): the version
+    gate, :data:`TRITON_VERSIONS`."""
+    if _parse_version(version) in TRITON_VERSIONS:
+        return None
+    checked = ", ".join(f"{major}.{minor}" for major, minor in TRITON_VERSIONS)
+    return (f"triton {version}: the kernel's compile matrix is clean with triton {checked} only "
+            "(tests/ops/test_triton_compile.py)")
+
+
+def _parse_version(version: str) -> Tuple[int, int]:
+    parts = (version.split("+")[0].split(".") + ["0"])[:2]
+    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
+    return major, minor
+
+
+def _triton_version() -> Tuple[int, int]:
+    return _parse_version(str(getattr(triton, "__version__", "0")))
+
+
+# --------------------------------------------------------------------------------------------
+# Launches
+# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Plan:
     """One launch, sized from the arguments alone."""
@@ -283,16 +367,11 @@ class _Plan:
     num_heads: int
     groups: int  # G: the grid is (nH, G)
     window: int
-    table_window: int
     channels: int  # C = nH * head_dim
-    block_n: int
-    block_d: int
-    num_warps: int
 
 
 def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
-          table_window: int, num_heads: int, scale: float, windows_per_program: Optional[int],
-          num_warps: int = 0) -> _Plan:
+          table_window: int, num_heads: int, scale: float, windows_per_program: Optional[int] = None) -> _Plan:
     """Validate the arguments (``ValueError`` naming the culprit) and size the launch."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv must be (B, H * W, 3C), got shape {tuple(qkv.shape)}")
@@ -333,20 +412,7 @@ def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, windo
              total, windows_per_program, num_heads, head_dim, window * window, float(scale) * 1.4426950408889634,
              float(scale))
     return _Plan(sizes, num_heads, groups=max(1, _ceil_div(total, windows_per_program)), window=window,
-                 table_window=table_window, channels=num_heads * head_dim, block_n=_block_n(window),
-                 block_d=max(16, _next_pow2(head_dim)), num_warps=num_warps or warps_choices(window)[0])
-
-
-def _block_n(window: int) -> int:
-    """Rows of the block holding a window's ``N = ws * ws`` tokens."""
-    return max(16, _next_pow2(window * window))
-
-
-def warps_choices(window: int) -> Tuple[int, ...]:
-    """The ``num_warps`` worth measuring for a window, the default first. Several ``block_n x block_n``
-    fp32 tiles are live (bias, logits / P, and in the backward dP / dS and the dS accumulator), so a
-    64-row block needs 8 warps to hold them without spilling; smaller blocks fit in 4."""
-    return (8, 4) if _block_n(window) >= 64 else (4,)
+                 channels=num_heads * head_dim)
 
 
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -357,8 +423,15 @@ def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "tf32" if matmul_allows_tf32() else "ieee"
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address (a copy if it is not): every launch is
+    then the pointer-aligned variant the compile test builds."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _launch(plan: _Plan, qkv: torch.Tensor, table: torch.Tensor, io: torch.Tensor, grad_qkv: Optional[torch.Tensor],
-            dbias: Optional[torch.Tensor], backward: bool) -> None:
+            dbias: Optional[torch.Tensor]) -> None:
     # Triton launches on the current CUDA device: make it qkv's (a model on cuda:1 while
     # cuda:0 is current would otherwise read another GPU's addresses).
     device = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
@@ -366,17 +439,18 @@ def _launch(plan: _Plan, qkv: torch.Tensor, table: torch.Tensor, io: torch.Tenso
         _kernel()[(plan.num_heads, plan.groups)](
             qkv, table, io,
             grad_qkv if grad_qkv is not None else qkv,  # unused in the forward
-            dbias if dbias is not None else table,  # unused unless BIAS_GRAD
+            dbias if dbias is not None else table,  # unused in the forward
             *plan.sizes,
-            BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
-            BACKWARD=backward, BIAS_GRAD=dbias is not None, num_warps=plan.num_warps, num_stages=2,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=_input_precision(qkv.dtype, qkv.device),
+            BACKWARD=grad_qkv is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
 
 
 def _forward(qkv: torch.Tensor, table: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """The forward launch: ``(B, H * W, C)`` output for contiguous ``qkv`` and ``table``."""
+    """The forward launch: ``(B, H * W, C)`` output for ``qkv`` and ``table``."""
+    qkv, table = _aligned(qkv), _aligned(table)
     out = qkv.new_empty(qkv.shape[0], qkv.shape[1], plan.channels)
-    _launch(plan, qkv, table, out, None, None, backward=False)
+    _launch(plan, qkv, table, out, None, None)
     return out
 
 
@@ -384,59 +458,46 @@ def _backward(
     grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan, need_table: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The backward launch: gradients of ``qkv`` and (if ``need_table``) of ``table``."""
+    qkv, table = _aligned(qkv), _aligned(table)
     grad_qkv = torch.empty_like(qkv)  # every element is written: each real token once
     n = plan.window * plan.window
-    dbias = None
-    if need_table:
-        dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
-    _launch(plan, qkv, table, grad_out.contiguous(), grad_qkv, dbias, backward=True)
+    # The per-group table gradient is always written (one kernel variant); reduced only if needed.
+    dbias = torch.empty(plan.groups, plan.num_heads, n, n, device=qkv.device, dtype=torch.float32)
+    _launch(plan, qkv, table, _aligned(grad_out), grad_qkv, dbias)
     if not need_table:
         return grad_qkv, None
     per_pair = dbias.sum(0).permute(1, 2, 0).reshape(n * n, plan.num_heads)  # fixed order
-    index = get_relative_position_index(plan.window, plan.table_window, qkv.device)
+    index = relative_position_index(plan.window, plan.sizes[6], qkv.device)
     grad_table = torch.zeros(table.shape, device=table.device, dtype=torch.float32)
     grad_table.index_put_((index,), per_pair, accumulate=True)
     return grad_qkv, grad_table.to(table.dtype)
-
-
-#: Gradients of ``qkv`` and the table computed another way, for a backward launch that fails:
-#: ``(grad_out, qkv, table) -> (grad_qkv, grad_table)``.
-BackwardFallback = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
 class _TritonWindowAttention(torch.autograd.Function):
     """Fused window attention in eager mode; saves only ``qkv`` and ``table`` for backward."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan, fallback: Optional[BackwardFallback]):
-        qkv, table = qkv.contiguous(), table.contiguous()
+    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, plan: _Plan):
         ctx.save_for_backward(qkv, table)
-        ctx.plan, ctx.fallback = plan, fallback
+        ctx.plan = plan
         return _forward(qkv, table, plan)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         qkv, table = ctx.saved_tensors
-        try:
-            grad_qkv, grad_table = _backward(grad_out, qkv, table, ctx.plan, ctx.needs_input_grad[1])
-        except Exception:
-            if ctx.fallback is None:
-                raise
-            grad_qkv, grad_table = ctx.fallback(grad_out, qkv, table)
-        return grad_qkv, grad_table, None, None
+        grad_qkv, grad_table = _backward(grad_out, qkv, table, ctx.plan, ctx.needs_input_grad[1])
+        return grad_qkv, grad_table, None
 
 
 def triton_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
                             table_window: int, num_heads: int, scale: float, *,
-                            windows_per_program: Optional[int] = None, num_warps: int = 0,
-                            backward_fallback: Optional[BackwardFallback] = None) -> torch.Tensor:
+                            windows_per_program: Optional[int] = None) -> torch.Tensor:
     """Shifted-window multi-head attention with relative position bias, fused (eager; inside
     ``torch.compile`` graphs the same kernel runs as the operator of :mod:`.triton_ops`).
 
-    Same result as partitioning ``qkv`` with ``build_window_layout(height, width, window,
-    shift, mask_padding=True, ...)``, attending with the bias ``table[relative_position_index
-    (window, table_window)]`` and the region mask, and reversing the windows; differentiable
-    in ``qkv`` and ``table``.
+    The same computation as :func:`swin_backbone.ops.attention.reference_window_attention`
+    after its qkv projection and before its output projection (``mask_padding=True``);
+    differentiable in ``qkv`` and ``table``. Errors propagate (no fallback).
 
     Args:
         qkv: ``(B, H * W, 3C)`` row-major tokens from the qkv projection (channels
@@ -447,14 +508,130 @@ def triton_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int,
             was built for) and shift ``0 <= shift < ws``.
         windows_per_program: windows each program handles (default: grouped so that a
             launch has about :data:`TARGET_PROGRAMS` programs).
-        num_warps: Triton warps per program (0: the first of :func:`warps_choices`).
-        backward_fallback: computes the gradients if the backward launch raises (else the
-            error propagates).
     Returns:
         ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype.
     Raises:
-        ValueError: on inconsistent arguments, or inputs :func:`unsupported_reason` rejects.
+        ValueError: on inconsistent arguments, or inputs :func:`static_reason` rejects.
     """
-    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program,
-                 num_warps)
-    return _TritonWindowAttention.apply(qkv, table, plan, backward_fallback)
+    plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
+    return _TritonWindowAttention.apply(qkv, table, plan)
+
+
+# --------------------------------------------------------------------------------------------
+# The check at first use
+# --------------------------------------------------------------------------------------------
+#: Largest error of the kernel's output and gradients against the float64 reference, relative
+#: to the reference's largest magnitude, per element type (``tf32``: fp32 with TF32 dots).
+TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}
+
+#: The check's problem: (batch, height, width, window, shift, table_window, heads, head_dim,
+#: windows per program). Padding in both directions, a shift (all nine regions), partial and
+#: multi-window programs; the launch shape is the one every problem uses.
+CHECK_PROBLEM = (2, 9, 11, 7, 3, 7, 2, 32, 3)
+
+#: Per (device, dtype, precision): ``None`` (passed) or what failed. In this process only.
+_VERIFIED: Dict[Tuple[str, torch.dtype, str], Optional[str]] = {}
+
+
+def verify_once(device: torch.device, dtype: torch.dtype) -> None:
+    """Check the kernel on ``device`` in ``dtype`` against the reference algorithm, once per
+    process per (device, dtype, TF32 setting); later calls return at once (or raise again).
+
+    The first call runs forward and backward on a small random problem (:data:`CHECK_PROBLEM`)
+    and compares the output and the gradients of ``qkv`` and the table with
+    :func:`~swin_backbone.ops.attention.reference_window_attention` in float64 on the CPU
+    (:func:`reference_attention`, :data:`TOLERANCE`). Every launch of a dtype is the same
+    compile variant, so this runs the binary all later launches run. Nothing is written
+    outside the process, and no collective runs (each rank checks its own GPU).
+
+    Raises:
+        RuntimeError: naming the device, dtype and what differed (or the exception) if the
+            kernel fails the check, or cannot run here at all.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    precision = _input_precision(dtype, device)
+    key = (f"{device}{'/interpreter' if _interpreting() else ''}", dtype, precision)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _check(device, dtype)
+    failure = _VERIFIED[key]
+    if failure is not None:
+        name = _DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+        name = "fp32 with TF32" if precision == "tf32" else name
+        raise RuntimeError(f"attention='triton': the fused Triton kernel failed its check against the reference "
+                           f"on {_describe(device)} {name}: {failure}")
+
+
+def _describe(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"{device} (Triton interpreter)" if _interpreting() else str(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})"
+
+
+def reference_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+                        table_window: int, num_heads: int, scale: float) -> torch.Tensor:
+    """What :func:`triton_window_attention` computes, by
+    :func:`~swin_backbone.ops.attention.reference_window_attention` (plain torch, in ``qkv``'s
+    dtype and device, differentiable in ``qkv`` and ``table``): ``(B, H * W, 3C)`` ->
+    ``(B, H * W, C)``.
+
+    The reference takes tokens and a projection; here each token's "projection" is its row
+    of ``qkv`` (the token's index rides in channel 0 of the tokens, 0 for padding tokens, whose
+    projection is then a zero row that ``mask_padding=True`` never lets a real token see).
+    """
+    from torch import nn
+
+    from .attention import reference_window_attention
+
+    batch, tokens, channels = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    rows = torch.cat([qkv.new_zeros(batch, 1, 3 * channels), qkv], 1)
+    index = torch.zeros(batch, tokens, channels, dtype=torch.float64, device=qkv.device)
+    index[..., 0] = torch.arange(1, tokens + 1, dtype=torch.float64, device=qkv.device)
+
+    def project(windows: torch.Tensor) -> torch.Tensor:  # (B, nW, N, C) token indices -> (B, nW, N, 3C)
+        images = torch.arange(batch, device=qkv.device).view(batch, *([1] * (windows.dim() - 2)))
+        return rows[images, windows[..., 0].long()]
+
+    return reference_window_attention(index, project, nn.Identity(), table.to(qkv.dtype), table_window, height, width,
+                                      window, shift, num_heads, scale)
+
+
+def _check(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """:func:`verify_once`'s comparison: ``None`` if it passes, else what failed."""
+    batch, height, width, window, shift, table_window, heads, head_dim, per_program = CHECK_PROBLEM
+    reason = static_reason(dtype, device, window, heads, head_dim, height=height, width=width)
+    if reason is not None:
+        return f"it cannot run here: {reason}"
+    channels, tokens = heads * head_dim, height * width
+    generator = torch.Generator().manual_seed(0)  # a CPU generator of its own: the user's streams are untouched
+    qkv64 = torch.randn(batch, tokens, 3 * channels, generator=generator, dtype=torch.float64)
+    table64 = torch.randn((2 * table_window - 1) ** 2, heads, generator=generator, dtype=torch.float64)
+    grad64 = torch.randn(batch, tokens, channels, generator=generator, dtype=torch.float64)
+    # The reference reads the kernel's rounded inputs, so only the kernel's own error counts.
+    qkv64, grad64 = qkv64.to(dtype).double(), grad64.to(dtype).double()
+    table64 = table64.float().double()
+    scale = head_dim ** -0.5
+    name = "tf32" if _input_precision(dtype, device) == "tf32" else _DTYPES[dtype]
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            qkv = qkv64.to(device, dtype).requires_grad_()
+            table = table64.to(device, torch.float32).requires_grad_()
+            out = triton_window_attention(qkv, table, height, width, window, shift, table_window, heads, scale,
+                                          windows_per_program=per_program)
+            got = (out,) + torch.autograd.grad(out, (qkv, table), grad64.to(device, dtype))
+            got = [t.detach().double().cpu() for t in got]  # (waits for the device: faults surface here)
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel is the answer
+        return f"{type(error).__name__}: {' '.join(str(error).split())[:500]}"
+
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf, table_leaf = qkv64.clone().requires_grad_(), table64.clone().requires_grad_()
+        expected = reference_attention(leaf, table_leaf, height, width, window, shift, table_window, heads, scale)
+        expected = (expected.detach(),) + torch.autograd.grad(expected, (leaf, table_leaf), grad64)
+    tolerance = TOLERANCE[name]
+    for what, a, b in zip(("output", "grad qkv", "grad table"), got, expected):
+        error = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        if not error <= tolerance:  # (NaN fails too)
+            return f"{what} off by {error:.2e} of its largest magnitude (tolerance {tolerance:.0e})"
+    return None

@@ -6,29 +6,32 @@ that checks its arguments and sizes its launch at run time, so sizes stay dynami
 calls skip the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a
 name can be registered only once per process, so this lives apart from the kernel's module).
 Needs ``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and
-compiled graphs use plain attention (:mod:`swin_backbone.ops.planner`).
+:func:`fused_window_attention` raises while tracing (the planner does not ask for it there).
 """
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from ..torch_compat import HAS_CUSTOM_OP
-from .triton_attention import BackwardFallback, _backward, _forward, _plan, triton_window_attention
+from .triton_attention import _backward, _forward, _plan, triton_window_attention
 
 __all__ = ["fused_window_attention", "window_attention_op", "window_attention_backward_op"]
 
 
 def fused_window_attention(
     qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int, table_window: int,
-    num_heads: int, scale: float, num_warps: int, tracing: bool, backward_fallback: Optional[BackwardFallback] = None,
+    num_heads: int, scale: float, tracing: bool,
 ) -> torch.Tensor:
     """:func:`~swin_backbone.ops.triton_attention.triton_window_attention`: eager, or while
-    ``torch.compile`` traces (``tracing``) as one opaque operator sized at run time."""
+    ``torch.compile`` traces (``tracing``) as one opaque operator sized at run time.
+
+    ``qkv`` ``(B, H * W, 3C)`` row-major -> ``(B, H * W, C)``. Errors propagate (no fallback)."""
     if not tracing:
-        return triton_window_attention(qkv, table, height, width, window, shift, table_window, num_heads, scale,
-                                       num_warps=num_warps, backward_fallback=backward_fallback)
-    return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale),
-                               num_warps)
+        return triton_window_attention(qkv, table, height, width, window, shift, table_window, num_heads, scale)
+    if window_attention_op is None:
+        raise RuntimeError("the fused Triton kernel inside torch.compile graphs needs torch.library.custom_op "
+                           f"(torch >= 2.4); this is torch {torch.__version__}")
+    return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale))
 
 
 if HAS_CUSTOM_OP:
@@ -36,29 +39,29 @@ if HAS_CUSTOM_OP:
     @torch.library.custom_op("swin_backbone::window_attention", mutates_args=())
     def window_attention_op(
         qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
-        table_window: int, num_heads: int, scale: float, num_warps: int,
+        table_window: int, num_heads: int, scale: float,
     ) -> torch.Tensor:
         """:func:`~swin_backbone.ops.triton_attention.triton_window_attention` as an operator:
         ``(B, H * W, 3C)`` row-major ``qkv`` -> ``(B, H * W, C)``."""
-        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None, num_warps)
-        return _forward(qkv.contiguous(), table.contiguous(), plan)
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale)
+        return _forward(qkv, table, plan)
 
     @window_attention_op.register_fake
-    def _(qkv, table, height, width, window, shift, table_window, num_heads, scale, num_warps):
+    def _(qkv, table, height, width, window, shift, table_window, num_heads, scale):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)
 
     @torch.library.custom_op("swin_backbone::window_attention_backward", mutates_args=())
     def window_attention_backward_op(
         grad_out: torch.Tensor, qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int,
-        shift: int, table_window: int, num_heads: int, scale: float, num_warps: int,
+        shift: int, table_window: int, num_heads: int, scale: float,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gradients of :func:`window_attention_op` for ``qkv`` ``(B, H * W, 3C)`` and ``table``
         (always computed: a compiled graph cannot skip an operator's output)."""
-        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, None, num_warps)
-        return _backward(grad_out, qkv.contiguous(), table.contiguous(), plan, True)
+        plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale)
+        return _backward(grad_out, qkv, table, plan, True)
 
     @window_attention_backward_op.register_fake
-    def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale, num_warps):
+    def _(grad_out, qkv, table, height, width, window, shift, table_window, num_heads, scale):
         # Contiguous, as the real ones (whatever qkv's and table's strides).
         return qkv.new_empty(qkv.shape), table.new_empty(table.shape)
 

@@ -1,52 +1,71 @@
 """The GPU report of ``swin-benchmark --device cuda --report``: what a user pastes into a bug
 report, and what any of us runs first on a GPU.
 
-It lists the machine (GPU, compute capability, driver, torch / CUDA / cuDNN / triton
-versions), then verifies and times every window-attention candidate (the fused Triton kernel
-at each ``num_warps`` worth trying, SDPA) against the float32 reference at the attention
-shapes of Swin-T and Swin-B stages on an 800 x 1344 image, per dtype, forward-only and
-training: the same verification and timing the backbone runs at first use
-(:mod:`swin_backbone.ops.kernel_choice`), with every candidate's error and time shown.
+It lists the machine (GPU, compute capability, driver, torch / CUDA / cuDNN / triton versions,
+whether the fused Triton kernel's gate admits it), then, at the attention shapes of Swin-T and
+Swin-B stages on an 800 x 1344 image, per dtype, forward-only and training, checks both window
+attention kernels against the float64 reference algorithm and times them: the fused Triton
+kernel (after :func:`~swin_backbone.ops.triton_attention.verify_once`) and SDPA (the default:
+windows partitioned, the per-window bias handed to the memory-efficient kernel, reversed).
+The table is Markdown, to paste. Nothing here decides anything for the backbone.
 """
 from __future__ import annotations
 
 import platform
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import statistics
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
-from .. import ops
 from ..model.presets import ARCH_SETTINGS
-from ..ops import kernel_choice
-from ..ops import stage as stage_ops
-from ..ops.windows import output_size
+from ..ops import triton_attention as ta
+from ..ops.windows import output_size, padded_size, relative_position_index, window_attention_mask
+from ..torch_compat import scaled_dot_product_attention
 
 #: The architectures and input of the report's attention rows.
 REPORT_ARCHES = ("tiny", "base")
 REPORT_SIZE = (800, 1344)
 REPORT_BATCH = 2
 WINDOW = 7
+#: Timed repetitions per kernel and row (the median is reported), after one warm-up.
+REPEAT = 10
+
+Outputs = Tuple[torch.Tensor, ...]
+
+
+def _driver_version() -> Optional[str]:
+    try:
+        import ctypes
+
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return str(version.value)
+    except (OSError, AttributeError):
+        return None
 
 
 def environment() -> Dict[str, object]:
     """The machine and the versions that decide which kernels work."""
     from .. import __version__
-    from ..ops.triton_attention import triton
 
     info: Dict[str, object] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "triton": getattr(triton, "__version__", None),
+        "triton": getattr(ta.triton, "__version__", None),
         "swin_backbone": __version__,
-        "driver": kernel_choice._driver_version(),
+        "driver": _driver_version(),
     }
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
                     memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+        gate = ta.static_reason(torch.float16, torch.device("cuda", index), WINDOW, 1, 32)
+        info["triton_kernel"] = "allowed" if gate is None else f"declined: {gate}"
     return info
 
 
@@ -65,11 +84,87 @@ def attention_shapes(arches: Sequence[str] = REPORT_ARCHES, size: Tuple[int, int
 
 
 def dtypes_for(device: torch.device) -> List[torch.dtype]:
-    """fp32, fp16, and bf16 where the device computes it."""
+    """fp32, fp16, and bf16 where the GPU computes it natively (compute capability >= 8.0;
+    ``torch.cuda.is_bf16_supported()`` is also true where it is emulated)."""
     dtypes = [torch.float32, torch.float16]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
         dtypes.append(torch.bfloat16)
     return dtypes
+
+
+def sdpa_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
+                          table_window: int, num_heads: int, scale: float) -> torch.Tensor:
+    """Window attention through SDPA, as the backbone's default path computes it: ``(B, H * W, 3C)``
+    row-major qkv -> ``(B, H * W, C)``.
+
+    Pad, shift and partition qkv; windows into SDPA's head dimension ``(B, nW * nH, N, d)`` so
+    that one per-window bias (relative position bias + region mask, 8-aligned rows, the
+    query's dtype: the memory-efficient kernel's conditions, which also give the bias its
+    gradient) broadcasts over the batch; reverse."""
+    batch, _, three_c = qkv.shape
+    channels, n = three_c // 3, window * window
+    head_dim = channels // num_heads
+    hp, wp = padded_size(height, window), padded_size(width, window)
+    x = F.pad(qkv.view(batch, height, width, three_c), (0, 0, 0, wp - width, 0, hp - height))
+    x = torch.roll(x, (-shift, -shift), (1, 2)) if shift else x
+    rows, cols = hp // window, wp // window
+    x = x.view(batch, rows, window, cols, window, 3, num_heads, head_dim)
+    q, k, v = x.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, batch, rows * cols * num_heads, n, head_dim).unbind(0)
+    bias = table[relative_position_index(window, table_window, qkv.device)].view(n, n, num_heads).permute(2, 0, 1)
+    pad = -n % 8
+    mask = window_attention_mask(height, width, window, shift, True, qkv.device, qkv.dtype)
+    mask = torch.zeros(rows * cols, n, n, device=qkv.device, dtype=qkv.dtype) if mask is None else mask
+    attn_bias = (F.pad(mask, (0, pad))[:, None] + F.pad(bias.to(qkv.dtype), (0, pad))).narrow(-1, 0, n)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.reshape(1, -1, n, n), scale=scale)
+    out = out.view(batch, rows, cols, num_heads, window, window, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
+    out = out.reshape(batch, hp, wp, channels)
+    out = torch.roll(out, (shift, shift), (1, 2)) if shift else out
+    return out[:, :height, :width].reshape(batch, height * width, channels)
+
+
+def _timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of ``fn`` over ``repeat`` runs after one warm-up, on ``device``."""
+    def cuda(fn: Callable[[], object]) -> float:
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            fn()
+            times = []
+            for _ in range(repeat):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                fn()
+                end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def cpu(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return cuda if device.type == "cuda" else cpu
+
+
+def _run(kernel: Callable[..., torch.Tensor], qkv: torch.Tensor, table: torch.Tensor, grad_out: torch.Tensor,
+         args: tuple, training: bool) -> Outputs:
+    """The output and, in training, the gradients of qkv and the table for ``grad_out``."""
+    if not training:
+        with torch.no_grad():
+            return (kernel(qkv, table, *args),)
+    qkv, table = qkv.detach().requires_grad_(), table.detach().requires_grad_()
+    out = kernel(qkv, table, *args)
+    return (out.detach(),) + torch.autograd.grad(out, (qkv, table), grad_out)
+
+
+def _relative_error(got: Outputs, expected: Outputs) -> float:
+    """Largest error over the outputs, each relative to its reference's largest magnitude."""
+    errors = [float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, expected)]
+    return max(errors)
 
 
 def kernel_rows(
@@ -78,58 +173,63 @@ def kernel_rows(
     dtypes: Sequence[torch.dtype],
     batch: int = REPORT_BATCH,
     window: int = WINDOW,
-    timer=None,
+    repeat: int = REPEAT,
 ) -> List[Dict[str, object]]:
-    """Every candidate verified (largest relative error vs. the float32 reference, output and
-    gradients) and timed (ms, median of CUDA-event repetitions) per shape, dtype and mode."""
+    """Per shape, dtype and mode: each kernel's largest relative error against the float64
+    reference (output, and in training the gradients of qkv and the table) and its time (ms,
+    median), or why it did not run."""
     rows = []
+    timer = _timer(device, repeat)
     for shape in shapes:
         h, w, heads, head_dim = shape["height"], shape["width"], shape["num_heads"], shape["head_dim"]
+        channels, shift = heads * head_dim, window // 2 if min(h, w) > window else 0
+        args = (h, w, window, shift, window, heads, head_dim ** -0.5)
         for dtype in dtypes:
+            name = "tf32" if ta._input_precision(dtype, device) == "tf32" else ta._DTYPES[dtype]
+            generator = torch.Generator(device=device).manual_seed(0)
+            qkv = torch.randn(batch, h * w, 3 * channels, generator=generator, device=device).to(dtype)
+            table = torch.randn((2 * window - 1) ** 2, heads, generator=generator, device=device) * 0.5
+            grad_out = torch.randn(batch, h * w, channels, generator=generator, device=device).to(dtype)
             for training in (False, True):
-                generator = torch.Generator(device=device).manual_seed(0)
-                channels = heads * head_dim
-                qkv = torch.randn(batch, h * w, 3 * channels, generator=generator, device=device).to(dtype)
-                table = torch.randn((2 * window - 1) ** 2, heads, generator=generator, device=device) * 0.5
-                inputs = ops.AttentionInputs(qkv, table, window, heads, head_dim ** -0.5)
-                plan = ops.plan_for(qkv, grad=training, attention="auto", save_memory=False, chunk_bytes=0)
-                # pad_small_map=True (the default): the window stays, maps are padded up to it
-                regular, shifted = ops.stage_layouts(h, w, window, window // 2, True, device, plan)
-                layout = shifted if shifted is not None else regular
-                sig = stage_ops._signature(dtype, device, window, heads, head_dim, training, False)
-                reason = stage_ops._shape_reason(window, head_dim, h, w, True) or stage_ops._static_reason(
-                    str(dtype).replace("torch.", ""), device.type, device.index, window, heads, head_dim)
-                candidates = stage_ops._candidates(lambda: inputs, layout, plan, sig)
-                if reason:
-                    candidates = [c for c in candidates if c.kernel != "triton"]
-                tolerance = kernel_choice.TOLERANCE.get(sig.dtype if sig.precision != "tf32" else "tf32", 3e-2)
-                choice = kernel_choice.measure(
-                    candidates, lambda: stage_ops._reference(lambda: inputs, layout, plan), tolerance,
-                    timer or stage_ops._timer(device))
-                if reason:
-                    choice.rejected["triton"] = reason
-                rows.append(dict(shape, window=window, batch=batch, dtype=sig.dtype, precision=sig.precision,
-                                 mode="train" if training else "eval", chosen=choice.kernel, warps=choice.warps,
-                                 times_ms=choice.times_ms, errors=choice.errors, rejected=choice.rejected))
+                with torch.enable_grad() if training else torch.no_grad():
+                    expected = _run(ta.reference_attention, qkv.double(), table.double(), grad_out.double(), args,
+                                    training)
+                errors: Dict[str, float] = {}
+                times: Dict[str, float] = {}
+                rejected: Dict[str, str] = {}
+                reason = ta.static_reason(dtype, device, window, heads, head_dim, height=h, width=w)
+                if reason is None:
+                    try:
+                        ta.verify_once(device, dtype)
+                    except RuntimeError as error:
+                        reason = str(error)
+                if reason is not None:
+                    rejected["triton"] = reason
+                for kernel_name, kernel in (("triton", ta.triton_window_attention), ("sdpa", sdpa_window_attention)):
+                    if kernel_name in rejected:
+                        continue
+                    errors[kernel_name] = _relative_error(_run(kernel, qkv, table, grad_out, args, training), expected)
+                    times[kernel_name] = timer(lambda: _run(kernel, qkv, table, grad_out, args, training))
+                del expected
+                rows.append(dict(shape, window=window, batch=batch, dtype=name, mode="train" if training else "eval",
+                                 times_ms=times, errors=errors, rejected=rejected))
     return rows
 
 
 def format_rows(rows: Sequence[Dict[str, object]]) -> List[str]:
-    """One readable line per row."""
-    lines = []
+    """A Markdown table: one line per row, both kernels' times and errors, and the speed-up."""
+    lines = ["| arch | stage | batch x map | window | heads x dim | dtype | mode | triton ms | sdpa ms | "
+             "sdpa / triton | triton err | sdpa err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cands = sorted(set(r["times_ms"]) | set(r["errors"]) | set(r["rejected"]))
-        parts = []
-        for c in cands:
-            if c in r["rejected"]:
-                parts.append(f"{c} REJECTED ({r['rejected'][c]})")
-            else:
-                t = r["times_ms"].get(c)
-                parts.append(f"{c} {'' if t is None else f'{t:.3f} ms, '}err {r['errors'][c]:.1e}")
-        chosen = r["chosen"] + (f"/warps{r['warps']}" if r["warps"] else "")
+        times, errors = r["times_ms"], r["errors"]
+        triton_ms = f"{times['triton']:.3f}" if "triton" in times else f"declined: {r['rejected'].get('triton')}"
+        ratio = f"{times['sdpa'] / times['triton']:.2f}x" if {"triton", "sdpa"} <= set(times) else "-"
         lines.append(
-            f"{r['arch']:>5} stage {r['stage']} {r['batch']}x{r['height']}x{r['width']} w{r['window']} "
-            f"{r['num_heads']}x{r['head_dim']} {r['dtype']:<8} {r['mode']:<5} -> {chosen}: " + "; ".join(parts)
+            f"| {r['arch']} | {r['stage']} | {r['batch']}x{r['height']}x{r['width']} | w{r['window']} | "
+            f"{r['num_heads']}x{r['head_dim']} | {r['dtype']} | {r['mode']} | {triton_ms} | "
+            f"{times['sdpa']:.3f} | {ratio} | "
+            + " | ".join(f"{errors[k]:.1e}" if k in errors else "-" for k in ("triton", "sdpa")) + " |"
         )
     return lines
 
