@@ -191,7 +191,8 @@ class Plan:
             mode = "triton" if self.attention == "triton" else "auto"
             plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout,
                           mode)
-            plan = dataclasses.replace(plan, plain=self.plain, chunked=self.plain and plan.chunk_bytes > 0)
+            plan = dataclasses.replace(plan, plain=self.plain,
+                                       chunked=self.plain and plan.chunk_bytes > 0 and not self.stochastic)
         valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
         if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
             return plan
