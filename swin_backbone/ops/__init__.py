@@ -15,14 +15,14 @@ from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for
 from .image_sizes import merge_2x2, straddles, zero_beyond_valid, zero_straddles_
 from .layouts import WindowLayout, clear_caches
 from .planner import (
-    PLAIN_SWIN_MODULES, Plan, checkpointed, chunk_slices, mlp_residual, override, plan_for, plan_for_module, plan_forward, plan_stage,
-    resolve_attention as check_attention,
+    PLAIN_SWIN_MODULES, Plan, checkpointed, chunk_slices, mlp_residual, override, plan_for, plan_for_module,
+    plan_forward, plan_stage, resolve_attention as check_attention,
 )
 
 __all__ = [
-    "PLAIN_SWIN_MODULES", "Plan", "WindowLayout", "check_attention", "checkpointed", "clear_caches", "continuous_position_bias",
-    "cosine_qkv", "mask_input", "merge_patches", "mlp_residual", "output_nchw", "override", "plan_for",
-    "plan_for_module", "plan_forward", "plan_stage", "window_attention", "window_partition",
+    "PLAIN_SWIN_MODULES", "Plan", "WindowLayout", "check_attention", "checkpointed", "clear_caches",
+    "continuous_position_bias", "cosine_qkv", "mask_input", "merge_patches", "mlp_residual", "output_nchw", "override",
+    "plan_for", "plan_for_module", "plan_forward", "plan_stage", "window_attention", "window_partition",
 ]
 
 

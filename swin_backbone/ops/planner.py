@@ -1,15 +1,10 @@
-"""The one place that decides how a forward is computed.
+"""The one place that decides how a forward is computed (docs/design.md, "The planner").
 
 :func:`plan_forward` looks at the situation once per forward (device, autocast dtype, grad
-mode, tracing, dropout, and whether every module is a plain torch / Swin module without hooks)
-and returns a :class:`Plan`: which window-attention kernel runs, whether training saves memory
-with torch's selective activation checkpointing, whether CPU inference runs the MLP and the
-output norms in cache-sized row chunks. :func:`plan_stage` adds a stage's window layouts. The
-model modules pass the plan to the functions of :mod:`swin_backbone.ops` and never ask about
-devices or grad modes themselves; every submodule still runs as that module.
-
-Every optimisation can be switched off for an ablation (``tools/benchmark.py --ablate``) with
-:func:`override`; the measured effect of each is in ``docs/performance.md``.
+mode, tracing, dropout, :func:`plain_modules`) and returns a :class:`Plan`: the attention
+kernel, selective activation checkpointing in training, CPU row chunks in inference.
+:func:`plan_stage` adds a stage's window layouts. Every optimisation can be switched off for
+an ablation with :func:`override` (``swin-benchmark --ablate``; docs/performance.md).
 """
 from __future__ import annotations
 
@@ -35,9 +30,8 @@ from .windows import output_size
 #: Window-attention kernels (:mod:`swin_backbone.ops.attention`).
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
-#: The backbone's ``attention`` argument: ``'auto'`` (SDPA wherever SDPA runs; matmul + softmax
-#: and the CPU training kernel where it does not), ``'sdpa'``, or ``'triton'`` (the fused CUDA
-#: kernel, opt-in: docs/gpu-kernel.md).
+#: The backbone's ``attention`` argument: ``'auto'`` (= ``'sdpa'``), ``'sdpa'``, or ``'triton'``
+#: (the fused CUDA kernel, opt-in: docs/gpu-kernel.md).
 ATTENTION_CHOICES = ("auto", "sdpa", "triton")
 
 #: Environment variable that overrides every backbone's ``attention`` argument.
@@ -93,11 +87,8 @@ def resolve_attention(value: object, name: str = "attention") -> str:
 
 
 def cpu_chunk_bytes() -> int:
-    """Bytes of a CPU row chunk: twice the L2 cache of the cores torch uses, within 4-16 MiB.
-
-    The L2 size is read from the OS at run time; the L3 size is not used (virtual machines
-    report the whole host's L3, far more than one guest's share).
-    """
+    """Bytes of a CPU row chunk: twice the L2 cache of the cores torch uses, within 4-16 MiB
+    (not the L3: virtual machines report the whole host's)."""
     try:
         l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
     except (ValueError, OSError):
@@ -127,19 +118,16 @@ PLAIN_SWIN_MODULES: List[type] = []
 
 
 def plain_modules(model: nn.Module) -> bool:
-    """Whether every submodule of ``model`` (``model`` itself aside: it runs once whatever
-    happens inside) is exactly a :data:`PLAIN_TORCH_MODULES` or :data:`PLAIN_SWIN_MODULES`
-    class holding its own ``nn.Parameter`` objects (not tensors swapped in for one call, as
-    ``torch.func.functional_call`` does: a recomputation in backward would read the originals),
-    and no forward hook (module or global) is registered below ``model``.
+    """Whether every submodule of ``model`` (not ``model`` itself: it runs once anyway) is
+    exactly a :data:`PLAIN_TORCH_MODULES` / :data:`PLAIN_SWIN_MODULES` class holding its own
+    ``nn.Parameter`` objects (``torch.func.functional_call`` swaps in tensors for one call: a
+    recomputation in backward would read the originals), with no forward hook, module or global.
 
-    The one predicate behind the shortcuts that treat modules as what their class computes:
-    calling them on a part of their input (CPU row chunks) or again in backward (selective
-    activation checkpointing), and adding a residual into their output in place. Only then
-    does a chunk compute exactly what one call computes, does no hook, observer or stateful
-    subclass see a module run twice or on a piece of a tensor, and is an output a fresh
-    tensor. A subclassed, quantized, adapted (LoRA) or parametrized layer changes its class,
-    so the type check covers them; otherwise every module runs exactly once per forward."""
+    The one predicate behind the shortcuts that call a module on a part of its input (CPU row
+    chunks) or again in backward (selective checkpointing), or add a residual into its output
+    in place: only then is that exactly what one call computes, seen by no hook, observer or
+    stateful subclass. A subclassed, quantized, adapted (LoRA) or parametrized layer has
+    another class; with any of them every module runs exactly once per forward."""
     module_hooks = nn.modules.module
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return False
@@ -209,13 +197,10 @@ def plan_forward(
     x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool,
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None, attention: str = "auto",
 ) -> Plan:
-    """Decide how ``model`` computes its forward on ``x`` (once per forward).
-
-    ``x``'s device, dtype and ``requires_grad`` matter, and those of ``model``'s parameters;
-    ``attn_dropout``, ``dropout``, ``drop_path``: whether each is in effect (training mode and
-    a rate > 0); ``valid_sizes``: checked per-image ``(h, w)`` in input pixels (``model`` then
-    needs ``patch_size`` and ``stages``); ``attention``: the checked attention mode.
-    """
+    """Decide how ``model`` computes its forward on ``x`` (once per forward). ``attn_dropout``,
+    ``dropout``, ``drop_path``: whether each is in effect; ``valid_sizes``: checked per-image
+    ``(h, w)`` in input pixels (``model`` then needs ``patch_size`` and ``stages``);
+    ``attention``: the checked attention mode."""
     stochastic = attn_dropout or dropout or drop_path
     device, dtype, grad = x.device.type, compute_dtype(x), torch.is_grad_enabled()
     if tracing():
@@ -299,11 +284,11 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
 def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
                num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
                ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
-    """``(plan, regular, shifted)``: a stage's (cached) window layouts of an effective ``window``
-    and ``shift`` for a bias table of ``table_window``, ``shifted`` ``None`` for no shift, each with the windows the plan's per-image valid sizes cut; and the stage's plan:
-    the fused Triton kernel checked where it was asked for (an error naming the reason where
-    it cannot run or fails its check; SDPA, said once, where it does not cover the shape), and
-    no selective checkpointing inside blocks that ``with_cp`` checkpoints whole."""
+    """``(plan, regular, shifted)``: a stage's cached window layouts (effective ``window`` and
+    ``shift``, a bias table of ``table_window``; ``shifted`` ``None`` for no shift), with the
+    windows the plan's per-image valid sizes cut; and the stage's plan: a requested fused
+    Triton kernel checked (an error naming why it cannot run or what its check found; SDPA,
+    said once, for shapes it does not cover), no selective checkpointing inside ``with_cp``."""
     def layout(offset: int) -> WindowLayout:
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
                 table_window)
@@ -352,10 +337,9 @@ def _say_once(message: str) -> None:
 
 # ------------------------------------------------------------------------------ memory and residuals
 def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
-    """``fn(*args, plan)``, in training (:attr:`Plan.save_memory`) under torch's selective
-    activation checkpointing: of what ``fn`` computes only its matmul outputs are kept (which
-    the next step keeps anyway, e.g. qkv for the attention), the rest (LayerNorm, gathers) is
-    recomputed in backward, where its modules run again (as under any torch checkpoint)."""
+    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under torch's selective activation
+    checkpointing: only its matmul outputs are kept (e.g. qkv, which the attention keeps
+    anyway); LayerNorm and gathers are recomputed in backward."""
     if plan.save_memory:
         return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=_SAVE_MATMULS)
     return fn(*args, plan)
@@ -363,20 +347,12 @@ def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Te
 
 def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
                  plan: Plan) -> torch.Tensor:
-    """``x + branch(x)`` for ``(B, L, C)`` tokens ``x`` that the caller owns, where ``branch`` is a
-    row-wise residual branch (the MLP's, ``hidden`` its widest channel count), run as:
-
-    * CPU inference with plain modules (:attr:`Plan.chunked`): a cache-sized chunk of rows at a
-      time, added into ``x`` in place: the hidden activations stay in cache and no new map-sized
-      tensor is made;
-    * training (:attr:`Plan.save_memory`): under torch's selective activation checkpointing,
-      which keeps the branch's input and its matmul outputs and recomputes LayerNorm, GELU and
-      dropout in backward (the modules run again there, as under any torch checkpoint);
-    * else: one call.
-
-    The residual is added into the branch's fresh output where the modules are plain (their
-    output is a new tensor), else out of place.
-    """
+    """``x + branch(x)`` for ``(B, L, C)`` tokens ``x`` that the caller owns and a row-wise
+    ``branch`` (the MLP's; ``hidden`` its widest channel count): with :attr:`Plan.chunked` a
+    cache-sized chunk of rows at a time, added into ``x`` (the hidden activations stay in cache,
+    no new map-sized tensor); with :attr:`Plan.save_memory` under selective checkpointing (the
+    input and fc1's output kept; LayerNorm, GELU, dropout recomputed); else one call. Into the
+    branch's fresh output for plain modules, else out of place."""
     if plan.chunked:
         rows = x.view(-1, x.shape[-1])
         # Chunks as even as possible (2048 rows by 1365 would leave a 683-row tail, whose
