@@ -296,6 +296,60 @@ def activations(names: Sequence[str], size: int = 1024, backward: bool = False) 
     return rows
 
 
+# ------------------------------------------------------------------------------------ what fits
+#: Held back on every GPU for the CUDA context, kernels' workspaces and allocator fragmentation.
+RESERVE = 2 * GIB
+GPUS = (24, 40, 80)
+
+
+def block_input_bytes(name: str, size: int) -> float:
+    """Sum over blocks of one block's input, fp32, one ``size`` x ``size`` image: what
+    ``with_cp`` keeps per block (used only to scale a measured backbone to an unmeasured one)."""
+    from swin_backbone.model.presets import resolve_arch
+
+    spec = ARCHS[name]
+    values, _ = resolve_arch(spec["arch"], spec["version"])
+    tokens = (size // 4) ** 2
+    return sum(d * values["embed_dims"] * 2**i * tokens / 4**i * 4 for i, d in enumerate(values["depths"]))
+
+
+def fits(result: Dict[str, Any], images: int = 2, size: int = 1024) -> List[Dict[str, Any]]:
+    """Per model (the configs' whole models; V2-G's backbone alone) and ``with_cp``: GiB per GPU
+    for ``images`` training images of ``size`` under DDP and FSDP at 8 / 64 ranks: the fp32
+    training state per rank (FSDP: the shard plus one gathered block) + the backbone's measured
+    activations per image x ``images`` (V2-G: V2-L's scaled by :func:`block_input_bytes`) +
+    :data:`RESERVE`. The neck's and heads' activations are not included."""
+    acts = {(r["arch"], r["with_cp"]): r["kept_for_backward"] for r in result.get("activations", [])
+            if r["size"] == size}
+    if ("v2-large", False) in acts:
+        scale = block_input_bytes("v2-giant", size) / block_input_bytes("v2-large", size)
+        for cp in (False, True):
+            acts.setdefault(("v2-giant", cp), acts[("v2-large", cp)] * scale)
+    backbones = {r["arch"]: r for r in result.get("computed", [])}
+    models = []
+    for r in result.get("configs", []):
+        name = os.path.basename(r["config"])
+        arch = "v2-large" if "swinv2" in name else "large"
+        label = f"{'Cascade Mask R-CNN' if 'cascade' in name else 'UPerNet'} {LABELS[arch]}"
+        models.append((label, arch, r["params"]))
+    if "v2-giant" in backbones:
+        models.append(("Swin V2-G, backbone alone", "v2-giant", backbones["v2-giant"]["params"]))
+    rows = []
+    for label, arch, params in models:
+        if arch not in backbones or (arch, False) not in acts:
+            continue
+        state = params * sum(BYTES.values())
+        unit = backbones[arch]["unit_bytes"]
+        for cp in (False, True):
+            act = images * acts[(arch, cp)] + RESERVE
+            row: Dict[str, Any] = dict(model=label, arch=arch, with_cp=cp, estimated_activations=arch == "v2-giant")
+            row["ddp"] = state + act
+            for w in (8, 64):
+                row[f"fsdp_{w}"] = -(-state // w) + unit + act
+            rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------------ output
 def _gib(n: Optional[float]) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
@@ -346,6 +400,21 @@ def markdown(result: Dict[str, Any]) -> str:
                      for c in (cases.get(False), cases.get(True)) if c]
             lines.append(f"| {label} | {size}x{size} | " + " | ".join(cells) + " |")
         lines.append("")
+    rows = fits(result)
+    if rows:
+        lines += [f"Computed: GiB per GPU for 2 training images of 1024x1024: fp32 training state of the whole model "
+                  f"(FSDP: the rank's shard + one gathered block) + 2 x the backbone's activations per image as "
+                  f"measured on the CPU in fp32 + {RESERVE // GIB} GiB reserve; the neck's and heads' activations "
+                  f"are not included. In brackets, the GPUs ({' / '.join(map(str, GPUS))} GB) it fits on", "",
+                  "| model | with_cp | DDP | FSDP, 8 ranks | FSDP, 64 ranks |", "|---|---|---|---|---|"]
+        for r in rows:
+            cells = []
+            for key in ("ddp", "fsdp_8", "fsdp_64"):
+                ok = [str(g) for g in GPUS if r[key] <= g * GIB]  # a "40 GB" GPU has 40 GiB
+                cells.append(f"{_gib(r[key])} ({', '.join(ok) + ' GB' if ok else 'fits none'})")
+            est = " (activations: V2-L's, scaled)" if r["estimated_activations"] else ""
+            lines.append(f"| {r['model']}{est} | {'on' if r['with_cp'] else 'off'} | " + " | ".join(cells) + " |")
+        lines.append("")
     lines.append(f"Machine: {result['machine']}; torch {result['torch']}; commit {result.get('commit', '?')}.")
     return "\n".join(lines)
 
@@ -361,7 +430,7 @@ def _commit() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["computed", "states", "activations", "all"])
+    parser.add_argument("what", choices=["computed", "states", "activations", "all", "report"])
     parser.add_argument("--arch", nargs="+", choices=list(ARCHS), help="backbones (default: each part's own)")
     parser.add_argument("--size", type=int, default=1024, help="activations: the square input's side")
     parser.add_argument("--config", nargs="+", default=[],
@@ -369,10 +438,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--peak", action="store_true",
                         help="activations: run the backward too and report the peak resident memory (slow)")
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--merge", nargs="+", default=[],
+                        help="report: the --json files of earlier runs, merged into one set of tables")
     args = parser.parse_args(argv)
     import torch
 
     result: Dict[str, Any] = dict(machine=machine(), torch=torch.__version__, commit=_commit())
+    for path in args.merge:
+        with open(path) as f:
+            result.update({k: v for k, v in json.load(f).items() if v})
     if args.what in ("computed", "all"):
         result["computed"] = computed(args.arch or tuple(ARCHS))
         result["configs"] = [config_params(path) for path in args.config]

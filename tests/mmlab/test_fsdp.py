@@ -29,9 +29,9 @@ from .test_tools_train import FAST, ROOT, scalars, toy_data  # noqa: F401  (fixt
 FSDP_CFG = "configs/toy/mask-rcnn_swin-toy_fpn_fsdp_toy-coco.py"
 DDP_CFG = "configs/toy/mask-rcnn_swin-toy_fpn_flexible-ddp_toy-coco.py"
 ITERS = 3
-#: FSDP reduce-scatters gradients where DDP all-reduces them (another summation order): the
-#: losses of the same run agree to float rounding, not bit for bit. Seen: <= 2e-6 relative.
-LOSS_RTOL = 1e-4
+#: FSDP reduce-scatters gradients where DDP all-reduces them, which may sum in another order
+#: (other backends, more ranks): equal to float rounding. Seen here (gloo, 2 ranks): bit-identical.
+LOSS_RTOL = 1e-5
 #: a fixed seed (same initial weights and data order in every run), a constant learning rate
 #: from the first iteration (the toy schedule's warm-up would leave the weights almost still),
 #: every iteration logged, validation at the end. No random draws during training (mmengine does
@@ -178,6 +178,13 @@ def _backbone_grads_rank(rank, world, port, cases):
     _init(rank, world, port)
     for version, with_cp in cases:
         _backbone_grads(rank, world, version, with_cp)
+    # The known limit (docs/large-models.md): in the backward FSDP (original parameters) sets a
+    # unit's gathered parameters as plain tensors, so a block recomputed there has no
+    # ``parameters()`` and ops.cosine.continuous_position_bias's ``next(cpb_mlp.parameters())``
+    # stops. When this check fails, the limit is gone: turn with_cp on for swinv2_l in
+    # configs/_base_/fsdp.py and drop the check.
+    with pytest.raises(StopIteration):
+        _backbone_grads(rank, world, 2, True)
 
 
 def _backbone_grads(rank, world, version, with_cp):
@@ -216,21 +223,8 @@ def _backbone_grads(rank, world, version, with_cp):
                 torch.testing.assert_close(got.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-#: FSDP (original parameters) re-registers a unit's gathered parameters as plain tensors during the
-#: backward, so a recomputed block sees no ``parameters()``: ops.cosine.continuous_position_bias reads
-#: ``next(cpb_mlp.parameters())`` for the table's device and dtype and stops the V2 recomputation.
-V2_CP = pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "SwinV2 with_cp under FSDP: ops.cosine.continuous_position_bias calls next(cpb_mlp.parameters()), empty "
-    "while FSDP recomputes a block in the backward (docs/large-models.md)"))
-
-
 def test_backbone_gradients_under_fsdp_equal_unsharded():
     _spawn(_backbone_grads_rank, [(1, True), (1, False), (2, False)])
-
-
-@V2_CP
-def test_v2_with_cp_under_fsdp():
-    _spawn(_backbone_grads_rank, [(2, True)])
 
 
 def _recipe_rank(rank, world, port, toy_data):  # noqa: F811
