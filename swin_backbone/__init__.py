@@ -3,11 +3,14 @@
 Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone` in the
 ``MODELS`` registry of every installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs
 can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
+:class:`SwinBlock` / :class:`SwinBlockV2` are exported for FSDP wrap policies (one unit per block:
+configs/_base_/fsdp.py, docs/large-models.md).
 """
 from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
 from .model.backbone import SwinBackbone
+from .model.blocks import SwinBlock
 from .model.presets import ARCH_SETTINGS
-from .model.v2 import SwinV2Backbone
+from .model.v2 import SwinBlockV2, SwinV2Backbone
 from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
 from .mmlab.preprocessors import register_preprocessors
 from .mmlab.registry import register
@@ -26,6 +29,8 @@ __all__ = [
     "CheckpointError",
     "LoadReport",
     "SwinBackbone",
+    "SwinBlock",
+    "SwinBlockV2",
     "SwinV2Backbone",
     "clear_caches",
     "detect_format",
