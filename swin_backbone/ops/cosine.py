@@ -77,7 +77,7 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
     ``cpb_mlp`` maps ``(..., 2)`` coordinates to ``(..., nH)``; the table is in the MLP's
     output dtype (the autocast dtype under autocast) and differentiable w.r.t. its weights.
     """
-    weight = next(cpb_mlp.parameters())
+    weight = cpb_mlp[0].weight  # (not parameters(): FSDP sets plain tensors while it recomputes a unit)
     coords = get_log_spaced_coords(table_window, pretrained_window, weight.device, weight.dtype)
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 

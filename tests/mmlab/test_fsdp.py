@@ -178,13 +178,6 @@ def _backbone_grads_rank(rank, world, port, cases):
     _init(rank, world, port)
     for version, with_cp in cases:
         _backbone_grads(rank, world, version, with_cp)
-    # The known limit (docs/large-models.md): in the backward FSDP (original parameters) sets a
-    # unit's gathered parameters as plain tensors, so a block recomputed there has no
-    # ``parameters()`` and ops.cosine.continuous_position_bias's ``next(cpb_mlp.parameters())``
-    # stops. When this check fails, the limit is gone: turn with_cp on for swinv2_l in
-    # configs/_base_/fsdp.py and drop the check.
-    with pytest.raises(StopIteration):
-        _backbone_grads(rank, world, 2, True)
 
 
 def _backbone_grads(rank, world, version, with_cp):
@@ -224,7 +217,7 @@ def _backbone_grads(rank, world, version, with_cp):
 
 
 def test_backbone_gradients_under_fsdp_equal_unsharded():
-    _spawn(_backbone_grads_rank, [(1, True), (1, False), (2, False)])
+    _spawn(_backbone_grads_rank, [(1, True), (1, False), (2, False), (2, True)])
 
 
 def _recipe_rank(rank, world, port, toy_data):  # noqa: F811

@@ -15,6 +15,8 @@ V2_CONFIGS = [p for p in CONFIGS if "swinv2" in os.path.basename(p)]
 
 #: config -> (arch embed dims, window, pretrained windows)
 EXPECTED = {
+    "mmdet/cascade-mask-rcnn_swinv2-l-p4-w16_fpn_fsdp_ms-crop-3x_coco.py": (192, 16, (12, 12, 12, 6)),
+    "mmseg/upernet_swinv2-l-w16_fsdp_512x512_160k_ade20k.py": (192, 16, (12, 12, 12, 6)),
     "mmdet/mask-rcnn_swinv2-t-p4-w8_fpn_1x_coco.py": (96, 8, (0, 0, 0, 0)),
     "mmdet/mask-rcnn_swinv2-t-p4-w8_fpn_ms-crop-3x_coco.py": (96, 8, (0, 0, 0, 0)),
     "mmdet/mask-rcnn_swinv2-t-p4-w16_fpn_ms-crop-3x_coco.py": (96, 16, (0, 0, 0, 0)),

@@ -90,9 +90,7 @@ swin_l = dict(
     with_cp=True,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/swin_large_patch4_window12_384_22k.pth'))
 # SwinV2-L, window 16 from the ImageNet-22k window-12 (192x192) weights, as published
-# (`swinv2_large_window12to16_192to256`: stage 4 pre-trained at window 6). with_cp stays off
-# until the V2 attention's position-bias table can be recomputed inside an FSDP unit
-# (docs/large-models.md, "Known limits"; tests/mmlab/test_fsdp.py marks it).
+# (`swinv2_large_window12to16_192to256`: stage 4 pre-trained at window 6).
 swinv2_l = dict(
     _delete_=True,
     type='SwinV2Backbone',
@@ -101,6 +99,6 @@ swinv2_l = dict(
     pretrained_window_sizes=(12, 12, 12, 6),
     drop_path_rate=0.3,
     out_indices=(0, 1, 2, 3),
-    with_cp=False,
+    with_cp=True,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/swinv2_large_patch4_window12_192_22k.pth'))
 swin_l_channels = [192, 384, 768, 1536]
