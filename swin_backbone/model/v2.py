@@ -80,8 +80,8 @@ class WindowAttentionV2(nn.Module):
         before: V2 normalises the branch's output)."""
         plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = self.qkv(ops.window_partition(x, layout, plan))
-        if self.q_bias is not None:
-            qkv = qkv + self.qkv_bias()
+        if self.q_bias is not None:  # (in qkv's dtype, as F.linear's bias under autocast)
+            qkv = qkv + self.qkv_bias().to(qkv.dtype)
         qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
         out = ops.window_attention(
             qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan

@@ -1,9 +1,5 @@
-"""How Swin is computed: the functional interface the model modules call.
-
-Each function takes the :class:`~swin_backbone.ops.planner.Plan` decided once per forward by
-:func:`plan_forward` and runs the implementation it names; nothing here or in the model asks
-about devices or grad modes again, and every module the model declares is called as that
-module. docs/design.md lists the submodules, one line each.
+"""How Swin is computed: the functional interface the model modules call, each function
+running what the :class:`~swin_backbone.ops.planner.Plan` of the forward names (docs/design.md).
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ __all__ = [
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:
-    """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)``: a view of channels-last
-    memory if ``channels_last``, else contiguous NCHW. With the plan's
-    ``valid_sizes``, zeros beyond each image's valid size."""
+    """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)`` (a channels-last view or
+    contiguous), zeros beyond each image's valid size."""
     if channels_last:
         out = norm(x).permute(0, 3, 1, 2)
     elif plan.chunked:  # (by map rows: whole, the transposing copy's strided writes miss the cache)
@@ -49,12 +44,8 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
 
 
 def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:
-    """``(B, C, H, W)`` input as the patch embedding reads it with the plan's per-image
-    ``valid_sizes`` (pixels): zeros beyond an image where a patch straddles its edge, as alone
-    (patches wholly beyond an image only feed tokens the image never reads). The caller's
-    tensor is never written: a copy where something must be zeroed (all of the region beyond
-    the images where ``x`` requires grad, so that no gradient leaves them); ``x`` itself
-    where nothing must (no straddling patch, or zeros there already)."""
+    """``(B, C, H, W)`` input with zeros beyond an image where a patch straddles its edge (all
+    beyond it if ``x`` requires grad); a copy where anything must be zeroed, else ``x`` itself."""
     if plan.valid_sizes is None:
         return x
     if x.requires_grad:
@@ -68,7 +59,5 @@ def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:
 
 
 def merge_patches(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Patch merging's gather: each 2x2 cell of a ``(B, H, W, C)`` map concatenated,
-    ``(B, ceil(H / 2), ceil(W / 2), 4C)``, reading zeros beyond each image of the plan's
-    ``valid_sizes`` where a cell straddles its edge (:func:`~.image_sizes.merge_2x2`)."""
+    """Patch merging's gather (:func:`~.image_sizes.merge_2x2`): ``(B, ceil(H / 2), ceil(W / 2), 4C)``."""
     return merge_2x2(x, plan.valid_sizes)

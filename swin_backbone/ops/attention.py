@@ -1,27 +1,15 @@
 """Window multi-head self-attention with a relative position bias: the algorithm, the window
 gathers, and the kernels that compute it.
 
-:func:`reference_window_attention` is the whole algorithm in plain torch, to hold against the
-paper. :func:`window_attention` computes the same thing (tested against it) with the kernel
-the plan names (:mod:`swin_backbone.ops.planner` decides, once per forward): the tokens
-enter the window layout by one gather (:func:`window_partition`: pad + shift + partition),
-each kernel computes ``softmax(q k^T * scale + bias + mask) v`` inside every window, and the
-result returns to row-major token order (:func:`window_reverse`), so that the output
-projection runs on real tokens only.
+:func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
+computes the same with the plan's kernel, between one gather into the window layout
+(:func:`window_partition`) and one back to row-major order (:func:`window_reverse`):
 
-* ``sdpa``: ``F.scaled_dot_product_attention`` with the bias (+ region mask) as an additive
-  float mask. On CUDA its memory-efficient kernel also gives the bias gradient; masks and
-  biases handed to it satisfy that kernel's conditions (last-dim stride 1, rows aligned to 8
-  elements, the query's dtype: :func:`sdpa_ready`), so it never falls to the math kernel.
-* ``plain``: matmul + softmax with autograd's own graph (attention dropout; TorchScript
-  tracing, whose exporters and FLOP counters read matmuls).
-* ``recompute``: CPU training: the SDPA forward, and a hand-written backward that recomputes
-  the probabilities from ``qkv`` (:class:`_RecomputedAttention`), which also gives the bias
-  gradient CPU SDPA cannot.
-* ``triton`` (CUDA, opt-in): :mod:`swin_backbone.ops.triton_attention`, reading row-major tokens.
-
-Windows that per-image valid sizes cut (image-exact batches) are computed again after the
-kernel, with their own masks (:func:`_redo_image_windows`), whichever kernel ran.
+* ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
+  memory-efficient kernel runs (it also gives the bias gradient).
+* ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
+* ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
+* ``triton`` (CUDA, opt-in): :mod:`.triton_attention`, reading row-major tokens.
 """
 from __future__ import annotations
 
@@ -42,17 +30,8 @@ def reference_window_attention(
     x: torch.Tensor, qkv: nn.Linear, proj: nn.Linear, table: torch.Tensor, table_window: int, height: int, width: int,
     window: int, shift: int, num_heads: int, scale: float, mask_padding: bool = True,
 ) -> torch.Tensor:
-    """(Shifted) window multi-head self-attention (Liu et al. 2021, section 3.2), written out.
-
-    Args:
-        x: ``(B, H * W, C)`` row-major tokens (after the block's norm).
-        qkv, proj: the input and output projections; table: ``((2 tw - 1) ** 2, nH)``
-            relative position bias table of a ``tw = table_window`` window.
-        window, shift: the window ``ws`` and the cyclic shift (0 or ``ws // 2``).
-        mask_padding: padding tokens form their own region (real tokens never attend to them).
-    Returns:
-        ``(B, H * W, C)``.
-    """
+    """(Shifted) window attention (Liu et al. 2021, section 3.2) written out: ``(B, H * W, C)``
+    -> ``(B, H * W, C)``; ``table`` ``((2 tw - 1) ** 2, nH)``; ``mask_padding``: padding is its own region."""
     batch, _, channels = x.shape
     hp, wp = padded_size(height, window), padded_size(width, window)
     n, head_dim = window * window, channels // num_heads
@@ -63,8 +42,7 @@ def reference_window_attention(
     x = x.view(batch, hp // window, window, wp // window, window, channels).transpose(2, 3)
     x = x.reshape(batch, -1, n, channels)
     q, k, v = qkv(x).view(batch, -1, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5).unbind(0)
-    # 3. Scaled dot product + relative position bias B[dy, dx]; after a shift (or on padding)
-    #    tokens of different regions must not attend to each other: an additive mask.
+    # 3. Scaled dot product + relative position bias; an additive mask between regions.
     bias = table[relative_position_index(window, table_window, x.device)].view(n, n, num_heads).permute(2, 0, 1)
     logits = q @ k.transpose(-2, -1) * scale + bias
     mask = window_attention_mask(height, width, window, shift, mask_padding, x.device, logits.dtype)
@@ -78,10 +56,8 @@ def reference_window_attention(
 
 
 def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
-    """``bias`` as fused SDPA kernels take it: in ``dtype`` and, with ``align`` (CUDA), with
-    its last dimension stride 1 and its rows aligned to 8 elements (CUDA's memory-efficient
-    kernel copies a misaligned mask on every call; a view of a padded buffer needs no copy).
-    CPU kernels take any strides."""
+    """``bias`` in ``dtype``; with ``align`` (CUDA) last stride 1 and rows 8-aligned (the
+    memory-efficient kernel copies a misaligned mask on every call)."""
     bias = bias.to(dtype)
     n = bias.shape[-1]
     if not align or (bias.stride(-1) == 1 and all(st % 8 == 0 for st in bias.stride()[:-1])):
@@ -90,12 +66,8 @@ def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Ten
 
 
 def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
-    """``mask[:, None] + bias``: ``(nW, N, N)`` and ``(nH, N, N)`` -> ``(nW, nH, N, N)`` in ``dtype``.
-
-    With ``align`` the result is a view with 8-aligned rows, made by one addition: a mask
-    cached aligned (:func:`~swin_backbone.ops.windows.window_attention_mask`) is read with its
-    padding columns, the bias is padded (a small copy per block), and the sum is narrowed.
-    """
+    """``mask[:, None] + bias``: ``(nW, N, N)`` and ``(nH, N, N)`` -> ``(nW, nH, N, N)`` in ``dtype``
+    (with ``align``, a view with 8-aligned rows made by one addition)."""
     mask, bias = mask.to(dtype), bias.to(dtype)
     n = mask.shape[-1]
     pad = -n % 8
@@ -109,12 +81,8 @@ def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, 
 
 
 class _TokenGather(torch.autograd.Function):
-    """``gather_tokens(x, index, pad_in, pad_slots)`` whose backward is a gather too.
-
-    ``index`` and ``inverse`` are mutually inverse on the real tokens (each real token occurs
-    exactly once in the window layout), so the gradient is a plain gather with ``inverse``
-    instead of ``index_select``'s scatter-add, which is several times slower on CPU.
-    """
+    """``gather_tokens`` whose backward is a gather with ``inverse`` (a bijection on real
+    tokens) instead of ``index_select``'s scatter-add, several times slower on CPU."""
 
     @staticmethod
     def forward(ctx, x, index, inverse, pad_slots, pad_in: bool, pad_out: bool):
@@ -130,29 +98,23 @@ class _TokenGather(torch.autograd.Function):
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Optional[torch.Tensor],
                   traced: bool = False) -> torch.Tensor:
-    """``(B, L, C)`` -> ``(B, len(index), C)``, with zeros at the padding slots if ``pad``.
-
-    Padding slots are ``pad_slots`` (``index`` reads any real token there, then the slots are
-    zeroed), or, when ``pad_slots`` is ``None`` (tracing), ``index == L`` (a zero token is
-    appended to ``x`` first).
-    """
+    """``(B, L, C)`` -> ``(B, len(index), C)``, zeros at the padding slots if ``pad``
+    (``pad_slots``, or while tracing ``index == L``: a zero token is appended)."""
     if pad and pad_slots is None:
         return F.pad(x, (0, 0, 0, 1)).index_select(1, index)
     batch, length, channels = x.shape
     if traced:
         out = x.index_select(1, index)
     else:
-        # index_select along dim 1 runs single-threaded on CPU; along dim 0 of the flattened
-        # (B * L, C) rows it is a parallel row copy.
+        # index_select along dim 1 is single-threaded on CPU; along dim 0 it is a parallel copy.
         rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
         out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
     return out.index_fill_(1, pad_slots, 0) if pad else out
 
 
 def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Optional[Plan] = None) -> torch.Tensor:
-    """Pad, shift and partition ``(B, H * W, C)`` row-major tokens in one gather: ``(B, nW * N, C)``
-    tokens in window layout, padding tokens zeros; ``x`` itself where the plan's kernel reads
-    row-major tokens (the fused Triton one gathers its windows itself)."""
+    """Pad, shift and partition in one gather: ``(B, H * W, C)`` -> ``(B, nW * N, C)`` (padding
+    zeros); ``x`` itself for the Triton kernel, which gathers its windows itself."""
     if plan is not None and plan.attention == "triton":
         return x
     if layout.traced or not (x.requires_grad and torch.is_grad_enabled()):
@@ -161,8 +123,7 @@ def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Optional[Plan]
 
 
 def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-    """Inverse of :func:`window_partition`: un-partition, un-shift and crop in one gather,
-    ``(B, nW * N, C)`` window layout -> ``(B, H * W, C)`` row-major tokens."""
+    """Inverse of :func:`window_partition`: ``(B, nW * N, C)`` -> ``(B, H * W, C)``."""
     if layout.traced or not (windows.requires_grad and torch.is_grad_enabled()):
         return gather_tokens(windows, layout.inverse, False, None, layout.traced)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
@@ -172,20 +133,10 @@ def window_attention(
     qkv: torch.Tensor, table: torch.Tensor, table_window: int, layout: WindowLayout, num_heads: int, scale: float,
     dropout_p: float, plan: Plan,
 ) -> torch.Tensor:
-    """Multi-head attention inside each window with a relative position bias, by the plan's kernel:
-    whichever runs, the computation is :func:`reference_window_attention` (there with the projections).
-
-    Args:
-        qkv: ``(B, nW * N, 3C)`` projected tokens in ``layout``'s window order
-            (:func:`window_partition` before the qkv projection); for ``plan.attention ==
-            'triton'``, ``(B, H * W, 3C)`` row-major (the kernel gathers its windows itself).
-        table: ``((2 * tw - 1) ** 2, nH)`` relative position bias table of a ``tw = table_window``
-            window (>= ``layout.window``; the layout's ``bias_index`` was built for it).
-        dropout_p: attention dropout probability (applied only where the plan says attention
-            dropout is active, i.e. in training).
-    Returns:
-        ``(B, H * W, C)`` row-major tokens, before the output projection.
-    """
+    """:func:`reference_window_attention` between the projections, by the plan's kernel:
+    ``(B, nW * N, 3C)`` window-ordered ``qkv`` (``(B, H * W, 3C)`` row-major for ``'triton'``)
+    -> ``(B, H * W, C)`` row-major; ``table`` ``((2 * tw - 1) ** 2, nH)``, ``tw >= layout.window``.
+    Windows that per-image valid sizes cut are computed again (:func:`_redo_image_windows`)."""
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
@@ -212,15 +163,9 @@ def attention_in_windows(
     qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], num_windows: int, num_heads: int,
     scale: float, dropout_p: float, run: Kernel, align: bool = False,
 ) -> torch.Tensor:
-    """Attention of every window with ``run`` (:func:`_sdpa` or :func:`_plain`): ``(B, nW * N, 3C)``
-    -> ``(B, nW * N, C)``, window layout; ``bias`` ``(nH, N, N)``, plus ``mask`` ``(nW, N, N)`` per window.
-
-    Without a mask the windows go into the kernel's batch dimension, ``(B * nW, nH, N, d)``,
-    read through their strides (no copies). With one they go into the heads dimension,
-    ``(B, nW * nH, N, d)`` (one copy of q / k / v), so that the per-window biases broadcast
-    over the batch: no loop over images, no batch-sized bias. (A batch of one keeps the
-    windows in the batch dimension: no copy.)
-    """
+    """Attention of every window with ``run``: ``(B, nW * N, 3C)`` -> ``(B, nW * N, C)``; ``bias``
+    ``(nH, N, N)`` plus ``mask`` ``(nW, N, N)``. Masked windows go into the heads dimension
+    (``(B, nW * nH, N, d)``, one copy) so the per-window biases broadcast over the batch."""
     batch, tokens, three_c = qkv.shape
     n, head_dim = tokens // num_windows, three_c // (3 * num_heads)
     heads = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)  # (3, B, nW, nH, N, d)
@@ -241,11 +186,8 @@ def _redo_image_windows(
     out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float,
     dropout_p: float, plan: Plan,
 ) -> torch.Tensor:
-    """The ``K`` windows that images' boundaries cut (per-image valid sizes), computed again
-    with their own masks and written over their real tokens of the row-major ``out``
-    ``(B, H * W, C)``, in a new tensor: autograd then gives the kernel's replaced results no
-    gradient. ``qkv`` as :func:`window_attention` took it; SDPA (or matmul + softmax for
-    attention dropout) with autograd on the few windows."""
+    """The windows that images' boundaries cut, computed again with their own masks and written
+    over ``out`` ``(B, H * W, C)`` in a new tensor (the replaced results get no gradient)."""
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
@@ -271,8 +213,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Te
 def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
            dropout_p: float) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) v`` with matmuls."""
-    # Scale and bias in place on the fresh logits: nothing extra is kept for backward (a
-    # scaled copy of q would be), and no second logits-sized temporary is made.
+    # In place on the fresh logits: no scaled copy of q kept, no second logits-sized temporary.
     attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
@@ -280,20 +221,14 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.T
 
 
 class _RecomputedAttention(torch.autograd.Function):
-    """Window attention + un-partition that keeps only ``qkv`` (and its output) for backward.
-
-    Forward is the fused SDPA kernel (fast on CPU, no ``(..., N, N)`` tensor kept). Backward
-    recomputes ``P = softmax(q k^T * scale + bias + mask)`` and applies the softmax gradient by
-    hand (:func:`attention_backward`, with ``chunk_bytes`` a cache-sized group of windows at a
-    time), which also yields the bias gradient that CPU SDPA cannot give. Autograd's own graph
-    would keep ``P`` plus contiguous copies of ``q``, ``k`` and ``v`` (about 1.5x ``qkv``).
-    The output is kept by the output projection anyway, so saving it here costs nothing.
-    """
+    """Window attention + un-partition keeping only ``qkv`` and the output for backward: SDPA
+    forward; backward recomputes ``P`` a cache-sized group of windows at a time
+    (:func:`attention_backward`) and gives the bias gradient CPU SDPA cannot. Autograd's graph
+    would keep ``P`` plus copies of q, k, v (about 1.5x ``qkv``)."""
 
     @staticmethod
     def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, chunk_bytes: int, align: bool):
-        # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad, even
-        # here, where no gradient can flow through it.
+        # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, _sdpa,
                                    align)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
@@ -309,9 +244,7 @@ class _RecomputedAttention(torch.autograd.Function):
         batch, tokens, three_c = qkv.shape
         n, head_dim, dtype = tokens // num_windows, three_c // (3 * num_heads), qkv.dtype
         acc = torch.promote_types(dtype, torch.float32)  # fp16 / bf16 reduce in fp32
-        # Softmax backward: dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = rowsum(dO * O)
-        # per query and head: a (B, H * W, nH) term read off the output (row-major tokens)
-        # instead of the N x N logits.
+        # dS = P * (dP - rowsum(P * dP)), rowsum(P * dP) = rowsum(dO * O): (B, H * W, nH) from the output.
         delta = (grad_out.to(acc) * out.to(acc)).view(batch, -1, num_heads, head_dim).sum(-1)
         # Back to the window layout; padding rows get zero gradient and a zero delta.
         to_windows = (layout.index, layout.has_padding, layout.pad_slots)
@@ -335,8 +268,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
-    """``(B, w, N, 3, nH, d)`` -> contiguous ``q * scale, k, v``, each ``(B, w, nH, N, d)``:
-    one copy, after which every attention matmul is a plain batched one."""
+    """``(B, w, N, 3, nH, d)`` -> contiguous ``q * scale, k, v``, each ``(B, w, nH, N, d)``."""
     q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).contiguous().unbind(0)
     return q.mul_(scale), k, v  # scaled q: the logits then need no scaling pass
 
@@ -356,16 +288,9 @@ def attention_backward(
     qkv: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
     scale: float, grad_qkv: torch.Tensor, grad_bias: Optional[torch.Tensor],
 ) -> None:
-    """Gradients of window attention for some windows, recomputing the probabilities.
-
-    Args:
-        qkv: ``(B, w, N, 3, nH, d)`` queries, keys and values of ``w`` windows (a view).
-        grad_out: ``(B, w, N, nH, d)`` gradient of the attention output.
-        delta: ``(B, w, N, nH)`` ``rowsum(grad_out * out)`` per query and head.
-        bias: ``(nH, N, N)``; mask: ``(w, N, N)`` or None; both in ``qkv``'s dtype.
-        grad_qkv: ``(B, w, N, 3, nH, d)`` written with the gradient of ``qkv``.
-        grad_bias: ``(nH, N, N)`` in fp32 or wider, accumulated into; None to skip.
-    """
+    """Gradients of window attention for ``w`` windows, recomputing the probabilities: ``qkv``
+    ``(B, w, N, 3, nH, d)``, ``grad_out`` ``(B, w, N, nH, d)``, ``delta`` ``(B, w, N, nH)``, ``bias``
+    ``(nH, N, N)``, ``mask`` ``(w, N, N)``; writes ``grad_qkv``, accumulates fp32 ``grad_bias``."""
     dtype = qkv.dtype
     acc = torch.promote_types(dtype, torch.float32)
     q, k, v = _split_heads(qkv, scale)

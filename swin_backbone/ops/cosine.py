@@ -1,19 +1,8 @@
-"""Swin V2's attention logits as inputs of the ordinary window attention.
+"""Swin V2's attention logits as inputs of the V1 window-attention kernels (Liu et al. 2022):
+``cos(q, k) * exp(min(logit_scale, log 100)) + 16 * sigmoid(cpb_mlp(log-spaced coords))``.
 
-Swin V2 (Liu et al. 2022) replaces V1's ``q k^T * head_dim**-0.5 + table bias`` by
-
-    ``cos(q, k) * exp(min(logit_scale, log 100)) + 16 * sigmoid(cpb_mlp(log-spaced coords))``.
-
-Both parts fit the V1 kernels unchanged (SDPA, plain, CPU recompute, the fused Triton one):
-
-* :func:`cosine_qkv` normalises q and k per head and multiplies q by the per-head logit
-  scale, so that the dot product of the prepared q and k *is* the scaled cosine; the window
-  attention then runs with ``scale=1.0``. Normalisation is per token, so it commutes with the
-  window partition: it applies to window-ordered and row-major ``qkv`` alike.
-* :func:`continuous_position_bias` evaluates the CPB MLP once over the table of log-spaced
-  relative coordinates (:func:`log_spaced_coords`, cached like the window layouts);
-  ``16 * sigmoid`` is elementwise, so applying it before the gather gives the table that
-  :func:`swin_backbone.ops.window_attention` gathers as V1's learned one.
+:func:`cosine_qkv` prepares q and k so that their dot product is the scaled cosine (attention
+then runs with ``scale=1.0``); :func:`continuous_position_bias` gives a table gathered as V1's.
 """
 from __future__ import annotations
 
@@ -27,30 +16,17 @@ from torch import nn
 from .planner import Plan
 from .layouts import size_cache
 
-#: Upper clamp of ``logit_scale`` (the official ``log(1 / 0.01)``), a Python float so that
-#: the clamp works on every device (the official code builds a CPU tensor here).
+#: Upper clamp of ``logit_scale`` (official ``log(1 / 0.01)``), a float: works on every device.
 LOGIT_SCALE_MAX = math.log(100.0)
 
-#: Coordinates are normalised to ``[-COORD_RANGE, COORD_RANGE]`` before the log spacing.
-COORD_RANGE = 8.0
-
-#: ``F.normalize``'s default epsilon: q and k are divided by ``max(|q|, eps)``.
-NORMALIZE_EPS = 1e-12
-
-#: Output scale of the position bias: ``16 * sigmoid(...)`` lies in ``(0, 16)``.
-BIAS_SCALE = 16.0
+COORD_RANGE = 8.0  #: coordinates are normalised to ``[-8, 8]`` before the log spacing
+NORMALIZE_EPS = 1e-12  #: ``F.normalize``'s default: q and k are divided by ``max(|q|, eps)``
+BIAS_SCALE = 16.0  #: the position bias ``16 * sigmoid(...)`` lies in ``(0, 16)``
 
 
 def log_spaced_coords(table_window: int, pretrained_window: int) -> torch.Tensor:
-    """Log-spaced relative coordinates of a ``table_window`` window, ``((2 tw - 1)**2, 2)`` fp32.
-
-    Row ``r = (dy + tw - 1) * (2 tw - 1) + (dx + tw - 1)`` holds ``(f(dy), f(dx))`` with
-    ``f(d) = sign(d) * log2(1 + 8 |d| / (n - 1)) / log2(8)``, where ``n`` is
-    ``pretrained_window`` if it is > 0 (a fine-tune of a model pre-trained with that
-    window), else ``table_window``. Rows are in the order of
-    :func:`~swin_backbone.ops.windows.relative_position_index` (the table gathers like V1's).
-    A 1-wide window (``n = 1``) has only the offset 0, which maps to 0.
-    """
+    """``((2 tw - 1)**2, 2)`` fp32 ``(f(dy), f(dx))`` in :func:`~.windows.relative_position_index`
+    order, ``f(d) = sign(d) * log2(1 + 8 |d| / (n - 1)) / log2(8)``, ``n = pretrained_window or tw``."""
     if table_window < 1:
         raise ValueError(f"table_window: expected an int >= 1, got {table_window!r}")
     if pretrained_window < 0:
@@ -67,16 +43,11 @@ def _coords_on(table_window: int, pretrained_window: int, device: torch.device, 
     return log_spaced_coords(table_window, pretrained_window).to(device=device, dtype=dtype)
 
 
-#: Cached :func:`log_spaced_coords` on a device, in a dtype (the CPB MLP's).
 get_log_spaced_coords = size_cache(maxsize=64)(_coords_on)
 
 
 def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_window: int) -> torch.Tensor:
-    """``16 * sigmoid(cpb_mlp(coords))``: the ``((2 tw - 1)**2, nH)`` bias table of a window.
-
-    ``cpb_mlp`` maps ``(..., 2)`` coordinates to ``(..., nH)``; the table is in the MLP's
-    output dtype (the autocast dtype under autocast) and differentiable w.r.t. its weights.
-    """
+    """``16 * sigmoid(cpb_mlp(coords))``: the ``((2 tw - 1)**2, nH)`` bias table, in the MLP's dtype."""
     weight = cpb_mlp[0].weight  # (not parameters(): FSDP sets plain tensors while it recomputes a unit)
     coords = get_log_spaced_coords(table_window, pretrained_window, weight.device, weight.dtype)
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
@@ -84,22 +55,12 @@ def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_w
 
 def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
                plan: Optional[Plan] = None) -> torch.Tensor:
-    """``(..., 3C)`` projected tokens (q / k / v each ``num_heads`` heads, any token order) ->
-    ``[normalize(q) * exp(min(logit_scale, log 100)), normalize(k), v]`` per head, in ``qkv``'s
-    dtype, the same values bit for bit on every path; ``logit_scale``: ``(nH, 1, 1)`` (or ``nH``
-    elements). With a ``plan``, ``qkv`` is a tensor the caller owns, overwritten where nothing
-    records a gradient (``None``: plain autograd ops on a new tensor).
+    """``(..., 3C)`` tokens (any order) -> ``[normalize(q) * exp(min(logit_scale, log 100)),
+    normalize(k), v]`` per head, in ``qkv``'s dtype, bit-identical on every path; ``logit_scale``
+    ``(nH, 1, 1)``. With a ``plan``, caller-owned ``qkv`` is overwritten where no grad is recorded.
 
-    q and k are normalised in fp32 (fp64 for fp64) whatever the compute dtype: in fp16 the squared norm of a
-    head can overflow, and ``F.normalize``'s epsilon (1e-12) underflows to 0, which would turn
-    an all-zero key (a padding token: the qkv projection of a zero token has a zero k bias)
-    into ``0 / 0``. In fp32 a zero key stays zero and its logits are exactly 0.
-
-    fp32 / fp64 need no normalised copy: the division by the norms (``F.normalize``'s
-    ``q / max(|q|, eps)``) and the multiplication by the scale run on ``qkv`` itself where
-    nothing records a gradient, else on one new tensor (v divided by 1: unchanged), which the
-    memory-saving path (``plan.save_memory``: :class:`_CosineQKV`) keeps as the only tensor for
-    backward: the attention kernels keep it anyway.
+    q and k are normalised in fp32 (fp64 for fp64): in fp16 a squared norm can overflow and the
+    epsilon underflows to 0, turning an all-zero (padding) key into ``0 / 0``.
     """
     *lead, width = qkv.shape
     channels = width // 3
@@ -121,9 +82,8 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
 
 
 def _normalize_and_scale(heads: torch.Tensor, scale: torch.Tensor, inplace: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(..., 3, nH, d)`` heads -> ``[q / |q| * scale, k / |k|, v]`` (norms clamped at
-    :data:`NORMALIZE_EPS`), in ``heads`` itself or in one new tensor; and the clamped norms
-    ``(..., 2, nH, 1)``."""
+    """``(..., 3, nH, d)`` -> ``[q / |q| * scale, k / |k|, v]`` (in place or new) and the clamped
+    norms ``(..., 2, nH, 1)``."""
     norms = torch.linalg.vector_norm(heads[..., :2, :, :], dim=-1, keepdim=True).clamp_min(NORMALIZE_EPS)
     if inplace:
         heads[..., :2, :, :].div_(norms)
@@ -136,15 +96,9 @@ def _normalize_and_scale(heads: torch.Tensor, scale: torch.Tensor, inplace: bool
 
 
 class _CosineQKV(torch.autograd.Function):
-    """:func:`cosine_qkv` in fp32 / fp64 that keeps its output (which the attention keeps
-    anyway), the norms and the scale for backward, instead of autograd's input and normalised
-    copies.
-
-    With ``y = x / n`` (``n = max(|x|, eps)``) and the output ``o = a y`` (``a``: the scale
-    for q, 1 for k), the gradient of ``x`` is ``(a g - o <g, o> [|x| > eps] / a) / n`` per
-    head and token (``F.normalize``'s, written with ``o``), and that of the scale
-    ``sum <g_q, o_q> / a``; v passes its gradient through.
-    """
+    """:func:`cosine_qkv` (fp32 / fp64) keeping its output, norms and scale for backward. With
+    ``o = a x / n`` (``a``: q's scale, 1 for k), ``dx = (a g - o <g, o> [|x| > eps] / a) / n``
+    and ``d scale = sum <g_q, o_q> / a``."""
 
     @staticmethod
     def forward(ctx, heads, scale):

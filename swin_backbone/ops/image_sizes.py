@@ -1,8 +1,5 @@
-"""Per-image valid sizes in a padded batch: the windows that images' edges cut, their
-masks, and the zeroing that makes each image of a batch read what it reads alone.
-
-An image that is only the top-left ``h x w`` of a batch map treats every token beyond it as
-padding; see :class:`ImageWindows`, :func:`straddles` and docs/image-exact-batches.md.
+"""Per-image valid sizes in a padded batch: the windows that images' edges cut, their masks,
+and the zeroing that makes each image read what it reads alone (docs/image-exact-batches.md).
 """
 from __future__ import annotations
 
@@ -27,13 +24,8 @@ def image_window_masks(
     height: int, width: int, window: int, shift: int, valid: Tuple[int, int], device: torch.device,
     dtype: torch.dtype, align: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The windows of an ``height x width`` map that an image of ``valid = (h, w)`` cuts.
-
-    Padding is masked (``mask_padding=True``). Returns ``(k,)`` window indices and their
-    ``(k, N, N)`` masks: the windows holding a token of the image and a token of the map
-    beyond it, whose per-image labels thus differ from the shared ones. Computed on the CPU
-    (``nonzero`` there reads no device memory), one copy each to ``device``.
-    """
+    """``(k,)`` indices and ``(k, N, N)`` masks of the windows an image of ``valid = (h, w)``
+    cuts; computed on the CPU (no device sync), one copy each to ``device``."""
     own = partition_grid(region_labels(height, width, window, shift, True, CPU, valid), window)
     shared = partition_grid(region_labels(height, width, window, shift, True, CPU), window)
     cut = (own != shared).any(1) & (own != PAD_REGION).any(1)
@@ -46,12 +38,8 @@ def image_windows(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
     align: bool = False,
 ) -> Optional[ImageWindows]:
-    """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``
-    of the ``height x width`` map; ``None`` where no image's boundary cuts a window.
-
-    Images that fill the map contribute nothing (they use the shared masks). Computed on the
-    CPU from the images' CPU masks, as :func:`image_window_masks`, one copy per tensor to ``device``.
-    """
+    """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``;
+    ``None`` where no window is cut. Computed on the CPU, one copy per tensor to ``device``."""
     num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
     windows, masks = [], []
     for b, valid in enumerate(valid_sizes):
@@ -86,26 +74,20 @@ def image_windows(
     )
 
 
-#: Cached :func:`image_window_masks`, per map size, window, shift and one image's valid size.
 get_image_window_masks = size_cache(maxsize=512)(image_window_masks)
 
 
-#: Cached :func:`image_windows`, per map size, window, shift and a whole batch's valid sizes.
 get_image_windows = size_cache(maxsize=128)(image_windows)
 
 
 def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int) -> Tuple[Sizes, ...]:
-    """Per stage, per image, the valid size on the stage's map (:func:`output_size` of each
-    image's valid size in input pixels): ``(num_stages, B)`` pairs."""
+    """``(num_stages, B)`` valid sizes on each stage's map (:func:`output_size` per image)."""
     per_image = [output_size(h, w, patch_size, num_stages) for h, w in valid_sizes]
     return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
 
 
 def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
-    """``(B, H, W)`` bool: True where the token lies inside its image's valid size.
-
-    The ``(B, 2)`` sizes go to ``device`` with one non-blocking copy (``torch.tensor(...,
-    device=cuda)`` would make the host wait for the copy)."""
+    """``(B, H, W)`` bool: True inside the image's valid size (sizes moved without a host wait)."""
     sizes = to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
     rows = torch.arange(height, device=device)[None, :, None] < sizes[:, 0, None, None]
     cols = torch.arange(width, device=device)[None, None, :] < sizes[:, 1, None, None]
@@ -113,14 +95,8 @@ def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.
 
 
 def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
-    """Zero every element of ``x`` beyond its image's valid ``(h, w)``.
-
-    Args:
-        x: a batch-first map whose height and width are dims ``height_dim`` and
-            ``height_dim + 1`` (``(B, C, H, W)``: 2; ``(B, H, W, C)``: 1).
-        inplace: write into ``x`` (only the regions beyond the images are touched); else
-            return a new tensor (autograd-friendly).
-    """
+    """Zero ``x`` beyond each image's valid ``(h, w)``; H, W are dims ``height_dim``, ``+ 1``
+    (``(B, C, H, W)``: 2); ``inplace`` or a new tensor."""
     height, width = x.shape[height_dim], x.shape[height_dim + 1]
     if not inplace:
         keep = valid_token_mask(height, width, valid_sizes, x.device)
@@ -135,18 +111,8 @@ def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inpl
 
 
 def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[Tuple[int, int, int, int, int], ...]:
-    """What ``cell x cell`` cells straddling an image's edge read beyond the image.
-
-    A cell holding both pixels (tokens) of image ``b`` and pixels beyond it reads, alone,
-    zero padding there; every other cell beyond the image only feeds tokens that the image
-    never attends to (its own region) and that are zeroed in the outputs. So zeroing these
-    boxes is all that makes the batch read what the image alone reads.
-
-    Returns:
-        ``(b, row0, row1, col0, col1)`` boxes (non-empty, inside the ``height x width`` map):
-        rows ``h .. ceil(h / cell) * cell`` under the image's cells, and columns
-        ``w .. ceil(w / cell) * cell`` beside its rows.
-    """
+    """``(b, row0, row1, col0, col1)`` boxes that ``cell x cell`` cells straddling an image's edge
+    read beyond it (alone, zero padding): zeroing them makes the batch read what the image reads."""
     boxes = []
     for b, (h, w) in enumerate(valid_sizes):
         h_end, w_end = min(ceil_div(h, cell) * cell, height), min(ceil_div(w, cell) * cell, width)
@@ -158,8 +124,7 @@ def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[T
 
 
 def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: int) -> torch.Tensor:
-    """Zero, in place, the :func:`straddles` boxes of a batch-first map whose height and
-    width are dims ``height_dim`` and ``height_dim + 1``. Returns ``x``."""
+    """Zero the :func:`straddles` boxes of ``x`` in place (H, W: dims ``height_dim``, ``+ 1``)."""
     height, width = x.shape[height_dim], x.shape[height_dim + 1]
     for b, r0, r1, c0, c1 in straddles(valid_sizes, height, width, cell):
         x[b].narrow(height_dim - 1, r0, r1 - r0).narrow(height_dim, c0, c1 - c0).zero_()
@@ -167,14 +132,8 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
 
 
 def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor:
-    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``.
-
-    Odd sizes are zero-padded bottom / right. Channel block ``k = 2 * dw + dh`` holds the
-    cell's token ``(dh, dw)``: ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]``
-    (the official order). With per-image ``valid_sizes`` (on this map), the tokens beyond an
-    image that a cell straddling its edge reads are zero in the result (:func:`straddles`),
-    as they are alone; ``x`` itself is never written.
-    """
+    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
+    block ``2 * dw + dh`` (the official order); with ``valid_sizes``, :func:`straddles` reads zero."""
     b, h, w, c = x.shape
     h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
     x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))

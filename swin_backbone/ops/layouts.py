@@ -1,17 +1,8 @@
-"""Window layouts of a map size (the gather indices and the attention mask), and the one owner
-of the ops' caches.
+"""Window layouts of a map size (gathers and attention mask), and the one owner of the ops'
+caches (:func:`size_cache`, :func:`register_cache`, :func:`clear_caches`).
 
-A :class:`WindowLayout` holds, for one map size, window and shift, the gathers between
-row-major tokens and the window layout and the attention mask (:mod:`.windows` computes
-them). Layouts depend only on sizes, so they are cached (:func:`get_window_layout`); every
-cache of the ops is made by :func:`size_cache` or registered with :func:`register_cache`,
-and :func:`clear_caches` empties them all.
-
-No host-device synchronisation in a forward: eagerly, whatever needs values on the host
-(``nonzero``, tensors from Python lists) is computed on the CPU, and each result moves to the
-target device with one non-blocking copy (:func:`to_device`). A layout built while tracing
-(``tracing=True``: ``torch.compile``, ``torch.export``, ``torch.jit.trace``; sizes possibly
-symbolic) is built with plain ops on the device, and its gathers use only ops the tracer knows.
+No host-device sync in a forward: host-side work runs on the CPU and moves with one
+non-blocking copy (:func:`to_device`); while tracing, layouts are built with plain ops.
 """
 from __future__ import annotations
 
@@ -29,22 +20,15 @@ from .windows import (
 
 T = TypeVar("T")
 
-#: Every cache of the ops (:func:`size_cache`, :func:`register_cache`): :func:`clear_caches`.
-_CACHES: List = []
+_CACHES: List = []  #: every cache of the ops, emptied by :func:`clear_caches`
 
 CPU = torch.device("cpu")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t``, built on the CPU, on ``device``: itself for the CPU, else one copy that does not
-    make the host wait for the device.
-
-    CUDA copies asynchronously only from pinned memory (from pageable memory the host waits
-    for the stream); the caching host allocator keeps the pinned block until the copy is done.
-    Meta tensors hold no data, so nothing can wait (tests check the copies there). Other
-    devices get a plain copy: not every backend keeps a pageable source alive until an
-    asynchronous copy has read it.
-    """
+    """CPU-built ``t`` on ``device`` without making the host wait: CUDA copies asynchronously
+    only from pinned memory; other backends get a plain copy (not all keep a pageable source
+    alive for an asynchronous one)."""
     device = torch.device(device)
     if t.device == device:
         return t
@@ -55,22 +39,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ImageWindows:
-    """Windows of a batch whose mask differs per image: those an image's boundary cuts.
-
-    An image that is only the top-left ``h x w`` of a batch map treats every token beyond it as
-    padding (:func:`~.windows.region_labels` with ``valid``). That changes the mask only of windows
-    holding tokens of the image and tokens beyond it (windows wholly beyond it keep the shared mask:
-    nothing of the image reads their results).
+    """Windows of a batch that an image's boundary cuts (their mask differs per image).
 
     Attributes:
-        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows (``b * nW + w``).
-        masks: ``(K, N, N)`` additive masks of those windows, in the compute dtype
-            (8-aligned rows with ``align``, as :func:`~.windows.window_attention_mask`).
-        rows: ``(K * N,)`` the row of the batch's flat ``(B * H * W)`` row-major tokens that
-            each position of those windows holds (the image's token 0 for window padding),
-            for kernels that read row-major tokens (the fused Triton one).
-        real: ``(R,)`` the positions among the ``K * N`` that hold real tokens.
-        real_rows: ``(R,)`` their rows, ``rows[real]`` (where results are written back).
+        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows.
+        masks: ``(K, N, N)`` additive masks, in the compute dtype.
+        rows: ``(K * N,)`` row of the flat ``(B * H * W)`` tokens each position holds.
+        real: ``(R,)`` positions among the ``K * N`` holding real tokens; real_rows: ``rows[real]``.
     """
 
     windows: torch.Tensor
@@ -85,23 +60,12 @@ class WindowLayout:
     """Everything window attention needs for one map size, window and shift.
 
     Attributes:
-        height, width, window, shift: real map size ``H, W``; effective window and shift.
-        num_windows: ``nW``, windows of the padded map.
-        has_padding: whether the window layout holds padding tokens (zeros).
-        padding_masked: padding tokens are masked out of attention (``mask_padding``), so
-            the values they carry cannot change any real token's result.
-        index: ``(nW * N,)`` gather from ``H * W`` row-major tokens to the window layout
-            (padding slots read token 0 and are zeroed after the gather); while tracing, into
-            ``H * W + 1`` tokens, ``H * W`` a zero token appended.
-        inverse: ``(H * W,)`` gather from the window layout back to row-major tokens.
-        pad_slots: ``(nP,)`` positions of the padding tokens in the window layout (``None``:
-            none, or tracing).
-        mask: ``(nW, N, N)`` additive mask in the compute dtype, or ``None`` (no window mixes regions).
-        bias_index: ``(N * N,)`` rows of a ``((2 tw - 1) ** 2, nH)`` relative position bias table
-            (``tw``: the table's window, >= ``window``) for each query-key pair of a window.
-        images: the windows that the boundaries of a batch's images cut (per-image valid
-            sizes, :func:`~.image_sizes.get_image_windows`), or ``None``: every image fills the map.
-        traced: built while tracing (gathers in plain ops).
+        index: ``(nW * N,)`` gather from ``H * W`` tokens (padding slots read token 0, then zeroed;
+            while tracing ``H * W`` is an appended zero token).
+        inverse: ``(H * W,)`` gather back to row-major tokens.
+        pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or tracing).
+        mask: ``(nW, N, N)`` additive mask, or ``None``; bias_index: ``(N * N,)`` bias table rows.
+        images: windows that images' boundaries cut (:func:`~.image_sizes.get_image_windows`), or ``None``.
     """
 
     height: int
@@ -124,15 +88,8 @@ def build_window_layout(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
     align: bool = False, tracing: bool = False, table_window: int = 0,
 ) -> WindowLayout:
-    """A :class:`WindowLayout` (uncached; see :func:`get_window_layout`); ``table_window``: the
-    window of the bias table the layout's ``bias_index`` reads (0: ``window``).
-
-    Eagerly, its tensors are computed on the CPU and copied to ``device`` once each. While
-    tracing (``tracing``), sizes may be symbolic and whether a size needs padding is not
-    known, so the layout always allows for it (a zero token that may go unused, a mask that
-    may be all zeros): one graph serves every size; its tensors are built with plain ops on
-    ``device`` (the tracer records them).
-    """
+    """An uncached :class:`WindowLayout` (``table_window`` 0: ``window``). While tracing, sizes may
+    be symbolic, so the layout always allows for padding: one graph serves every size."""
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
     device = torch.device(device)
@@ -165,19 +122,14 @@ def build_window_layout(
 
 
 def register_cache(cache: T) -> T:
-    """Make ``cache`` (anything with ``cache_clear()``, e.g. an ``lru_cache``) one that
-    :func:`clear_caches` empties. Returns it."""
+    """Make ``cache`` (anything with ``cache_clear()``) one that :func:`clear_caches` empties."""
     _CACHES.append(cache)
     return cache
 
 
 def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """``lru_cache`` for size-only helpers that steps aside while tracing.
-
-    Under ``torch.compile`` / ``torch.export`` sizes may be symbolic and a cache lookup would
-    either fail or bake one size into the graph, so the wrapped function is called directly
-    and the tracer folds its tensor ops into the graph.
-    """
+    """``lru_cache`` for size-only helpers that steps aside while tracing (a lookup of symbolic
+    sizes would fail or bake one size into the graph)."""
 
     def decorate(fn: Callable[..., T]) -> Callable[..., T]:
         @lru_cache(maxsize=maxsize)
@@ -201,10 +153,8 @@ def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return decorate
 
 
-#: Cached :func:`build_window_layout`, keyed by every argument. Shared by all blocks (and all
-#: backbones) that use the same map size, window, shift, device and dtype. An entry holds its
-#: mask (15-24 MB at stage 1 of an 800 x 1344 input): more entries would save little and could
-#: hold GBs of device memory under multi-scale training (hundreds of batch shapes, 8 layouts each).
+#: Cached :func:`build_window_layout`. An entry holds its mask (15-24 MB at stage 1 of 800 x 1344):
+#: more entries could hold GBs under multi-scale training (hundreds of shapes, 8 layouts each).
 get_window_layout = size_cache(maxsize=256)(build_window_layout)
 
 
@@ -213,7 +163,6 @@ get_relative_position_index = size_cache(maxsize=64)(relative_position_index)
 
 
 def clear_caches() -> None:
-    """Empty every cache of the ops: layouts, indices, image windows, Swin V2's coordinate
-    tables (e.g. to free device memory after a size sweep)."""
+    """Empty every cache of the ops (e.g. to free device memory after a size sweep)."""
     for cache in _CACHES:
         cache.cache_clear()

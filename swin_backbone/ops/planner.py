@@ -1,10 +1,7 @@
 """The one place that decides how a forward is computed (docs/design.md, "The planner").
 
-:func:`plan_forward` looks at the situation once per forward (device, autocast dtype, grad
-mode, tracing, dropout, :func:`plain_modules`) and returns a :class:`Plan`: the attention
-kernel, selective activation checkpointing in training, CPU row chunks in inference.
-:func:`plan_stage` adds a stage's window layouts. Every optimisation can be switched off for
-an ablation with :func:`override` (``swin-benchmark --ablate``; docs/performance.md).
+:func:`plan_forward` returns a :class:`Plan` once per forward; :func:`plan_stage` adds a stage's
+window layouts; :func:`override` switches optimisations off for ablations (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -30,15 +27,12 @@ from .windows import output_size
 #: Window-attention kernels (:mod:`swin_backbone.ops.attention`).
 ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
-#: The backbone's ``attention`` argument: ``'auto'`` (= ``'sdpa'``), ``'sdpa'``, or ``'triton'``
-#: (the fused CUDA kernel, opt-in: docs/gpu-kernel.md).
+#: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``; ``'triton'``: docs/gpu-kernel.md).
 ATTENTION_CHOICES = ("auto", "sdpa", "triton")
 
-#: Environment variable that overrides every backbone's ``attention`` argument.
-ENV_VAR = "SWIN_BACKBONE_ATTENTION"
+ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention`` argument
 
-#: The operators whose outputs selective activation checkpointing keeps (the matmuls: their
-#: recomputation is what costs); LayerNorm, GELU, dropout and gathers are recomputed in backward.
+#: Operators whose outputs selective checkpointing keeps (matmuls: their recomputation costs).
 SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
 
 #: Torch's selective activation checkpointing (torch >= 2.4), else ``None``.
@@ -48,8 +42,7 @@ _SAVE_MATMULS = None if _SAC is None else functools.partial(_SAC, SAVED_OPS)
 
 @dataclass(frozen=True)
 class Switches:
-    """What :func:`plan_forward` may use; an ablation turns each optimisation off in turn
-    (booleans False, sizes 0)."""
+    """What :func:`plan_forward` may use (an ablation turns each off: False, 0)."""
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
@@ -74,8 +67,7 @@ def override(**changes) -> Iterator[Switches]:
 
 
 def resolve_attention(value: object, name: str = "attention") -> str:
-    """The attention mode in force: :data:`ENV_VAR` if set, else ``value``. Raises
-    ``ValueError`` naming ``name`` (or the variable) for anything but :data:`ATTENTION_CHOICES`."""
+    """The attention mode in force: :data:`ENV_VAR` if set, else ``value`` (checked)."""
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         if env not in ATTENTION_CHOICES:
@@ -98,8 +90,8 @@ def cpu_chunk_bytes() -> int:
 
 
 def chunk_slices(total: int, step: int) -> List[slice]:
-    """Slices covering ``range(total)`` in chunks of at most ``step``, as even as possible
-    (2048 rows by 1365 would leave a 683-row tail, whose matmuls run at a lower rate)."""
+    """Slices of ``range(total)``, at most ``step`` long, as even as possible (a short tail's
+    matmuls run at a lower rate)."""
     count = max(1, -(-total // max(step, 1)))
     base, extra = divmod(total, count)
     bounds = [0]
@@ -118,16 +110,9 @@ PLAIN_SWIN_MODULES: List[type] = []
 
 
 def plain_modules(model: nn.Module) -> bool:
-    """Whether every submodule of ``model`` (not ``model`` itself: it runs once anyway) is
-    exactly a :data:`PLAIN_TORCH_MODULES` / :data:`PLAIN_SWIN_MODULES` class holding its own
-    ``nn.Parameter`` objects (``torch.func.functional_call`` swaps in tensors for one call: a
-    recomputation in backward would read the originals), with no forward hook, module or global.
-
-    The one predicate behind the shortcuts that call a module on a part of its input (CPU row
-    chunks) or again in backward (selective checkpointing), or add a residual into its output
-    in place: only then is that exactly what one call computes, seen by no hook, observer or
-    stateful subclass. A subclassed, quantized, adapted (LoRA) or parametrized layer has
-    another class; with any of them every module runs exactly once per forward."""
+    """Whether every submodule of ``model`` is exactly a plain class holding ``nn.Parameter``s
+    (``functional_call`` swaps in tensors for one call), with no forward hook: the condition for
+    calling a module on part of its input, again in backward, or adding into its output in place."""
     module_hooks = nn.modules.module
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return False
@@ -147,32 +132,26 @@ class Plan:
     #: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy misaligned ones on every call)
     align_masks: bool
     grad: bool  #: autograd records this forward (some input or parameter requires grad)
-    #: ``torch.compile``, ``torch.export`` or TorchScript tracing (``torch.jit.trace``, the ONNX
-    #: exporter mmdeploy drives, FLOP counters): plain torch ops only, layouts built by the tracer
+    #: ``torch.compile``, ``torch.export`` or ``torch.jit.trace``: plain torch ops only
     tracing: bool
     dropout: bool  #: dropout after the position embedding, projection and MLP is active
     stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
     attn_dropout: bool  #: attention dropout is active
     attention: str  #: one of :data:`ATTENTION_KERNELS` (``'triton'`` is checked per stage: :func:`plan_stage`)
-    #: training with plain modules: the qkv projection and the MLP branch run under selective
-    #: activation checkpointing (:func:`checkpointed`, :func:`mlp_residual`)
+    #: training with plain modules: selective checkpointing (:func:`checkpointed`, :func:`mlp_residual`)
     save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: every module is a plain one without hooks (:func:`plain_modules`): residuals may be added
-    #: into a branch's output in place
+    #: :func:`plain_modules`: residuals may be added into a branch's output in place
     plain: bool = False
-    #: CPU inference with plain modules: row-wise modules run a cache-sized chunk of rows
-    #: (``chunk_bytes``) at a time
+    #: CPU inference with plain modules: row-wise modules run ``chunk_bytes`` of rows at a time
     chunked: bool = False
-    #: per image, the ``(h, w)`` that is the image on this plan's map (input pixels for the
-    #: forward's plan, tokens for a stage's); ``None``: every image fills the map
+    #: per image, its ``(h, w)`` on this plan's map (pixels / tokens); ``None``: all fill it
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
     #: the forward's plan only: ``valid_sizes`` of each stage's map, ``None`` where all fill it
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
 
     def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
-        """The plan for stage ``index``: the no-grad variant when nothing in it needs a
-        gradient (frozen stages run like inference), with the stage's valid sizes."""
+        """The plan for stage ``index`` (frozen stages run like inference), with its valid sizes."""
         plan = self
         if self.grad and not self.tracing and not x.requires_grad and not any(
                 p.requires_grad for p in stage.parameters()):
@@ -188,8 +167,7 @@ class Plan:
 
 
 def tracing() -> bool:
-    """Whether a tracer records this forward: ``torch.compile`` / ``torch.export`` (dynamo) or
-    TorchScript (``torch.jit.trace``, and the exporters and FLOP counters built on it)."""
+    """Whether a tracer records this forward (dynamo or TorchScript)."""
     return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
@@ -197,10 +175,8 @@ def plan_forward(
     x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool,
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None, attention: str = "auto",
 ) -> Plan:
-    """Decide how ``model`` computes its forward on ``x`` (once per forward). ``attn_dropout``,
-    ``dropout``, ``drop_path``: whether each is in effect; ``valid_sizes``: checked per-image
-    ``(h, w)`` in input pixels (``model`` then needs ``patch_size`` and ``stages``);
-    ``attention``: the checked attention mode."""
+    """Decide how ``model`` computes its forward on ``x``; ``valid_sizes``: per-image ``(h, w)``
+    in input pixels (``model`` then needs ``patch_size`` and ``stages``)."""
     stochastic = attn_dropout or dropout or drop_path
     device, dtype, grad = x.device.type, compute_dtype(x), torch.is_grad_enabled()
     if tracing():
@@ -211,8 +187,7 @@ def plan_forward(
     grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
     plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout, attention)
     plain = plain_modules(model)
-    # Recomputation in backward (checkpointing) and row chunks call modules more than once per
-    # forward: exact only for plain modules, which no hook, subclass or adapter observes.
+    # Checkpointing and row chunks call modules more than once: exact only for plain modules.
     plan = dataclasses.replace(plan, plain=plain, save_memory=plan.save_memory and plain,
                                chunked=plain and plan.chunk_bytes > 0 and not grad and not stochastic)
     if valid_sizes is None:
@@ -224,8 +199,7 @@ def plan_forward(
 
 
 def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
-    """The plan for calling one of the model's modules on its own (no plan handed down):
-    dropout and stochastic depth are read off the module's submodules."""
+    """The plan for calling one of the model's modules on its own (dropout read off it)."""
     active = module.training
     dropout = active and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
     drop_path = active and any(getattr(m, "drop_prob", 0.0) > 0 for m in module.modules())  # DropPath
@@ -246,13 +220,11 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dro
         attention = "triton"  # opt-in; checked and verified per stage (plan_stage)
     elif tracing:
         # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
-        # In inference under torch.compile / export SDPA is one op too.
         attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
     elif attn_dropout or not s.sdpa:
         attention = "plain"
     elif grad and cpu:
-        # CPU SDPA gives no bias gradient (and falls to its slow math kernel for a mask that
-        # requires grad): SDPA forward with a hand-written backward instead.
+        # CPU SDPA gives no bias gradient: SDPA forward with a hand-written backward instead.
         attention = "recompute" if s.recompute_attention else "plain"
     else:
         # CUDA: memory-efficient SDPA, which takes a float bias and computes its gradient.
@@ -284,11 +256,8 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
 def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
                num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
                ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
-    """``(plan, regular, shifted)``: a stage's cached window layouts (effective ``window`` and
-    ``shift``, a bias table of ``table_window``; ``shifted`` ``None`` for no shift), with the
-    windows the plan's per-image valid sizes cut; and the stage's plan: a requested fused
-    Triton kernel checked (an error naming why it cannot run or what its check found; SDPA,
-    said once, for shapes it does not cover), no selective checkpointing inside ``with_cp``."""
+    """``(plan, regular, shifted)``: a stage's cached window layouts (``shifted`` ``None`` without
+    a shift) and its plan, with a requested Triton kernel checked (SDPA for shapes it lacks)."""
     def layout(offset: int) -> WindowLayout:
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
                 table_window)
@@ -337,9 +306,8 @@ def _say_once(message: str) -> None:
 
 # ------------------------------------------------------------------------------ memory and residuals
 def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
-    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under torch's selective activation
-    checkpointing: only its matmul outputs are kept (e.g. qkv, which the attention keeps
-    anyway); LayerNorm and gathers are recomputed in backward."""
+    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under selective checkpointing (matmul
+    outputs kept)."""
     if plan.save_memory:
         return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=_SAVE_MATMULS)
     return fn(*args, plan)
@@ -347,23 +315,21 @@ def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Te
 
 def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
                  plan: Plan) -> torch.Tensor:
-    """``x + branch(x)`` for ``(B, L, C)`` tokens ``x`` that the caller owns and a row-wise
-    ``branch`` (the MLP's; ``hidden`` its widest channel count): with :attr:`Plan.chunked` a
-    cache-sized chunk of rows at a time, added into ``x`` (the hidden activations stay in cache,
-    no new map-sized tensor); with :attr:`Plan.save_memory` under selective checkpointing (the
-    input and fc1's output kept; LayerNorm, GELU, dropout recomputed); else one call. Into the
-    branch's fresh output for plain modules, else out of place."""
+    """``x + branch(x)`` for caller-owned ``(B, L, C)`` ``x`` and a row-wise ``branch`` (``hidden``:
+    its widest width): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked`, under
+    selective checkpointing with :attr:`Plan.save_memory`, else one call."""
+    # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
+    # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
+    rows = x.reshape(-1, x.shape[-1])
     if plan.chunked:
-        rows = x.view(-1, x.shape[-1])
-        # Chunks as even as possible (2048 rows by 1365 would leave a 683-row tail, whose
-        # matmuls run at a lower rate).
+        # Chunks as even as possible (a short tail's matmuls run at a lower rate).
         count = max(1, -(-rows.shape[0] * hidden * x.element_size() // plan.chunk_bytes))
         for i in range(count):
             chunk = rows[i * rows.shape[0] // count:(i + 1) * rows.shape[0] // count]
             chunk.add_(branch(chunk))
         return x
     if plan.save_memory:
-        y = torch_checkpoint.checkpoint(branch, x, use_reentrant=False, context_fn=_SAVE_MATMULS)
+        y = torch_checkpoint.checkpoint(branch, rows, use_reentrant=False, context_fn=_SAVE_MATMULS)
     else:
-        y = branch(x)
-    return y.add_(x) if plan.plain else x + y
+        y = branch(rows)
+    return (y.add_(rows) if plan.plain else rows + y).view(x.shape)

@@ -1,18 +1,9 @@
-"""Fused shifted-window attention in Triton: forward and backward, one kernel launch each.
+"""Fused shifted-window attention in Triton (opt-in, ``attention='triton'``): one launch each way.
 
-:func:`triton_window_attention` takes the ``(B, H * W, 3C)`` output of the qkv projection in
-row-major token order and returns the ``(B, H * W, C)`` attention output in row-major order:
-pad, shift, partition, region mask, relative position bias, softmax and the reverse are fused
-into one pass over the windows. It is opt-in (``attention='triton'``); SDPA is the default.
-
-Where it may run is static (:func:`static_reason`): the GPU generations and Triton versions of
-:data:`COMPILE_TARGETS` and :data:`TRITON_VERSIONS`, the compile matrix that
-``tests/ops/test_triton_compile.py`` builds on the CPU for every variant the launcher can pick
-(:func:`launch_variants`). :func:`verify_once` runs it once per process, device, dtype and TF32
-setting against :func:`swin_backbone.ops.attention.reference_window_attention`. Importing this
-module compiles nothing and works without a GPU or triton; the interpreter (CPU tensors, for
-tests) needs ``TRITON_INTERPRET=1`` before ``triton.language`` is first imported. Design, gate
-and how to measure it: docs/gpu-kernel.md.
+``(B, H * W, 3C)`` row-major qkv -> ``(B, H * W, C)`` row-major output; pad, shift, partition,
+region mask, bias, softmax and reverse in one pass. Runs only where :func:`static_reason` allows
+and after :func:`verify_once`. Importing compiles nothing and needs no GPU or triton; the
+interpreter needs ``TRITON_INTERPRET=1`` before ``triton.language`` is imported. docs/gpu-kernel.md.
 """
 from __future__ import annotations
 
@@ -36,45 +27,32 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 __all__ = ["triton_window_attention", "static_reason", "unsupported_reason", "verify_once", "MAX_TOKENS",
            "MAX_HEAD_DIM", "COMPILE_TARGETS", "TRITON_VERSIONS"]
 
-#: Program instances a launch aims for (several waves on a large GPU); windows are grouped so
-#: that ``nH * G`` stays near it. Also bounds the table-gradient buffer ``(G, nH, N, N)``.
+#: Programs a launch aims for (``nH * G``); also bounds the table-gradient buffer ``(G, nH, N, N)``.
 TARGET_PROGRAMS = 1024
 
-#: The one launch shape: a whole window (``N = ws * ws <= 64`` tokens, ``ws <= 8``) in a
-#: 64-row block, a head (``head_dim <= 32``) in a 32-column block, 8 warps. Larger blocks
-#: spill kilobytes of registers per thread (head_dim 64 / 128: 1.8 / 34 KB in the backward,
-#: docs/gpu-kernel.md); one shape keeps the variants few enough to compile-check them all and
-#: makes :func:`verify_once` run every variant of its dtype.
+#: The one launch shape: a window (``N <= 64``) in 64 rows, a head (``head_dim <= 32``) in 32
+#: columns. Larger blocks spill registers (docs/gpu-kernel.md); one shape keeps the variants few.
 BLOCK_N = 64
 BLOCK_D = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
 
-#: Largest window size ``N = ws * ws`` (``ws <= 8``).
-MAX_TOKENS = BLOCK_N
+MAX_TOKENS = BLOCK_N  #: largest ``N = ws * ws`` (``ws <= 8``)
+MAX_HEAD_DIM = BLOCK_D  #: Swin's is 32 in every published configuration
 
-#: Largest head dimension (Swin's is 32 in every published configuration).
-MAX_HEAD_DIM = BLOCK_D
-
-#: The GPU targets (compute capability ``major * 10 + minor``) the compile test builds every
-#: launch variant for and finds clean (no compiler error, spills within its bound): the kernel
-#: runs on exactly these. sm_70 / sm_75 fail or abort in Triton 3.0-3.3 (docs/gpu-kernel.md);
-#: newer targets join when the test builds them.
+#: Compute capabilities (``major * 10 + minor``) whose compile matrix is clean: the kernel runs on
+#: exactly these. sm_70 / sm_75 fail or abort in Triton 3.0-3.3 (docs/gpu-kernel.md).
 COMPILE_TARGETS: Tuple[int, ...] = (80, 86, 89, 90)
 
-#: The Triton ``(major, minor)`` versions whose compile matrix (every launch variant for every
-#: target of :data:`COMPILE_TARGETS`) is clean: the installed one is checked by the test, the
-#: others were checked with their wheels the same way (docs/gpu-kernel.md). 3.3, 3.4 and 3.9
-#: spill 1.1-1.5 KB per thread in the sm_90 TF32 backward. The test fails on an installed
-#: Triton missing here, so a new version joins once its matrix passes.
+#: Triton versions whose compile matrix (every variant, every target) is clean; 3.3, 3.4 and 3.9
+#: spill 1.1-1.5 KB per thread in the sm_90 TF32 backward (docs/gpu-kernel.md).
 TRITON_VERSIONS: Tuple[Tuple[int, int], ...] = ((3, 0), (3, 1), (3, 2), (3, 5), (3, 6), (3, 7), (3, 8))
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def launch_variants() -> List[Tuple[str, str, bool]]:
-    """Every ``(element type, input precision, backward)`` the launcher compiles: with the one
-    launch shape these are all the kernel's compile variants (per target)."""
+    """Every ``(element type, input precision, backward)`` the launcher compiles (per target)."""
     types = [("fp32", "ieee"), ("fp32", "tf32"), ("fp16", "ieee"), ("bf16", "ieee")]
     return [(ty, precision, backward) for ty, precision in types for backward in (False, True)]
 
@@ -94,12 +72,8 @@ def _interpreting() -> bool:
 
 
 def _library_interpreted() -> bool:
-    """Whether ``triton.language`` itself was imported with the interpreter on.
-
-    Its own jit functions (``tl.sum``, ``tl.max``, ``tl.zeros``) are decorated when it is
-    imported, in the mode then in effect: an interpreted kernel cannot call compiled-mode ones
-    (they raise), so switching the interpreter on later in a process does not work.
-    """
+    """Whether ``triton.language`` was imported with the interpreter on (its own jit functions
+    are decorated at import: an interpreted kernel cannot call compiled-mode ones)."""
     if triton is None:
         return False
     try:
@@ -110,16 +84,9 @@ def _library_interpreted() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
-# --------------------------------------------------------------------------------------------
-# The kernel. One body for forward and backward (``BACKWARD`` is a compile-time constant):
-# they share the window index math, the loads and the computation of P.
-# Pointers: qkv (B, H * W, 3C) row-major, contiguous; table ((2tw-1)**2, nH) contiguous; io: the
-# forward's output (B, H * W, C), the backward's gradient of it; grad_qkv: backward, (B, H * W, 3C)
-# gradient of qkv (written); dbias: backward, (G, nH, N, N) fp32 per-group bias gradient (written,
-# always: one variant per dtype, and the compile test checks every variant).
-# windows_per_image nW, windows_per_row Wp // ws, total_windows B * nW, seq_len N = ws * ws,
-# qk_scale = scale * log2(e).
-# --------------------------------------------------------------------------------------------
+# The kernel: one body for forward and backward (``BACKWARD`` constexpr). qkv (B, H * W, 3C) and
+# table ((2tw-1)**2, nH) contiguous; io: forward output / its gradient (B, H * W, C); backward
+# writes grad_qkv (B, H * W, 3C) and dbias (G, nH, N, N) fp32. qk_scale = scale * log2(e).
 def _window_attention_kernel(
     qkv_ptr, table_ptr, io_ptr, grad_qkv_ptr, dbias_ptr,
     height, width, padded_h, padded_w, window, shift, table_window, windows_per_image, windows_per_row,
@@ -138,8 +105,7 @@ def _window_attention_kernel(
     pos_c = pos % window
     pair_ok = in_window[:, None] & in_window[None, :]
 
-    # Relative position bias of this head, gathered from the table once per program, in log2
-    # units like the scaled logits.
+    # This head's relative position bias, once per program, in log2 units like the logits.
     rel_r = pos_r[:, None] - pos_r[None, :] + table_window - 1
     rel_c = pos_c[:, None] - pos_c[None, :] + table_window - 1
     rel = rel_r * (2 * table_window - 1) + rel_c
@@ -165,9 +131,7 @@ def _window_attention_kernel(
         src_r = (r + shift) % padded_h
         src_c = (c + shift) % padded_w
         real = in_window & (src_r < height) & (src_c < width) & (index < total_windows)
-        # Shift regions as in windows._shift_regions: rows [0, Hp-ws) -> 0, [Hp-ws, Hp-shift)
-        # -> 1, [Hp-shift, Hp) -> 2 (same for columns). With shift == 0 the first test only
-        # splits whole windows apart, so tokens of one window always share a region.
+        # Shift regions as in windows._shift_regions (shift == 0: one region per window).
         region = ((r >= padded_h - window).to(tl.int32) + (r >= padded_h - shift).to(tl.int32)) * 3 + (
             (c >= padded_w - window).to(tl.int32) + (c >= padded_w - shift).to(tl.int32)
         )
@@ -184,8 +148,7 @@ def _window_attention_kernel(
         logits = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale + bias
         logits = tl.where(allowed, logits, float("-inf"))
         row_max = tl.max(logits, axis=1)
-        # Rows with no key at all (padding queries of a window without real tokens of their
-        # region, block rows >= N) are never stored: keep them finite, not NaN.
+        # Rows with no key at all are never stored: keep them finite, not NaN.
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         p = tl.exp2(logits - row_max[:, None])
         row_sum = tl.sum(p, axis=1)
@@ -195,15 +158,12 @@ def _window_attention_kernel(
         if BACKWARD:
             p = p / row_sum[:, None]
             grad_out = tl.load(io_rows, mask=tile_ok, other=0.0)
-            # fp32 without TF32 (FMA dots, no tensor cores) computes dV and dK as (N, D) tiles;
-            # tensor-core dots compute them transposed, (D, N), from transposes of *loaded*
-            # tiles only: a transposed dot result (P^T dO, dS^T q) fed to tl.dot is what Triton
-            # miscompiles on Hopper in some versions (wrong dK without an error), and the
-            # transposed form spills kilobytes per thread in fp32 (ptxas, docs/gpu-kernel.md).
+            # FMA dots (fp32 ieee) compute dV, dK as (N, D) tiles; tensor-core dots as (D, N) from
+            # loaded tiles only: Triton miscompiles a transposed dot result fed to tl.dot on Hopper
+            # in some versions (wrong dK), and the (D, N) form spills in fp32 (docs/gpu-kernel.md).
             fma: tl.constexpr = INPUT_PRECISION == "ieee" and q.dtype == tl.float32
             grad_p = tl.dot(grad_out, tl.trans(v), input_precision=INPUT_PRECISION)
-            # Softmax backward: dS = P * (dP - rowsum(P * dP)), the gradient of the logits
-            # scale * q k^T + bias (base e). Padding queries have dO = 0, so their rows are 0.
+            # Softmax backward: dS = P * (dP - rowsum(P * dP)); padding queries have dO = 0.
             delta = tl.sum(p * grad_p, axis=1)
             grad_s = p * (grad_p - delta[:, None])
             dbias += grad_s
@@ -240,10 +200,8 @@ def _kernel():
     """The kernel, jit-decorated for the current mode (compiled or interpreted) on first use."""
     interpret = _interpreting()
     if interpret not in _JITTED:
-        # Triton specializes integer arguments on their values (== 1, divisible by 16): none
-        # is, so that one variant per dtype serves every size and model (the variants the
-        # compile test builds and verify_once runs). Pointers keep their 16-byte alignment
-        # hint: the launcher hands over aligned tensors only.
+        # No integer specialization: one variant per dtype serves every size (the ones the compile
+        # test builds). Pointers keep the 16-byte alignment hint (the launcher aligns them).
         _JITTED[interpret] = triton.jit(_window_attention_kernel, do_not_specialize=INTEGER_ARGUMENTS)
     return _JITTED[interpret]
 
@@ -254,9 +212,7 @@ INTEGER_ARGUMENTS = ("height", "width", "padded_h", "padded_w", "window", "shift
                      "head_dim", "seq_len")
 
 
-# --------------------------------------------------------------------------------------------
-# Where it may run
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- where it may run
 def unsupported_reason(qkv: torch.Tensor, window: int, num_heads: int, *, height: Optional[int] = None,
                        width: Optional[int] = None, mask_padding: bool = True, dropout_p: float = 0.0) -> Optional[str]:
     """:func:`static_reason` for a ``(B, H * W, 3C)`` ``qkv`` (its device, dtype and shape)."""
@@ -269,15 +225,8 @@ def unsupported_reason(qkv: torch.Tensor, window: int, num_heads: int, *, height
 def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_heads: int, head_dim: int, *,
                   height: Optional[int] = None, width: Optional[int] = None, mask_padding: bool = True,
                   dropout_p: float = 0.0) -> Optional[str]:
-    """Why :func:`triton_window_attention` cannot run on this attention, or ``None`` if it can.
-
-    The gate: triton installed, a version of :data:`TRITON_VERSIONS`; an NVIDIA GPU whose compute
-    capability is one of :data:`COMPILE_TARGETS` (or CPU tensors in the Triton interpreter);
-    fp32, fp16 or bf16; windows up to :data:`MAX_TOKENS` tokens, heads up to
-    :data:`MAX_HEAD_DIM` channels; no attention dropout. The kernel implements
-    ``mask_padding=True`` (padding tokens are their own region): with ``False``, ``height`` and
-    ``width`` must rule padding out.
-    """
+    """Why :func:`triton_window_attention` cannot run on this attention, or ``None`` if it can
+    (``mask_padding=False`` needs ``height`` and ``width`` that rule padding out)."""
     if triton is None:
         return "triton is not installed"
     reason = triton_version_reason(str(triton.__version__))
@@ -327,8 +276,7 @@ def _gpu_reason(device: torch.device) -> Optional[str]:
 
 
 def capability_reason(name: str, major: int, minor: int) -> Optional[str]:
-    """Why the kernel does not run on a GPU of compute capability ``major.minor`` (``None``: it
-    does): the capability gate, :data:`COMPILE_TARGETS`."""
+    """Why the kernel does not run on compute capability ``major.minor`` (``None``: it does)."""
     if major * 10 + minor in COMPILE_TARGETS:
         return None
     targets = ", ".join(f"sm_{t}" for t in COMPILE_TARGETS)
@@ -337,8 +285,7 @@ def capability_reason(name: str, major: int, minor: int) -> Optional[str]:
 
 
 def triton_version_reason(version: str) -> Optional[str]:
-    """Why the kernel does not run with this Triton version (``None``: it does): the version
-    gate, :data:`TRITON_VERSIONS`."""
+    """Why the kernel does not run with this Triton version (``None``: it does)."""
     if _parse_version(version) in TRITON_VERSIONS:
         return None
     checked = ", ".join(f"{major}.{minor}" for major, minor in TRITON_VERSIONS)
@@ -356,9 +303,7 @@ def _triton_version() -> Tuple[int, int]:
     return _parse_version(str(getattr(triton, "__version__", "0")))
 
 
-# --------------------------------------------------------------------------------------------
-# Launches
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- launches
 @dataclass(frozen=True)
 class _Plan:
     """One launch, sized from the arguments alone."""
@@ -387,10 +332,8 @@ def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, windo
         raise ValueError(f"shift must be in 0..window-1={window - 1}, got shift={shift}")
     rows = (2 * table_window - 1) ** 2
     if table.shape != (rows, num_heads):
-        raise ValueError(
-            f"table must be ((2 * table_window - 1) ** 2, num_heads) = ({rows}, {num_heads}), "
-            f"got {tuple(table.shape)}"
-        )
+        raise ValueError(f"table must be ((2 * table_window - 1) ** 2, num_heads) = ({rows}, {num_heads}), "
+                         f"got {tuple(table.shape)}")
     if table.device != qkv.device:
         raise ValueError(f"table is on {table.device}, qkv on {qkv.device}")
     if windows_per_program is not None and windows_per_program <= 0:
@@ -416,24 +359,21 @@ def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, windo
 
 
 def _input_precision(dtype: torch.dtype, device: torch.device) -> str:
-    """``tl.dot`` precision for fp32 inputs: TF32 only where torch itself allows it for
-    matmuls (fp16 / bf16 inputs ignore the setting)."""
+    """``tl.dot`` precision: TF32 only for fp32 where torch allows it for matmuls."""
     if dtype != torch.float32 or device.type != "cuda":
         return "ieee"
     return "tf32" if matmul_allows_tf32() else "ieee"
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous at a 16-byte aligned address (a copy if it is not): every launch is
-    then the pointer-aligned variant the compile test builds."""
+    """``t`` contiguous and 16-byte aligned (the pointer-aligned variant the compile test builds)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _launch(plan: _Plan, qkv: torch.Tensor, table: torch.Tensor, io: torch.Tensor, grad_qkv: Optional[torch.Tensor],
             dbias: Optional[torch.Tensor]) -> None:
-    # Triton launches on the current CUDA device: make it qkv's (a model on cuda:1 while
-    # cuda:0 is current would otherwise read another GPU's addresses).
+    # Triton launches on the current CUDA device: make it qkv's (else cuda:1 data read on cuda:0).
     device = torch.cuda.device(qkv.device) if qkv.device.type == "cuda" else contextlib.nullcontext()
     with device:
         _kernel()[(plan.num_heads, plan.groups)](
@@ -492,41 +432,23 @@ class _TritonWindowAttention(torch.autograd.Function):
 def triton_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
                             table_window: int, num_heads: int, scale: float, *,
                             windows_per_program: Optional[int] = None) -> torch.Tensor:
-    """Shifted-window multi-head attention with relative position bias, fused (eager; inside
-    ``torch.compile`` graphs the same kernel runs as the operator of :mod:`.triton_ops`).
+    """Fused shifted-window attention (eager; :mod:`.triton_ops` wraps it for ``torch.compile``):
+    :func:`~swin_backbone.ops.attention.reference_window_attention` between its projections,
+    differentiable in ``qkv`` and ``table``; ``ValueError`` on bad arguments (no fallback).
 
-    The same computation as :func:`swin_backbone.ops.attention.reference_window_attention`
-    after its qkv projection and before its output projection (``mask_padding=True``);
-    differentiable in ``qkv`` and ``table``. Errors propagate (no fallback).
-
-    Args:
-        qkv: ``(B, H * W, 3C)`` row-major tokens from the qkv projection (channels
-            ``[q | k | v]``, each head-major), fp32, fp16 or bf16.
-        table: ``((2 * table_window - 1) ** 2, nH)`` relative position bias table (any float
-            dtype; read in fp32, its gradient returned in its own dtype).
-        window, shift: effective window ``ws <= table_window`` (the window ``tw`` the table
-            was built for) and shift ``0 <= shift < ws``.
-        windows_per_program: windows each program handles (default: grouped so that a
-            launch has about :data:`TARGET_PROGRAMS` programs).
-    Returns:
-        ``(B, H * W, C)`` attention output in row-major order, in ``qkv``'s dtype.
-    Raises:
-        ValueError: on inconsistent arguments, or inputs :func:`static_reason` rejects.
+    ``qkv`` ``(B, H * W, 3C)`` row-major (``[q | k | v]``, head-major) -> ``(B, H * W, C)``;
+    ``table`` ``((2 * table_window - 1) ** 2, nH)``, read in fp32; ``window <= table_window``.
     """
     plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
     return _TritonWindowAttention.apply(qkv, table, plan)
 
 
-# --------------------------------------------------------------------------------------------
-# The check at first use
-# --------------------------------------------------------------------------------------------
-#: Largest error of the kernel's output and gradients against the float64 reference, relative
-#: to the reference's largest magnitude, per element type (``tf32``: fp32 with TF32 dots).
+# ---------------------------------------------------------------------- the check at first use
+#: Largest error against the float64 reference, relative to its largest magnitude.
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}
 
-#: The check's problem: (batch, height, width, window, shift, table_window, heads, head_dim,
-#: windows per program). Padding in both directions, a shift (all nine regions), partial and
-#: multi-window programs; the launch shape is the one every problem uses.
+#: (batch, height, width, window, shift, table_window, heads, head_dim, windows per program):
+#: padding both ways, all nine shift regions, partial and multi-window programs.
 CHECK_PROBLEM = (2, 9, 11, 7, 3, 7, 2, 32, 3)
 
 #: Per (device, dtype, precision): ``None`` (passed) or what failed. In this process only.
@@ -534,20 +456,9 @@ _VERIFIED: Dict[Tuple[str, torch.dtype, str], Optional[str]] = {}
 
 
 def verify_once(device: torch.device, dtype: torch.dtype) -> None:
-    """Check the kernel on ``device`` in ``dtype`` against the reference algorithm, once per
-    process per (device, dtype, TF32 setting); later calls return at once (or raise again).
-
-    The first call runs forward and backward on a small random problem (:data:`CHECK_PROBLEM`)
-    and compares the output and the gradients of ``qkv`` and the table with
-    :func:`~swin_backbone.ops.attention.reference_window_attention` in float64 on the CPU
-    (:func:`reference_attention`, :data:`TOLERANCE`). Every launch of a dtype is the same
-    compile variant, so this runs the binary all later launches run. Nothing is written
-    outside the process, and no collective runs (each rank checks its own GPU).
-
-    Raises:
-        RuntimeError: naming the device, dtype and what differed (or the exception) if the
-            kernel fails the check, or cannot run here at all.
-    """
+    """Check the kernel's forward and backward on :data:`CHECK_PROBLEM` against the float64 CPU
+    reference, once per process per (device, dtype, TF32 setting); ``RuntimeError`` naming what
+    failed. Every launch of a dtype is the same variant, so this runs the binary later ones run."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -572,15 +483,9 @@ def _describe(device: torch.device) -> str:
 
 def reference_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
                         table_window: int, num_heads: int, scale: float) -> torch.Tensor:
-    """What :func:`triton_window_attention` computes, by
-    :func:`~swin_backbone.ops.attention.reference_window_attention` (plain torch, in ``qkv``'s
-    dtype and device, differentiable in ``qkv`` and ``table``): ``(B, H * W, 3C)`` ->
-    ``(B, H * W, C)``.
-
-    The reference takes tokens and a projection; here each token's "projection" is its row
-    of ``qkv`` (the token's index rides in channel 0 of the tokens, 0 for padding tokens, whose
-    projection is then a zero row that ``mask_padding=True`` never lets a real token see).
-    """
+    """:func:`triton_window_attention` by the plain-torch reference: ``(B, H * W, 3C)`` ->
+    ``(B, H * W, C)``. Token indices ride in channel 0 and "project" to their ``qkv`` row
+    (padding: index 0, a zero row)."""
     from torch import nn
 
     from .attention import reference_window_attention

@@ -1,12 +1,6 @@
-"""The fused Triton window attention as torch custom operators, for ``torch.compile``, and
-the one place that picks the eager or the traced form (:func:`fused_window_attention`).
-
-A compiled graph holds one opaque call per attention (shapes from the fake implementations)
-that checks its arguments and sizes its launch at run time, so sizes stay dynamic; eager
-calls skip the operator dispatch. Registered when :mod:`swin_backbone.ops` is imported (a
-name can be registered only once per process, so this lives apart from the kernel's module).
-Needs ``torch.library.custom_op`` (torch >= 2.4); without it the operators are ``None`` and
-:func:`fused_window_attention` raises while tracing (the planner does not ask for it there).
+"""The fused Triton window attention as torch custom operators for ``torch.compile`` (one opaque
+call sized at run time, so sizes stay dynamic), and :func:`fused_window_attention`, which picks
+the eager or traced form. Registered once per process on import; needs torch >= 2.4 (else ``None``).
 """
 from typing import Tuple
 
@@ -22,10 +16,8 @@ def fused_window_attention(
     qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int, table_window: int,
     num_heads: int, scale: float, tracing: bool,
 ) -> torch.Tensor:
-    """:func:`~swin_backbone.ops.triton_attention.triton_window_attention`: eager, or while
-    ``torch.compile`` traces (``tracing``) as one opaque operator sized at run time.
-
-    ``qkv`` ``(B, H * W, 3C)`` row-major -> ``(B, H * W, C)``. Errors propagate (no fallback)."""
+    """:func:`~.triton_attention.triton_window_attention`, eager or (``tracing``) as the operator:
+    ``(B, H * W, 3C)`` row-major -> ``(B, H * W, C)``."""
     if not tracing:
         return triton_window_attention(qkv, table, height, width, window, shift, table_window, num_heads, scale)
     if window_attention_op is None:

@@ -1,17 +1,9 @@
-"""Window arithmetic: padding, cyclic shifts, window partition indices, region labels,
-attention masks and relative-position indices. Pure functions of sizes (never of weights).
+"""Window arithmetic: padding, shifts, partition indices, region labels, masks and relative
+position indices; pure, traceable functions of sizes (tensor ops on ``arange``).
 
-All index and mask tensors are built with tensor ops on ``arange`` (no Python loops over
-pixels), which keeps them traceable by ``torch.compile`` / ``torch.export``.
-
-Conventions
------------
-A feature map of ``H x W`` tokens is padded bottom/right to ``Hp x Wp`` (multiples of the
-window ``ws``), cyclically shifted by ``-shift`` on both axes (pad first, then shift, as the
-official detection code and mmdet do), and cut into ``nW = (Hp // ws) * (Wp // ws)`` windows
-of ``N = ws * ws`` tokens each. The *window layout* of a map is the ``(nW * N,)`` sequence of
-tokens in window-major order (:mod:`.layouts` holds the gathers between it and the
-row-major ``(H * W,)`` order, with the attention mask, per map size).
+An ``H x W`` map is padded bottom/right to ``Hp x Wp`` (multiples of ``ws``), shifted by
+``-shift`` (pad first, as mmdet), and cut into ``nW`` windows of ``N = ws * ws`` tokens; the
+*window layout* is the ``(nW * N,)`` window-major token sequence.
 """
 from __future__ import annotations
 
@@ -19,16 +11,12 @@ from typing import Optional, Tuple
 
 import torch
 
-#: Additive mask value between tokens of different regions. The pretrained Swins used -100,
-#: but exp(-100) = 3.7e-44 is a *denormal* float: every masked attention weight then becomes
-#: a denormal, and the matmuls that read them (attention @ V, the output projection, their
-#: gradients) run far slower on x86 CPUs (figures in docs/performance.md). exp(-1e4)
-#: underflows to exactly 0, which changes results by < 1e-40 and is finite in fp16 and bf16
-#: (no -inf, no NaN: a row always keeps its own token).
+#: Additive mask between regions. Not the official -100: exp(-100) is a denormal, which makes
+#: the matmuls reading masked weights far slower on x86 CPUs (docs/performance.md); exp(-1e4)
+#: is exactly 0, and -1e4 is finite in fp16 / bf16.
 MASK_VALUE = -1e4
 
-#: Region label given to tokens that exist only because of window padding.
-PAD_REGION = 9
+PAD_REGION = 9  #: region label of window padding tokens
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -43,11 +31,7 @@ def _mod(a: torch.Tensor, b) -> torch.Tensor:
 
 
 def padded_size(size: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``size``.
-
-    Written as ``ceil(size / multiple) * multiple`` so that a tracer can see that the result
-    divides evenly (``size + (-size) % multiple`` hides that behind a modulo).
-    """
+    """Smallest multiple of ``multiple`` >= ``size`` (written so a tracer sees it divides evenly)."""
     return ceil_div(size, multiple) * multiple
 
 
@@ -58,21 +42,15 @@ def pad_amount(size: int, multiple: int) -> int:
 
 def effective_window(height: int, width: int, window_size: int, shift_size: int,
                      pad_small_map: bool) -> Tuple[int, int]:
-    """Window and shift actually used on an ``height x width`` map.
-
-    With ``pad_small_map=True`` (detection / segmentation, = mmdet) the configured window is
-    always used; a smaller map is padded up to it and still shifted. With ``False``
-    (= the official classification model) a map whose smaller side is <= the window gets a
-    window of that side and no shift.
-    """
+    """Window and shift used on an ``height x width`` map: without ``pad_small_map`` (official
+    classification) a map whose smaller side is <= the window gets that side and no shift."""
     if not pad_small_map and min(height, width) <= window_size:
         return min(height, width), 0
     return window_size, shift_size
 
 
 def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:
-    """Spatial size of each stage's output for an ``height x width`` image: stage 0 is
-    ``ceil(H / patch) x ceil(W / patch)``; each later stage halves it (ceil)."""
+    """Each stage's ``(h, w)`` for an image: ``ceil(H / patch)``, then halved (ceil) per stage."""
     h, w = ceil_div(height, patch_size), ceil_div(width, patch_size)
     sizes = [(h, w)]
     for _ in range(num_stages - 1):
@@ -82,18 +60,13 @@ def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tu
 
 
 def _rolled_rows(padded: int, shift: int, device: torch.device) -> torch.Tensor:
-    """``(padded,)`` int64: for each row of the padded, shifted map, the row of the unshifted map
-    it shows (those >= the real size are padding rows)."""
+    """``(padded,)`` int64: the unshifted row each row of the shifted map shows."""
     return _mod(torch.arange(padded, device=device) + shift, padded)
 
 
 def _shift_regions(padded: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
-    """Shift-region id (0, 1, 2) of each row of a shifted map, as in the official code.
-
-    Rows ``[0, P-ws)`` are region 0, ``[P-ws, P-shift)`` region 1, ``[P-shift, P)`` region 2:
-    after the cyclic shift, tokens of regions 1 and 2 came from opposite edges of the map
-    and must not attend to each other.
-    """
+    """Shift-region id of each row, as the official code: ``[0, P-ws)`` 0, ``[P-ws, P-shift)`` 1,
+    ``[P-shift, P)`` 2 (regions 1 and 2 came from opposite edges)."""
     rows = torch.arange(padded, device=device)
     if shift == 0:
         return torch.zeros_like(rows)
@@ -101,11 +74,8 @@ def _shift_regions(padded: int, window: int, shift: int, device: torch.device) -
 
 
 def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
-    """``(Hp, Wp)`` grid -> ``(nW, ws * ws)`` rows of its windows, window-major.
-
-    Computed as one gather with arithmetic indices rather than view + transpose, so that a
-    tracer does not have to special-case maps that are one window wide.
-    """
+    """``(Hp, Wp)`` grid -> ``(nW, ws * ws)``, by one gather (a tracer need not special-case
+    one-window-wide maps as with view + transpose)."""
     hp, wp = grid.shape
     n = window * window
     pos = torch.arange(hp * wp, device=grid.device)
@@ -116,8 +86,7 @@ def partition_grid(grid: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def window_token_index(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
-    """Gather index from row-major tokens to the shifted window layout: ``(nW * N,)`` int64 into
-    ``H * W + 1`` tokens, where index ``H * W`` denotes a zero padding token appended after the real ones."""
+    """``(nW * N,)`` int64 gather from ``H * W + 1`` row-major tokens (``H * W``: padding) to the window layout."""
     hp, wp = padded_size(height, window), padded_size(width, window)
     rows, cols = _rolled_rows(hp, shift, device), _rolled_rows(wp, shift, device)
     valid = (rows < height)[:, None] & (cols < width)[None, :]
@@ -126,11 +95,9 @@ def window_token_index(height: int, width: int, window: int, shift: int, device:
 
 
 def window_inverse_index(height: int, width: int, window: int, shift: int, device: torch.device) -> torch.Tensor:
-    """Inverse of :func:`window_token_index` on the real tokens: ``(H * W,)`` int64, the position in the
-    window layout of each row-major token, so ``layout[inverse]`` undoes partition, shift and padding."""
+    """``(H * W,)`` int64: the window-layout position of each token (inverse of :func:`window_token_index`)."""
     hp, wp = padded_size(height, window), padded_size(width, window)
-    # Row / column in the shifted map; kept non-negative: the TorchScript ONNX exporter turns
-    # integer floor division into a truncating one, which differs for negative numbers.
+    # Kept non-negative: the TorchScript ONNX exporter turns floor division into truncation.
     r = _mod(torch.arange(height, device=device) + (hp - shift), hp)
     c = _mod(torch.arange(width, device=device) + (wp - shift), wp)
     n_win_w = wp // window
@@ -143,14 +110,8 @@ def region_labels(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device,
     valid: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """Region id of every token of the padded, shifted map, ``(Hp, Wp)`` int64.
-
-    Tokens may attend to each other only when their ids are equal. Ids 0..8 are the nine
-    shift regions; with ``mask_padding`` every padding token gets :data:`PAD_REGION` so that
-    real tokens never attend to padding. ``valid = (h, w)`` (with ``mask_padding``): the
-    labels of one image that is only the top-left ``h x w`` of the map: every token beyond
-    it is padding too.
-    """
+    """``(Hp, Wp)`` int64 region ids (0..8 shift regions, :data:`PAD_REGION` for padding with
+    ``mask_padding``); ``valid = (h, w)``: tokens beyond that top-left image are padding too."""
     height_, width_ = valid if valid is not None else (height, width)
     hp, wp = padded_size(height, window), padded_size(width, window)
     labels = _shift_regions(hp, window, shift, device)[:, None] * 3 + _shift_regions(wp, window, shift, device)[None, :]
@@ -172,12 +133,8 @@ def window_attention_mask(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
     align: bool = False,
 ) -> Optional[torch.Tensor]:
-    """Additive attention mask ``(nW, N, N)``: 0 within a region, :data:`MASK_VALUE` across.
-
-    ``None`` when no window needs masking (no shift and no masked padding). With ``align``
-    the rows are stored 8-element aligned (a view of an ``(nW, N, ceil8(N))`` buffer), as
-    fused CUDA attention kernels read masks without copying them.
-    """
+    """``(nW, N, N)`` additive mask (0 within a region, :data:`MASK_VALUE` across) or ``None``;
+    ``align``: rows 8-aligned (fused CUDA kernels then read it without a copy)."""
     if not needs_mask(height, width, window, shift, mask_padding):
         return None
     return mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
@@ -189,13 +146,8 @@ def row_length(n: int, align: bool) -> int:
 
 
 def mask_buffer(labels: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
-    """Additive mask of windows' region labels ``(K, N)``, on their device: :data:`MASK_VALUE`
-    between tokens whose labels differ, 0 else.
-
-    Returns the ``(K, N, R)`` buffer (``R``: :func:`row_length`) whose ``[..., :N]`` is the
-    mask (:func:`mask_rows`). Copies move the whole buffer, so that the mask's rows stay
-    8-aligned on the device.
-    """
+    """``(K, N)`` labels -> ``(K, N, R)`` buffer (``R``: :func:`row_length`) whose ``[..., :N]`` is
+    the additive mask (:func:`mask_rows`); copy the whole buffer to keep rows aligned."""
     differs = labels[:, :, None] != labels[:, None, :]
     n = differs.shape[-1]
     if not align:  # (out of place: the TorchScript ONNX exporter mistranslates in-place writes into views)
@@ -220,12 +172,7 @@ def mask_from_labels(
 
 
 def relative_position_index(window: int, table_window: int, device: torch.device) -> torch.Tensor:
-    """Index into a ``(2*tw-1)**2``-row relative-position-bias table for a ``window`` window.
-
-    Returns ``(N * N,)`` int64 with ``N = window**2``. ``window`` may be smaller than the
-    table's window ``tw`` (``pad_small_map=False`` on small maps): its offsets are a subset
-    of the table's, so the bias is read exactly, with no resizing.
-    """
+    """``(N * N,)`` int64 rows of a ``(2*tw-1)**2``-row bias table (``window <= tw``: read exactly)."""
     coords = torch.arange(window, device=device)
     ys, xs = torch.meshgrid(coords, coords, indexing="ij")
     ys, xs = ys.reshape(-1), xs.reshape(-1)

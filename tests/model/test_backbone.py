@@ -10,6 +10,7 @@ from swin_backbone import SwinBackbone
 from swin_backbone.ops import layouts as L, windows as W
 
 from ..conftest import small_arch
+from ..helpers import randomize
 
 ODD_SIZES = [(1, 1), (31, 33), (65, 97), (227, 301), (33, 800), (512, 512)]
 
@@ -471,3 +472,71 @@ def test_batch_members_are_independent():
             alone = model(x[i : i + 1])
             for t, a in zip(together, alone):
                 torch.testing.assert_close(t[i : i + 1], a, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- modules on their own
+def _small_model(version):
+    """A two-stage V1 / V2 model with non-trivial parameters (eval mode)."""
+    from swin_backbone import SwinV2Backbone
+
+    cls = SwinBackbone if version == "v1" else SwinV2Backbone
+    torch.manual_seed(0)
+    model = cls(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
+                out_indices=(0, 1))
+    model.init_weights()
+    return randomize(model)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("train", [False, True])
+def test_modules_called_on_their_own_work(version, train):
+    # A block, WindowAttention, stage or merging called without a plan (as other code may call
+    # them) plans for itself: the results equal those under the backbone's plan, with gradients
+    # in training.
+    from swin_backbone import ops
+    from swin_backbone.ops.layouts import get_window_layout
+
+    model = _small_model(version).train(train)
+    stage = model.stages[0]
+    block, merging = stage.blocks[1], stage.downsample
+    x = torch.randn(2, 9, 11, 16, requires_grad=train)
+    with torch.set_grad_enabled(train):
+        plan = ops.plan_forward(x, model, False, False, False)
+        layout = get_window_layout(9, 11, 4, 2, True, x.device, x.dtype, False, False, 4)
+        tokens = x.reshape(2, 99, 16)
+        norm = (block.norm1,) if version == "v1" else ()  # (V1 attention normalises its input, V2's its output)
+        calls = {
+            "attention": (lambda *p: block.attn(tokens, *norm, layout, *p)),
+            "block": (lambda *p: block(tokens, layout, *p)),
+            "stage": (lambda *p: stage(x, *p)),
+            "merging": (lambda *p: merging(x, *p)),
+        }
+        for name, call in calls.items():
+            alone, planned = call(), call(plan)
+            torch.testing.assert_close(alone, planned, msg=name)
+            assert torch.isfinite(alone).all(), name
+            if train:
+                (g_alone,) = torch.autograd.grad(alone.square().sum(), x)
+                (g_planned,) = torch.autograd.grad(planned.square().sum(), x)
+                torch.testing.assert_close(g_alone, g_planned, msg=name)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_modules_called_on_their_own_work_on_the_meta_device(version, monkeypatch):
+    # Shapes only (meta tensors hold no data): every module runs there on its own.
+    from swin_backbone.ops.layouts import get_window_layout
+
+    real = torch.is_autocast_enabled
+    # meta has no autocast state; the planner asks for the input's device type
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a and a[0] == "meta" else real(*a))
+    model = _small_model(version).to("meta").eval()
+    stage = model.stages[0]
+    x = torch.empty(2, 9, 11, 16, device="meta")
+    layout = get_window_layout(9, 11, 4, 2, True, x.device, x.dtype, False, False, 4)
+    tokens = x.reshape(2, 99, 16)
+    norm = (stage.blocks[1].norm1,) if version == "v1" else ()  # (V1 attention normalises its input)
+    assert stage.blocks[1].attn(tokens, *norm, layout).shape == (2, 99, 16)
+    assert stage.blocks[1](tokens, layout).shape == (2, 99, 16)
+    assert stage(x).shape == (2, 9, 11, 16)
+    assert stage.downsample(x).shape == (2, 5, 6, 32)
+    assert [tuple(o.shape) for o in model(torch.empty(1, 3, 36, 44, device="meta"))] == [(1, 16, 9, 11), (1, 32, 5, 6)]

@@ -74,11 +74,11 @@ def test_v2_batch_equals_each_image_alone():
 @pytest.mark.parametrize(
     "strategy",
     [
-        dict(),  # CPU default: shared-bias fixups, row chunks, project-first
-        dict(fixup_share=0.0, chunk_bytes=0),  # per-window bias
+        dict(),  # CPU default: SDPA with per-window biases, row chunks
+        dict(chunk_bytes=0),  # whole tensors
         dict(sdpa=False),  # matmul + softmax
     ],
-    ids=["default", "per-window", "plain"],
+    ids=["default", "whole", "plain"],
 )
 def test_eval_batch_equals_each_image_alone(name, strategy):
     size, sizes = BATCHES[name]

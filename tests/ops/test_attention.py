@@ -1,13 +1,14 @@
 """The window-attention implementations (SDPA, plain, CPU recompute) agree, in values and
-gradients, with every masked-window strategy and every backward mode."""
+gradients, with the reference algorithm and with each other, in every backward mode."""
 import pytest
 import torch
 
 from swin_backbone import ops
 from swin_backbone.model.attention import WindowAttention
-from swin_backbone.ops.attention import per_window_bias, relative_position_bias, run_kernel, sdpa_ready
+from swin_backbone.ops import planner
+from swin_backbone.ops.attention import _RecomputedAttention, per_window_bias, sdpa_ready, window_attention
 from swin_backbone.ops.layouts import build_window_layout
-from swin_backbone.ops.windows import relative_position_index
+from swin_backbone.ops.windows import relative_position_index, window_attention_mask
 
 KERNELS = ("sdpa", "plain", "recompute")
 
@@ -27,18 +28,15 @@ def backward_mode(request):
     return settings
 
 
-def _attend(attn, x, layout, kernel, fixup, chunk):
-    """The attention module's computation with a plan forcing these choices (no norm)."""
-    plan = ops.plan_for(
-        x, grad=True, attention=kernel, save_memory=False, chunk_bytes=chunk, fixup_share=1.0 if fixup else 0.0
-    )
+def _attend(attn, x, layout, kernel, chunk):
+    """The attention module's computation (no norm) with a plan forcing these choices."""
+    plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=chunk)
     return attn(x, torch.nn.Identity(), layout, plan)
 
 
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
-@pytest.mark.parametrize("fixup", [False, True], ids=["per-window-bias", "masked-fixup"])
 @pytest.mark.parametrize("batch", [1, 2])  # SDPA puts per-window biases in its batch (1) or heads (2) dim
-def test_kernels_agree_forward_and_backward(size, shift, fixup, batch, backward_mode):
+def test_kernels_agree_forward_and_backward(size, shift, batch, backward_mode):
     chunk = backward_mode(2 * 4 * 49 * 49 * 8)  # batch x heads x N x N float64
     torch.manual_seed(0)
     attn = WindowAttention(32, 4, 7).double()
@@ -49,14 +47,14 @@ def test_kernels_agree_forward_and_backward(size, shift, fixup, batch, backward_
     for kernel in KERNELS:
         attn.zero_grad()
         xi = x.clone().requires_grad_(True)
-        out = _attend(attn, xi, layout, kernel, fixup, chunk)
+        out = _attend(attn, xi, layout, kernel, chunk)
         out.square().sum().backward()
         outs[kernel] = out.detach()
         grads[kernel] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
-    # The reference: plain kernel, one per-window bias, autograd's graph.
+    # The reference: plain kernel (one per-window bias), autograd's graph.
     attn.zero_grad()
     xi = x.clone().requires_grad_(True)
-    ref = _attend(attn, xi, layout, "plain", False, 0)
+    ref = _attend(attn, xi, layout, "plain", 0)
     ref.square().sum().backward()
     ref_grads = (xi.grad, attn.relative_position_bias_table.grad, attn.qkv.weight.grad)
     for kernel in KERNELS:
@@ -78,20 +76,46 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
     def fn(qkv, bias):
-        return run_kernel(qkv, bias, layout, heads, d**-0.5, 0.0, "recompute", False, chunk)
+        return _RecomputedAttention.apply(qkv, bias, heads, d**-0.5, layout, chunk, False)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
 
 def test_bad_kernel_arguments_raise():
-    layout = _layout(7, 7, 0)
-    qkv, bias = torch.zeros(1, 49, 6), torch.zeros(1, 49, 49)
-    with pytest.raises(ValueError, match="kernel: expected 'sdpa', 'plain' or 'recompute', got 'flash'"):
-        run_kernel(qkv, bias, layout, 1, 1.0, kernel="flash")
-    with pytest.raises(ValueError, match="dropout_p=0.5"):
-        run_kernel(qkv, bias, layout, 1, 1.0, 0.5, kernel="recompute")
+    qkv = torch.zeros(1, 49, 6)
     with pytest.raises(ValueError, match="attention: expected one of"):
         ops.plan_for(qkv, attention="flash")
+    with pytest.raises(ValueError, match="attention: expected one of .*got 'flash'"):
+        ops.check_attention("flash")
+
+
+def test_attention_dropout_always_runs_a_kernel_that_drops():
+    # Only the plain kernel applies attention dropout (SDPA's CPU kernels and the recompute
+    # kernel's hand-written backward do not): every situation with attention dropout plans it,
+    # on every device, eagerly and while tracing, also where 'triton' was asked for.
+    f32 = torch.float32
+    for device in ("cpu", "cuda"):
+        for grad, tracing in ((True, False), (False, False), (True, True), (False, True)):
+            for mode in planner.ATTENTION_CHOICES:
+                plan = planner.decide(device, f32, grad, tracing, False, True, True, mode)
+                assert plan.attention == "plain", (device, grad, tracing, mode, plan.attention)
+    # ... and that kernel drops: two training calls differ, and zero attention dropout is deterministic.
+    attn = WindowAttention(16, 2, 7)
+    layout = _layout(9, 12, 3, dtype=torch.float32)
+    x = torch.randn(1, 9 * 12, 16)
+    plan = ops.plan_for(x, attention="plain", attn_dropout=True)
+    qkv = attn.qkv(ops.window_partition(x, layout, plan)).detach()
+    table = attn.relative_position_bias_table
+    runs = [window_attention(qkv, table, 7, layout, 2, attn.scale, 0.5, plan) for _ in range(2)]
+    assert not torch.equal(runs[0], runs[1])
+    off = ops.plan_for(x, attention="plain", attn_dropout=False)  # (eval: the rate is not applied)
+    runs = [window_attention(qkv, table, 7, layout, 2, attn.scale, 0.5, off) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def _masked_window(layout):
+    """The first window whose mask is not all zeros."""
+    return int((layout.mask != 0).flatten(1).any(1).nonzero()[0])
 
 
 def test_masked_keys_get_no_weight():
@@ -101,28 +125,39 @@ def test_masked_keys_get_no_weight():
     layout = _layout(14, 14, 3, dtype=torch.float32)
     heads, d = 1, 2
     qkv = torch.randn(1, layout.index.numel(), 3 * heads * d)
-    bias = torch.zeros(heads, 49, 49)
-    base = run_kernel(qkv, bias, layout, heads, d**-0.5)
-    win = int(layout.masked_windows[0])
-    mask = layout.mask[win]
-    query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
-    other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
-    qkv2 = qkv.clone()
-    qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
-    out2 = run_kernel(qkv2, bias, layout, heads, d**-0.5)
-    token = int(layout.index[win * 49 + query])  # the query's row-major position
-    torch.testing.assert_close(out2[0, token], base[0, token])
-    assert not torch.allclose(out2, base)  # the changed value does reach its own region
+    table = torch.zeros(13 * 13, heads)
+    x = torch.zeros(1, 14 * 14, heads * d)
+    for kernel in KERNELS:
+        plan = ops.plan_for(x, grad=False, attention=kernel)
+        base = window_attention(qkv, table, 7, layout, heads, d**-0.5, 0.0, plan)
+        win = _masked_window(layout)
+        mask = layout.mask[win]
+        query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
+        other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
+        qkv2 = qkv.clone()
+        qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
+        out2 = window_attention(qkv2, table, 7, layout, heads, d**-0.5, 0.0, plan)
+        token = int(layout.index[win * 49 + query])  # the query's row-major position
+        torch.testing.assert_close(out2[0, token], base[0, token])
+        assert not torch.allclose(out2, base)  # the changed value does reach its own region
 
 
-def test_relative_position_bias_gathers_the_table():
+def test_layout_bias_index_gathers_the_table():
+    # The layout's bias_index reads the (nH, N, N) relative position bias out of a table of
+    # its table_window, as the official index does; a smaller window reads a subset exactly.
     table = torch.randn(13 * 13, 3)
-    bias = relative_position_bias(table, 7, 7)
+    cpu = torch.device("cpu")
+    layout = build_window_layout(14, 14, 7, 3, True, cpu, torch.float32)
+    bias = table.t().index_select(1, layout.bias_index).view(-1, 49, 49)
     assert bias.shape == (3, 49, 49) and bias.is_contiguous()
     ref = table[relative_position_index(7, 7, table.device)].view(49, 49, 3).permute(2, 0, 1)
-    torch.testing.assert_close(bias, ref)
-    sub = relative_position_bias(table, 3, 7)  # a smaller window reads a subset exactly
-    torch.testing.assert_close(sub, table[relative_position_index(3, 7, table.device)].view(9, 9, 3).permute(2, 0, 1))
+    torch.testing.assert_close(bias, ref, rtol=0, atol=0)
+    small = build_window_layout(3, 5, 3, 0, True, cpu, torch.float32, table_window=7)
+    sub = table.t().index_select(1, small.bias_index).view(-1, 9, 9)
+    torch.testing.assert_close(sub, table[relative_position_index(3, 7, cpu)].view(9, 9, 3).permute(2, 0, 1),
+                               rtol=0, atol=0)
+    assert torch.equal(build_window_layout(3, 5, 3, 0, True, cpu, torch.float32).bias_index,
+                       relative_position_index(3, 3, cpu))  # table_window 0: the window's own table
 
 
 def test_sdpa_ready_casts_and_aligns_rows():
@@ -150,36 +185,59 @@ def test_per_window_bias_aligned_equals_plain_sum(size, shift):
             assert all(st % 8 == 0 for st in out.stride()[:-1])
 
 
+@pytest.mark.parametrize("size,shift,mask_padding", [((14, 21), 3, True), ((14, 21), 3, False), ((9, 12), 0, True),
+                                                     ((9, 12), 3, True), ((14, 14), 0, True)])
+@pytest.mark.parametrize("align", [False, True])
+def test_layout_masks_are_the_window_attention_masks(size, shift, mask_padding, align):
+    # The layout's mask is the official region mask (None where no window mixes regions), in
+    # the compute dtype, with 8-aligned rows where asked.
+    cpu = torch.device("cpu")
+    layout = build_window_layout(*size, 7, shift, mask_padding, cpu, torch.bfloat16, align)
+    expected = window_attention_mask(*size, 7, shift, mask_padding, cpu, torch.bfloat16, align)
+    if expected is None:
+        assert layout.mask is None
+        return
+    assert layout.mask.dtype == torch.bfloat16 and layout.mask.stride() == expected.stride()
+    assert torch.equal(layout.mask, expected)
+
+
 def test_masked_windows_are_the_last_row_and_column():
-    # Without padding only the last row / column of windows mixes shift regions.
+    # Without padding only the last row / column of windows mixes shift regions: the other
+    # windows' masks are all zeros.
     layout = _layout(14, 21, 3)
     n_h, n_w = 2, 3
     expected = {i for i in range(n_h * n_w) if i % n_w == n_w - 1 or i // n_w == n_h - 1}
-    assert set(layout.masked_windows.tolist()) == expected
+    assert set((layout.mask != 0).flatten(1).any(1).nonzero().squeeze(1).tolist()) == expected
 
 
-@pytest.mark.parametrize("size,shift,mask_padding", [((14, 14), 3, True), ((9, 12), 3, True), ((9, 12), 0, True),
-                                                     ((9, 12), 3, False), ((5, 3), 0, False), ((5, 3), 3, True)])
+@pytest.mark.parametrize("size,shift,mask_padding,window", [
+    ((14, 14), 3, True, 7), ((9, 12), 3, True, 7), ((9, 12), 0, True, 7), ((9, 12), 3, False, 7), ((5, 3), 0, False, 7),
+    ((5, 3), 3, True, 7), ((3, 5), 0, True, 3),  # a smaller effective window (pad_small_map=False) reads a subset
+])
 @pytest.mark.parametrize("kernel", ["plain", "sdpa", "recompute"])
-def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, kernel):
+@pytest.mark.parametrize("save_memory", [False, True], ids=["autograd", "checkpointed-qkv"])
+def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, window, kernel, save_memory):
     # The block's attention (norm -> qkv -> kernel -> projection), whichever kernel runs it,
-    # computes what the plain reference function computes (values and gradients).
-    from swin_backbone import ops
-    from swin_backbone.model.attention import WindowAttention
+    # with its input side (norm, gather, qkv) under selective checkpointing or not, computes
+    # what the plain reference function computes (values and gradients).
     from swin_backbone.ops.attention import reference_window_attention
 
+    if save_memory and planner._SAVE_MATMULS is None:
+        pytest.skip("torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
+
     torch.manual_seed(0)
-    (h, w), window, heads = size, 7, 2
-    attn = WindowAttention(16, heads, window).double()
+    (h, w), table_window, heads = size, 7, 2
+    attn = WindowAttention(16, heads, table_window).double()
     norm = torch.nn.LayerNorm(16).double()
     with torch.no_grad():
         attn.relative_position_bias_table.normal_(0, 1)
+        norm.weight.normal_(1, 0.3)
     x = torch.randn(2, h * w, 16, dtype=torch.float64, requires_grad=True)
-    plan = ops.plan_for(x, attention=kernel, grad=True)
-    layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype)
+    plan = ops.plan_for(x, attention=kernel, grad=True, save_memory=save_memory)
+    layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype, table_window=table_window)
     got = attn(x, norm, layout, plan)
-    ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, window, h, w,
-                                     window, shift, heads, attn.scale, mask_padding)
+    ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, table_window, h,
+                                     w, window, shift, heads, attn.scale, mask_padding)
     torch.testing.assert_close(got, ref)
     params = [x, attn.relative_position_bias_table, attn.qkv.weight, norm.weight]
     probe = torch.randn_like(ref)

@@ -19,22 +19,70 @@ from ..conftest import small_arch
 
 def test_decisions_per_situation():
     f32 = torch.float32
+    sac = planner._SAVE_MATMULS is not None  # torch >= 2.4: selective activation checkpointing
     cpu_eval = planner.decide("cpu", f32, False, False, False, False, False)
     assert cpu_eval.attention == "sdpa" and cpu_eval.chunk_bytes > 0 and not cpu_eval.save_memory
     cpu_train = planner.decide("cpu", f32, True, False, False, True, False)
-    assert cpu_train.attention == "recompute" and cpu_train.save_memory and cpu_train.chunk_bytes > 0
+    assert cpu_train.attention == "recompute" and cpu_train.save_memory == sac and cpu_train.chunk_bytes > 0
+    assert not cpu_eval.align_masks and not cpu_train.align_masks
     assert planner.decide("cpu", f32, True, False, False, True, True).attention == "plain"  # attention dropout
+    # CUDA: 'auto' is memory-efficient SDPA (no measurement), in training and inference.
     cuda = planner.decide("cuda", torch.bfloat16, True, False, False, False, False)
-    # CUDA: "auto" (each stage's kernel measured: ops.plan_stage) where triton is there, else SDPA.
-    assert cuda.attention in ("sdpa", "auto") and cuda.align_masks and cuda.save_memory
-    assert cuda.chunk_bytes == 0 and cuda.fixup_share == 0
+    assert cuda.attention == "sdpa" and cuda.align_masks and cuda.save_memory == sac
+    assert cuda.chunk_bytes == 0 and not cuda.tracing
+    assert planner.decide("cuda", torch.bfloat16, False, False, False, False, False, "auto").attention == "sdpa"
+    assert planner.decide("cuda", torch.bfloat16, True, False, False, False, False, "sdpa").attention == "sdpa"
+    # 'triton' asked for on CUDA: the forward's plan names it (plan_stage checks it per stage);
+    # elsewhere the situation's kernel runs.
+    for grad in (False, True):
+        assert planner.decide("cuda", torch.bfloat16, grad, False, False, False, False, "triton").attention == "triton"
+    assert planner.decide("cpu", f32, False, False, False, False, False, "triton").attention == "sdpa"
     traced = planner.decide("cpu", f32, True, True, False, False, False)
-    assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0
+    assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
     assert planner.decide("cpu", f32, False, True, False, False, False).attention == "sdpa"
+    assert planner.decide("cuda", f32, True, True, False, False, False).attention == "plain"
+    assert planner.decide("cuda", f32, False, True, False, False, False).attention == "sdpa"
     with ops.override(sdpa=False, chunk_bytes=0):
         off = planner.decide("cpu", f32, False, False, False, False, False)
         assert off.attention == "plain" and off.chunk_bytes == 0
+    with ops.override(recompute_attention=False, save_memory=False):
+        off = planner.decide("cpu", f32, True, False, False, True, False)
+        assert off.attention == "plain" and not off.save_memory
     assert planner.decide("cpu", f32, False, False, False, False, False) == cpu_eval  # restored
+
+
+def test_torchscript_tracing_plans_plain_attention():
+    # torch.jit.trace (and the ONNX exporter / FLOP counters built on it) records a plan with
+    # tracing set and plain matmul + softmax attention, also in inference; eagerly the same
+    # inference runs SDPA.
+    model = SwinBackbone(**small_arch())
+    seen = []
+
+    def fn(x):
+        seen.append(ops.plan_forward(x, model, False, False, False))
+        return x * 2
+
+    with torch.no_grad():
+        torch.jit.trace(fn, torch.randn(1, 3, 8, 8), check_trace=False)  # (the check reruns fn eagerly)
+        eager = ops.plan_forward(torch.randn(1, 3, 8, 8), model, False, False, False)
+    assert len(seen) == 1 and seen[0].tracing and seen[0].attention == "plain"
+    assert seen[0].chunk_bytes == 0 and not seen[0].chunked and not seen[0].save_memory
+    assert not eager.tracing and eager.attention == "sdpa"
+
+
+def test_torchscript_trace_of_the_backbone_runs_plain_ops():
+    # The traced graph holds matmuls and softmax (no SDPA, no Python autograd function) and
+    # computes what the eager model computes.
+    model = SwinBackbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(1, 2), out_indices=(0, 1),
+                         drop_path_rate=0.0).eval()
+    x = torch.randn(1, 3, 45, 61)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,), check_trace=False)
+        kinds = {node.kind() for node in traced.inlined_graph.nodes()}
+        assert "aten::softmax" in kinds and "aten::scaled_dot_product_attention" not in kinds, sorted(kinds)
+        assert "prim::PythonOp" not in kinds
+        for a, b in zip(traced(x), model(x)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_plan_follows_autocast_and_grad():
@@ -75,16 +123,14 @@ def _sdpa_kernels(model, x, train):
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("fixup_share", [0.0, 1.0], ids=["per-window-bias", "masked-fixup"])
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.torch_feature("cpu_flash_sdpa")
-def test_cpu_reaches_flash_sdpa_never_math(train, fixup_share):
+def test_cpu_reaches_flash_sdpa_never_math(train):
     # torch silently falls back to its slow math SDPA kernel for some masks (one that requires
     # grad, even under no_grad): inference and training (inside the recompute kernel) must
-    # reach the CPU flash kernel, with per-window biases and with the masked-window fixup.
+    # reach the CPU flash kernel with the per-window biases.
     model = SwinBackbone(**small_arch()).train(train)
-    with ops.override(fixup_share=fixup_share):
-        names = _sdpa_kernels(model, torch.randn(2, 3, 61, 75), train)
+    names = _sdpa_kernels(model, torch.randn(2, 3, 61, 75), train)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
     assert "aten::_scaled_dot_product_attention_math" not in names
 
@@ -113,32 +159,51 @@ def test_tracing_sees_only_plain_ops(train):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-@pytest.mark.torch_feature("custom_op")
-def test_compiling_on_cuda_keeps_the_fused_kernel(grad, monkeypatch):
-    # torch.compile on CUDA: the Triton kernel (as a custom operator) where triton is there;
-    # torch.export / ONNX and attention dropout: plain ops as on any device.
-    bf16 = torch.bfloat16
-    monkeypatch.setattr(planner, "_triton_ready", lambda: True)
-    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches())
-    # "auto": each stage uses the kernel measured in eager mode (ops.plan_stage), in the graph.
-    assert compiled.attention == "auto" and compiled.tracing and not compiled.save_memory
+def test_tracing_on_cuda_plans_by_the_situation(grad):
+    # torch.compile / torch.export on CUDA: 'auto' gives what tracing gives on any device
+    # (SDPA in inference, plain ops for a training graph); a forced 'triton' stays 'triton'
+    # (checked per stage), except with attention dropout, which only the plain kernel applies.
+    bf16, switches = torch.bfloat16, planner.Switches()
     plain = "plain" if grad else "sdpa"
-    assert planner._decide("cuda", bf16, grad, True, False, True, True, "auto", planner.Switches()).attention == "plain"
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches(triton=False)).attention == plain
-    monkeypatch.setattr(planner, "_exporting", lambda: True)
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches()).attention == plain
-    monkeypatch.setattr(planner, "_exporting", lambda: False)
-    monkeypatch.setattr(planner, "_triton_ready", lambda: False)
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, "auto", planner.Switches()).attention == plain
+    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, "auto", switches)
+    assert compiled.attention == plain and compiled.tracing and not compiled.save_memory
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, "sdpa", switches).attention == plain
+    assert planner._decide("cuda", bf16, grad, True, False, False, False, "triton", switches).attention == "triton"
+    assert planner._decide("cuda", bf16, grad, True, False, True, True, "triton", switches).attention == "plain"
+    assert planner._decide("cuda", bf16, grad, True, False, True, True, "auto", switches).attention == "plain"
 
 
-def test_kernel_choice_falls_back_where_the_kernel_does_not_apply():
+def test_triton_falls_back_where_the_kernel_does_not_apply():
     # Layouts the kernel does not take (here: a 12 x 12 window) get what the same situation
     # gets without the kernel: SDPA, or while tracing a training graph, plain ops.
     x = torch.zeros(1, 24, 24, 64)
     for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
         plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
-        assert ops.plan_stage(plan, 24, 24, 12, 6, True, 2, 64, x.device, None)[0].attention == expected
+        got, regular, shifted = ops.plan_stage(plan, 24, 24, 12, 6, 12, True, 2, 64, x.device)
+        assert got.attention == expected
+        assert regular.window == shifted.window == 12 and regular.shift == 0 and shifted.shift == 6
+
+
+def test_forced_triton_that_cannot_run_raises_naming_the_reason():
+    # attention='triton' is opt-in: where the fused kernel cannot run (here: float64 CPU
+    # tensors) a stage it covers raises, saying why, instead of silently running something else.
+    from swin_backbone.ops import triton_attention
+
+    x = torch.zeros(1, 14, 14, 32, dtype=torch.float64)
+    plan = ops.plan_for(x, grad=False, attention="triton")
+    reason = triton_attention.static_reason(x.dtype, x.device, 7, 2, 16, height=14, width=14, mask_padding=True)
+    assert reason  # (no fp64 kernel, and CUDA or the Triton interpreter is needed)
+    with pytest.raises(RuntimeError, match="attention='triton'.*cannot run here") as err:
+        ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device)
+    assert reason in str(err.value)
+
+
+def test_checkpointed_stages_skip_selective_checkpointing():
+    # A stage that with_cp checkpoints whole block by block needs no checkpoint inside.
+    x = torch.zeros(1, 14, 14, 32)
+    plan = ops.plan_for(x, grad=True, save_memory=True)
+    assert ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device)[0].save_memory
+    assert not ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device, with_cp=True)[0].save_memory
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -175,16 +240,6 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monk
     # The masks were built once in the compute dtype (bf16 under autocast) and cached.
     dtype = torch.bfloat16 if autocast else torch.float32
     before = L.get_window_layout.cache_info()
-    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True)  # stage 1 of 61x75
+    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7)  # stage 1 of 61x75
     assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
-
-
-def test_rocm_gets_sdpa_in_auto(monkeypatch):
-    # The fused kernel is verified on NVIDIA GPUs; an AMD GPU (torch.version.hip) runs SDPA
-    # unless the user forces attention='triton'.
-    monkeypatch.setattr(torch.version, "hip", "6.2.0")
-    assert planner._decide("cuda", torch.bfloat16, True, False, False, False, False, "auto",
-                           planner.Switches()).attention == "sdpa"
-    assert planner._decide("cuda", torch.bfloat16, True, False, False, False, False, "triton",
-                           planner.Switches()).attention == "triton"

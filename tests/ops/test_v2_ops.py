@@ -1,119 +1,68 @@
-"""Swin V2's post-norm residuals: the memory-saving MLP -> LayerNorm autograd function and the
-cosine attention inputs give the plain modules' values and gradients (the row-chunked CPU
-inference residual is tested with the pre-norm one in test_recompute.py)."""
+"""Swin V2's post-norm MLP residual and cosine attention inputs give the plain modules' values
+and gradients on every path the plan names (selective checkpointing of the MLP residual is
+tested for pre-norm V1 and post-norm V2 blocks alike in test_memory.py)."""
 import pytest
 import torch
-from torch import nn
 
 from swin_backbone import ops
-from swin_backbone.model.blocks import DropPath, Mlp
-from swin_backbone.ops.recompute import _Mlp, mlp
+from swin_backbone.model.v2 import SwinBlockV2
 
 
-def mlp_norm(x, fc1, fc2, norm, chunk_bytes=0):
-    return mlp(x, fc1, fc2, norm, False, chunk_bytes)
-
-
-def _mlp_norm_modules(c=8, hidden=32, dtype=torch.float64):
+def _block(c=8, hidden=32, dtype=torch.float64, drop_rate=0.0):
     torch.manual_seed(0)
-    mlp, norm = Mlp(c, hidden).to(dtype), nn.LayerNorm(c).to(dtype)
+    block = SwinBlockV2(c, 2, 4, shift=False, mlp_ratio=hidden / c, drop_rate=drop_rate).to(dtype)
     with torch.no_grad():  # non-trivial affine parameters
-        norm.weight.normal_(1, 0.3)
-        norm.bias.normal_(0, 0.3)
-    return mlp, norm
+        block.norm2.weight.normal_(1, 0.3)
+        block.norm2.bias.normal_(0, 0.3)
+    return block
 
 
-def test_mlp_norm_matches_autograd(chunk_budget):
-    mlp, norm = _mlp_norm_modules()
-    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, chunk_budget)
-    assert out.grad_fn.name() == "_MlpBackward"
-    ref = norm(mlp(x))
-    torch.testing.assert_close(out, ref)
-    params = [x, *mlp.parameters(), *norm.parameters()]
-    probe = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad(out, params, probe), torch.autograd.grad(ref, params, probe)):
-        torch.testing.assert_close(a, b)
-    with torch.no_grad():
-        assert mlp_norm(x, mlp.fc1, mlp.fc2, norm).grad_fn is None
-
-
-@pytest.mark.parametrize("chunk", [0, 3 * 6 * 8])
-def test_mlp_norm_gradcheck(chunk):
-    mlp, norm = _mlp_norm_modules(4, 6)
-    x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
-
-    def fn(x, w1, b1, w2, b2, nw, nb):
-        return _Mlp.apply(x, w1, b1, w2, b2, nw, nb, norm.eps, False, chunk)
-
-    params = (x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, norm.weight, norm.bias)
-    assert torch.autograd.gradcheck(fn, params)
-
-
-@pytest.mark.parametrize("frozen", ["mlp", "norm", "input_and_fc1"])
-def test_mlp_norm_partial_gradients(frozen):
-    mlp, norm = _mlp_norm_modules()
-    groups = {"mlp": list(mlp.parameters()), "norm": list(norm.parameters()), "input_and_fc1": [mlp.fc1.weight]}
-    for p in groups[frozen]:
-        p.requires_grad_(False)
-    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=frozen != "input_and_fc1")
-    out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, 3 * 32 * 8)
-    assert out.grad_fn.name() == "_MlpBackward"
-    ref = norm(mlp(x))
-    params = [p for p in (x, *mlp.parameters(), *norm.parameters()) if p.requires_grad]
-    for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
-        torch.testing.assert_close(a, b)
-
-
-def test_mlp_norm_under_bf16_autocast():
-    mlp, norm = _mlp_norm_modules(dtype=torch.float32)
-    x = torch.randn(2, 5, 8, requires_grad=True)
-    params = [x, mlp.fc1.weight, mlp.fc2.weight, mlp.fc2.bias, norm.weight, norm.bias]
-    # Separate autocast regions: torch < 2.4 reuses a weight cast made inside a Function's
-    # forward (no grad) for a later use with grad in the same region.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, 3 * 32 * 4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = norm(mlp(x))
-    # the LayerNorm's dtype follows autocast's rule for nn.LayerNorm (on the CPU: its input's)
-    assert out.grad_fn.name() == "_MlpBackward" and out.dtype == ref.dtype
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)  # fc2's bias added after rounding
-    for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
-        assert a.dtype == b.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
-
-
-def test_mlp_norm_in_pure_bf16():
-    mlp, norm = _mlp_norm_modules(dtype=torch.bfloat16)
+def test_post_norm_mlp_residual_in_pure_bf16():
+    block = _block(dtype=torch.bfloat16)
     x = torch.randn(2, 5, 8, dtype=torch.bfloat16, requires_grad=True)
-    out = mlp_norm(x, mlp.fc1, mlp.fc2, norm, 3 * 32 * 2)
-    ref = norm(mlp(x))
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
-    params = [x, norm.weight]
-    for a, b in zip(torch.autograd.grad(out.float().sum(), params), torch.autograd.grad(ref.float().sum(), params)):
-        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+    ref = x + block.norm2(block.mlp(x))
+    params = [x, block.norm2.weight]
+    ref_grads = torch.autograd.grad(ref.float().sum(), params)
+    for save_memory in (True, False) if ops.planner._SAVE_MATMULS is not None else (False,):
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=True)
+        out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
+        for a, b in zip(torch.autograd.grad(out.float().sum(), params), ref_grads):
+            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("situation", ["inference", "training", "dropout"])
 def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
-    mlp, norm = _mlp_norm_modules()
-    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=situation != "inference")
-    plan = ops.plan_for(x, grad=situation != "inference", dropout=situation == "dropout")
-    with torch.set_grad_enabled(situation != "inference"):
-        ref = x + norm(mlp(x))
-        got = ops.mlp_residual(x.detach().clone() if situation == "inference" else x * 1, mlp, norm, False,
-                               DropPath(0.0), plan)
+    # The forward's plan for each situation: CPU inference adds into the tokens in place by
+    # row chunks; training (with or without dropout) saves memory where torch can; both give
+    # the modules' values and gradients.
+    import dataclasses
+
+    block = _block(drop_rate=0.3 if situation == "dropout" else 0.0).train(situation == "dropout")
+    grad = situation != "inference"
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        plan = ops.plan_for_module(x, block)
+    assert plan.grad == grad and plan.dropout == (situation == "dropout")
+    assert plan.chunked == (situation == "inference") and plan.plain
+    assert plan.save_memory == (grad and ops.planner._SAVE_MATMULS is not None)
+    with torch.set_grad_enabled(grad):
+        torch.manual_seed(1)
+        ref = x + block.mlp_branch(x)
+        torch.manual_seed(1)
+        tokens = x.detach().clone() if situation == "inference" else x * 1
+        got = ops.mlp_residual(tokens, block.mlp_branch, 32, plan)
     torch.testing.assert_close(got, ref)
     if situation == "inference":
-        assert plan.chunk_bytes > 0 and got.grad_fn is None
+        assert got is tokens and got.grad_fn is None
         return
-    backward = got.grad_fn.next_functions[0][0].name()
-    # training keeps only the inputs; with dropout active the plain modules run (autograd)
-    assert (backward == "_MlpBackward") == (situation == "training")
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
     torch.testing.assert_close(gx, rx)
+    whole = dataclasses.replace(plan, save_memory=False)
+    torch.manual_seed(1)
+    torch.testing.assert_close(ops.mlp_residual(x * 1, block.mlp_branch, 32, whole), got)
 
 
 def _reference_cosine_qkv(qkv, logit_scale, num_heads):
@@ -130,7 +79,7 @@ def _cosine_plans(qkv):
     """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), training
     (memory-saving function), training without memory-saving functions (plain ops)."""
     inference = ops.plan_for(qkv, grad=False)
-    training = ops.plan_for(qkv, grad=True)
+    training = ops.plan_for(qkv, grad=True, save_memory=True)  # (the memory-saving function needs no torch feature)
     assert not inference.grad and training.grad and training.save_memory
     return {"none": None, "inference": inference, "training": training,
             "training_plain": ops.plan_for(qkv, grad=True, save_memory=False)}

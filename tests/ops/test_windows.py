@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
+from swin_backbone.ops.attention import window_partition, window_reverse
 
 
 def reference_partition(x, h, w, ws, shift):
@@ -43,10 +44,10 @@ def test_partition_matches_pad_roll_permute(size, ws, shift):
     h, w = size
     x = torch.randn(2, h * w, 5)
     layout = L.build_window_layout(h, w, ws, shift, True, torch.device("cpu"), torch.float32)
-    got = L.window_partition(x, layout)
+    got = window_partition(x, layout)
     torch.testing.assert_close(got, reference_partition(x, h, w, ws, shift), rtol=0, atol=0)
     # reverse undoes everything exactly
-    torch.testing.assert_close(L.window_reverse(got, layout), x, rtol=0, atol=0)
+    torch.testing.assert_close(window_reverse(got, layout), x, rtol=0, atol=0)
     assert layout.num_windows == (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert layout.has_padding == (h % ws != 0 or w % ws != 0)
 
@@ -59,13 +60,13 @@ def test_gather_gradients_match_autograd_reference(size, shift):
     x1 = torch.randn(2, h * w, 4, dtype=torch.float64, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_(True)
     probe = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64)
-    (L.window_partition(x1, layout) * probe).sum().backward()
+    (window_partition(x1, layout) * probe).sum().backward()
     (reference_partition(x2, h, w, ws, shift) * probe).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad)
     # and through reverse
     y = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: L.window_reverse(t, layout), (y,))
-    torch.autograd.gradcheck(lambda t: L.window_partition(t, layout), (x1.detach().requires_grad_(True),))
+    torch.autograd.gradcheck(lambda t: window_reverse(t, layout), (y,))
+    torch.autograd.gradcheck(lambda t: window_partition(t, layout), (x1.detach().requires_grad_(True),))
 
 
 @pytest.mark.parametrize("size", [(7, 7), (8, 9), (14, 21), (1, 1), (25, 38)])
@@ -189,18 +190,15 @@ def test_straddle_boxes_and_input_masking():
     assert ops.mask_input(x, plan, 4) is x  # zero-padded already (mmdet's batches): no copy
 
 
-# ---------------------------------------------------------------- no host-device syncs, lazy layouts
-def reference_layout(h, w, ws, shift, mask_padding, dtype, align):
-    """The layout tensors built eagerly with plain ops on the target device (here the CPU):
-    what every lazily built tensor must equal, strides included."""
+# ---------------------------------------------------------------- no host-device syncs, eager layouts
+def reference_layout(h, w, ws, shift, mask_padding, dtype, align, table_window):
+    """The layout tensors built with plain ops on the target device (here the CPU): what
+    every layout tensor must equal, strides included."""
     cpu = torch.device("cpu")
     index = W.window_token_index(h, w, ws, shift, cpu)
-    out = dict(inverse=W.window_inverse_index(h, w, ws, shift, cpu), pad_slots=None, masked_windows=None,
-               window_masks=None)
-    out["mask"] = mask = W.window_attention_mask(h, w, ws, shift, mask_padding, cpu, dtype, align)
-    if mask is not None:
-        out["masked_windows"] = (mask != 0).flatten(1).any(1).nonzero().squeeze(1)
-        out["window_masks"] = mask.index_select(0, out["masked_windows"])
+    out = dict(inverse=W.window_inverse_index(h, w, ws, shift, cpu), pad_slots=None,
+               bias_index=W.relative_position_index(ws, table_window, cpu))
+    out["mask"] = W.window_attention_mask(h, w, ws, shift, mask_padding, cpu, dtype, align)
     if h % ws or w % ws:
         is_pad = index == h * w
         out["pad_slots"] = is_pad.nonzero().squeeze(1)
@@ -209,7 +207,7 @@ def reference_layout(h, w, ws, shift, mask_padding, dtype, align):
     return out
 
 
-LAYOUT_NAMES = ("index", "inverse", "pad_slots", "mask", "masked_windows", "window_masks")
+LAYOUT_NAMES = ("index", "inverse", "pad_slots", "mask", "bias_index")
 
 
 def _assert_same_tensor(got, expected, what):
@@ -223,57 +221,55 @@ def _assert_same_tensor(got, expected, what):
 
 @pytest.mark.parametrize("dtype,align", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True),
                                          (torch.float16, False)])
-def test_lazy_layout_tensors_equal_the_eager_build(dtype, align):
+def test_layout_tensors_equal_the_reference_build(dtype, align):
     for (h, w), (ws, shift), mask_padding in itertools.product(
         SIZES + [(16, 16)], [(7, 0), (7, 3), (4, 2), (3, 1), (8, 4)], (True, False)
     ):
-        layout = L.build_window_layout(h, w, ws, shift, mask_padding, torch.device("cpu"), dtype, align)
-        assert layout.tensors == {}  # nothing built until read
-        expected = reference_layout(h, w, ws, shift, mask_padding, dtype, align)
+        table_window = ws + (h % 2)  # the bias table's window: the layout's, or (pad_small_map=False) larger
+        layout = L.build_window_layout(h, w, ws, shift, mask_padding, torch.device("cpu"), dtype, align,
+                                       table_window=table_window)
+        expected = reference_layout(h, w, ws, shift, mask_padding, dtype, align, table_window)
         for name in LAYOUT_NAMES:
             _assert_same_tensor(getattr(layout, name), expected[name], (h, w, ws, shift, mask_padding, name))
         assert layout.num_windows * ws * ws == layout.index.numel()
+        assert (layout.height, layout.width, layout.window, layout.shift) == (h, w, ws, shift)
+        assert layout.padding_masked == mask_padding and layout.images is None and not layout.traced
 
 
-@pytest.fixture
-def builder_calls(monkeypatch):
-    """Calls of each layout tensor builder, by builder name."""
-    calls = {}
-    for name, build in list(L._LAYOUT_BUILDERS.items()):
-        def counted(layout, build=build):
-            calls[build.__name__] = calls.get(build.__name__, 0) + 1
-            return build(layout)
-        monkeypatch.setitem(L._LAYOUT_BUILDERS, name, counted)
-    return calls
+def test_stage_layouts_are_cached_and_images_share_their_tensors():
+    # A stage's layouts come from the cache (built once per size, window, shift, device,
+    # dtype, ...); with per-image valid sizes the layout is the cached one plus the images'
+    # windows: it shares every tensor of the cached layout instead of building them again.
+    from swin_backbone import ops
 
-
-def test_layout_builds_what_is_read_once(builder_calls):
-    import dataclasses
-
-    layout = L.build_window_layout(13, 20, 7, 3, True, torch.device("cpu"), torch.float32, True)
-    assert layout.num_windows == 6 and layout.has_padding and builder_calls == {}
-    # The gathers (what the Triton path never reads either) build only the gathers.
-    x = torch.randn(2, 13 * 20, 4)
-    torch.testing.assert_close(L.window_reverse(L.window_partition(x, layout), layout), x, rtol=0, atol=0)
-    assert builder_calls == {"_build_gathers": 1} and "mask" not in layout.tensors
-    # A copy with images shares what is built: reading through it builds once, for both.
-    images = V.image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), torch.device("cpu"), torch.float32, True)
-    copy = dataclasses.replace(layout, images=images)
-    assert copy.tensors is layout.tensors and builder_calls == {"_build_gathers": 1}
-    assert copy.mask is layout.mask and copy.masked_windows is layout.masked_windows
-    assert layout.window_masks is copy.window_masks
-    assert builder_calls == {"_build_gathers": 1, "_build_masks": 1, "_build_window_masks": 1}
-    assert copy.index is layout.index and layout.images is None and copy.images is images
+    cpu = torch.device("cpu")
+    L.clear_caches()
+    x = torch.zeros(2, 13, 20, 16)
+    plan = ops.plan_for(x, grad=False)
+    _, regular, shifted = ops.plan_stage(plan, 13, 20, 7, 3, 7, True, 2, 8, cpu)
+    assert L.get_window_layout.cache_info().misses == 2
+    assert regular.shift == 0 and shifted.shift == 3 and regular.images is None
+    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
+    valid = ops.plan_for(x, grad=False, valid_sizes=((13, 20), (9, 11)))
+    _, regular2, shifted2 = ops.plan_stage(valid, 13, 20, 7, 3, 7, True, 2, 8, cpu)
+    assert L.get_window_layout.cache_info().misses == 2  # the same cached layouts underneath
+    images = V.get_image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), cpu, torch.float32, False)
+    assert shifted2.images is images and shifted.images is None
+    for name in LAYOUT_NAMES:
+        assert getattr(shifted2, name) is getattr(shifted, name), name
+        assert getattr(regular2, name) is getattr(regular, name), name
+    # a window no larger than the map with no shift: no shifted layout at all
+    assert ops.plan_stage(plan, 13, 20, 7, 0, 7, True, 2, 8, cpu)[2] is None
 
 
 def test_layouts_built_in_inference_mode_serve_training():
     L.clear_caches()
     with torch.inference_mode():
         layout = L.get_window_layout(9, 10, 4, 2, True, torch.device("cpu"), torch.float32)
-        layout.index, layout.mask  # built on first use, inside inference mode
     assert not layout.index.is_inference() and not layout.mask.is_inference()
+    assert not layout.inverse.is_inference() and not layout.bias_index.is_inference()
     x = torch.randn(1, 90, 3, requires_grad=True)
-    L.window_partition(x, layout).sum().backward()  # saves index for backward: no error
+    window_partition(x, layout).sum().backward()  # saves index for backward: no error
     assert x.grad is not None
 
 
@@ -330,8 +326,8 @@ def test_layout_builders_never_wait_for_the_device(align):
         with DeviceSyncs() as syncs:
             layout = L.build_window_layout(h, w, ws, shift, mask_padding, META, torch.float16, align)
             got = {name: getattr(layout, name) for name in LAYOUT_NAMES}
-        # One copy per tensor built on the CPU (window_masks is gathered on the device).
-        syncs.assert_none(sum(got[name] is not None for name in LAYOUT_NAMES if name != "window_masks"))
+        # One copy per tensor built on the CPU.
+        syncs.assert_none(sum(got[name] is not None for name in LAYOUT_NAMES))
         expected = L.build_window_layout(h, w, ws, shift, mask_padding, cpu, torch.float16, align)
         for name, t in got.items():
             e = getattr(expected, name)
@@ -404,17 +400,17 @@ def test_image_windows_match_a_reference(size, ws, shift, align):
 
 def test_package_clear_caches_clears_every_ops_cache():
     # One clear_caches() for every cache of the ops (layouts, indices, image windows, V2's
-    # coordinates, the fused kernel's applicability answers).
+    # coordinates, the planner's decisions).
     import swin_backbone
-    from swin_backbone.ops import cosine, stage
+    from swin_backbone.ops import cosine, planner
 
     caches = [L.get_window_layout, L.get_relative_position_index, V.get_image_window_masks, V.get_image_windows,
-              cosine.get_log_spaced_coords, stage._static_reason_cached]
+              cosine.get_log_spaced_coords, planner._decide_cached]
     L.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
     L.get_relative_position_index(7, 7, torch.device("cpu"))
     V.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
     cosine.get_log_spaced_coords(7, 0, torch.device("cpu"), torch.float32)
-    stage._static_reason("float32", "cpu", None, 7, 2, 16)
+    planner.decide("cpu", torch.float32, False, False, False, False, False)
     assert all(c.cache_info().currsize > 0 for c in caches), [c.cache_info() for c in caches]
     swin_backbone.clear_caches()
     assert [c.cache_info().currsize for c in caches] == [0] * len(caches)

@@ -1,0 +1,453 @@
+"""The planner's memory and cache savings compute what plain autograd and whole tensors compute.
+
+* Training (``plan.save_memory``): the MLP residual runs under torch's selective activation
+  checkpointing: same values and gradients as plain autograd (pre-norm V1 and post-norm V2
+  branches, partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
+* CPU inference with plain modules (``plan.chunked``): the MLP residual and the output norms
+  run by row chunks, in place: same values as whole tensors. A hook or a replaced module turns
+  the chunks off (the hook sees the whole tensor once).
+"""
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from swin_backbone import SwinBackbone, SwinV2Backbone, ops
+from swin_backbone.model.blocks import SwinBlock
+from swin_backbone.model.v2 import SwinBlockV2
+from swin_backbone.ops import planner
+from swin_backbone.torch_compat import autocast_enabled
+
+from ..conftest import small_arch
+
+#: Tests that force ``save_memory``: torch's selective activation checkpointing (torch >= 2.4;
+#: on older torch the planner never saves memory, so there is nothing to compare).
+needs_sac = pytest.mark.skipif(planner._SAVE_MATMULS is None,
+                               reason="torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
+
+VERSIONS = {"v1": SwinBlock, "v2": SwinBlockV2}  # pre-norm (norm2 -> MLP) and post-norm (MLP -> norm2)
+
+
+def _block(version, dtype=torch.float64, c=8, hidden=32):
+    """A real block (``c`` channels, MLP width ``hidden``) with non-trivial norm and MLP parameters."""
+    torch.manual_seed(0)
+    block = VERSIONS[version](c, 2, 4, shift=False, mlp_ratio=hidden / c).to(dtype)
+    with torch.no_grad():
+        block.norm2.weight.normal_(1, 0.3)
+        block.norm2.bias.normal_(0, 0.3)
+        block.mlp.fc1.bias.normal_(0, 0.3)
+    return block
+
+
+def _plain_branch(block, x):
+    """The MLP branch written out with the block's modules."""
+    mlp = block.mlp
+    if isinstance(block, SwinBlockV2):
+        return block.norm2(mlp.fc2(mlp.act(mlp.fc1(x))))
+    return mlp.fc2(mlp.act(mlp.fc1(block.norm2(x))))
+
+
+def _residual(block, x, save_memory, plain=True):
+    plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=plain)
+    return ops.mlp_residual(x, block.mlp_branch, block.mlp.fc1.out_features, plan)
+
+
+@pytest.mark.parametrize("total,step", [(0, 4), (1, 4), (2048, 1365), (32768, 5461), (10, 3), (10, 10), (10, 1)])
+def test_chunk_slices_cover_evenly(total, step):
+    parts = planner.chunk_slices(total, step)
+    covered = [i for p in parts for i in range(total)[p]]
+    assert covered == list(range(total))  # in order, each once
+    sizes = [len(range(total)[p]) for p in parts]
+    assert max(sizes) <= step
+    assert max(sizes) - min(sizes) <= 1
+
+
+# ---------------------------------------------------------------- training: selective checkpointing
+@needs_sac
+@pytest.mark.parametrize("plain", [True, False], ids=["in-place-add", "out-of-place-add"])
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_mlp_residual_matches_autograd(version, plain):
+    block = _block(version)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    params = [x, *block.norm2.parameters(), *block.mlp.parameters()]
+    ref = x + _plain_branch(block, x)
+    probe = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, params, probe)
+    for save_memory in (True, False):
+        out = _residual(block, x, save_memory, plain)
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(torch.autograd.grad(out, params, probe), ref_grads):
+            torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        assert _residual(block, x, True, plain).grad_fn is None
+    for p in block.parameters():
+        p.requires_grad_(False)
+    frozen = _residual(block, x.detach(), True, plain)
+    assert frozen.grad_fn is None
+    torch.testing.assert_close(frozen, ref.detach())
+
+
+@needs_sac
+@pytest.mark.parametrize("frozen", ["mlp", "norm", "input_and_fc1"])
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_partial_gradients(version, frozen):
+    # Frozen parameters / an input without grad: only the gradients that are asked for, equal.
+    block = _block(version)
+    groups = {"mlp": list(block.mlp.parameters()), "norm": list(block.norm2.parameters()),
+              "input_and_fc1": [block.mlp.fc1.weight]}
+    for p in groups[frozen]:
+        p.requires_grad_(False)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=frozen != "input_and_fc1")
+    params = [p for p in (x, *block.norm2.parameters(), *block.mlp.parameters()) if p.requires_grad]
+    ref = x + _plain_branch(block, x)
+    out = _residual(block, x, True)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
+        torch.testing.assert_close(a, b)
+
+
+@needs_sac
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_replays_dropout_and_stochastic_depth(version):
+    # The recomputation in backward draws the same dropout masks and dropped paths as the
+    # forward (torch's checkpoint restores the RNG state): gradients equal plain autograd's.
+    torch.manual_seed(0)
+    block = VERSIONS[version](8, 2, 4, shift=False, drop_rate=0.3, drop_path_rate=0.5).double().train()
+    x = torch.randn(4, 5, 8, dtype=torch.float64, requires_grad=True)
+    params = [x, *block.parameters()]
+    results = []
+    for save_memory in (True, False):
+        torch.manual_seed(1)
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, dropout=True, stochastic=True)
+        out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
+        grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+        results.append((out, grads))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref)
+    assert not torch.equal(out, x + _plain_branch(block.eval(), x))  # dropout really acted
+    for a, b in zip(grads, ref_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+@needs_sac
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_under_bf16_autocast(version):
+    block = _block(version, dtype=torch.float32)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    params = [x, block.mlp.fc1.weight, block.mlp.fc2.weight, block.mlp.fc2.bias, block.norm2.weight]
+    results = []
+    for save_memory in (True, False):
+        # Separate autocast regions: torch < 2.4 reuses a weight cast made without grad for a
+        # later use with grad in the same region.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _residual(block, x, save_memory)
+        results.append((out, torch.autograd.grad(out.float().sum(), params)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        branch = _plain_branch(block, x)
+    (out, grads), (ref, ref_grads) = results
+    assert out.dtype == ref.dtype == branch.dtype
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(out.float(), (branch.float() + x).to(branch.dtype).float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def _layer_norm_in_fp32_under_autocast(monkeypatch):
+    """CUDA's autocast rule on the CPU: LayerNorm computes in fp32 and returns fp32."""
+    import torch.nn.functional as F
+
+    real = F.layer_norm
+
+    def layer_norm(x, *args, **kwargs):
+        if autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return real(x.float(), *args, **kwargs)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(F, "layer_norm", layer_norm)
+
+
+@needs_sac
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_with_fp32_norm_on_bf16_tokens_under_autocast(version, monkeypatch):
+    # The mixed case itself (bf16 tokens, fp32 LayerNorm, CUDA's fp32 LayerNorm rule): x is
+    # kept in bf16, its gradient comes back in bf16, the parameters' in fp32.
+    _layer_norm_in_fp32_under_autocast(monkeypatch)
+    block = _block(version, dtype=torch.float32)
+    x = torch.randn(2, 5, 8).bfloat16().requires_grad_()
+    params = [x, *block.norm2.parameters(), *block.mlp.parameters()]
+    results = []
+    for save_memory in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _residual(block, x, save_memory)
+        results.append((out, torch.autograd.grad(out.float().sum(), params)))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+
+
+@needs_sac
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_memory_saving_keeps_fewer_activations(version):
+    # Plain autograd keeps every activation of the branch until backward; selective
+    # checkpointing keeps the matmul outputs (fc1's) and recomputes the LayerNorm and GELU
+    # (their outputs are freed after the forward).
+    block = _block(version).eval()  # (dropout as identity: fc2 reads GELU's output itself)
+    outputs = {}
+
+    def watch(name):
+        def hook(module, args, out):
+            outputs[name] = StorageWeakRef(out.untyped_storage())  # (no reference kept)
+        return hook
+
+    names = ("norm2", "mlp.fc1", "mlp.act") if version == "v1" else ("mlp.fc1", "mlp.act")  # (V2: norm2 is the output)
+    for name in names:
+        block.get_submodule(name).register_forward_hook(watch(name))
+    x = torch.randn(2, 64, 8, dtype=torch.float64, requires_grad=True)
+    kept = {}
+    for save_memory in (True, False):
+        out = _residual(block, x, save_memory)
+        kept[save_memory] = {name: not ref.expired() for name, ref in outputs.items()}
+        out.sum().backward()  # (the recomputation runs the hooks again)
+        del out
+    assert kept[False] == {name: True for name in names}
+    assert kept[True] == {name: name == "mlp.fc1" for name in names}
+
+
+@needs_sac
+def test_memory_saving_keeps_only_qkv_of_the_attention_input():
+    # The attention's input side qkv(windows(norm1(x))) under selective checkpointing keeps
+    # the qkv projection (which the attention keeps anyway), not the gathered windows it reads.
+    from swin_backbone.ops.layouts import build_window_layout
+
+    block = _block("v1").eval()
+    layout = build_window_layout(9, 10, 4, 2, True, torch.device("cpu"), torch.float64)
+    watched = {}
+    block.attn.qkv.register_forward_hook(lambda m, args, out: watched.update(
+        windows=StorageWeakRef(args[0].untyped_storage()), qkv=StorageWeakRef(out.untyped_storage())))
+    x = torch.randn(2, 90, 8, dtype=torch.float64, requires_grad=True)
+    kept, grads = {}, {}
+    for save_memory in (True, False):
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, attention="recompute")
+        out = block.attn(x, block.norm1, layout, plan)
+        kept[save_memory] = {name: not ref.expired() for name, ref in watched.items()}
+        grads[save_memory] = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], allow_unused=True)
+        del out
+    assert kept == {True: {"windows": False, "qkv": True}, False: {"windows": True, "qkv": True}}
+    for a, b in zip(*grads.values()):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts calls of one aten operator (also those the autograd engine makes in backward)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@needs_sac
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("rule", ["cpu", "cuda"])
+def test_memory_saving_serves_autocast_training(rule, version, monkeypatch):
+    # Under bf16 autocast the residual stream is bf16 while the norms' parameters are fp32:
+    # every block's MLP branch still runs under selective checkpointing (recomputed in
+    # backward: one GELU per block there), with the LayerNorm in the dtype autocast gives it
+    # (the input's on the CPU, fp32 on CUDA), and values and gradients equal plain autograd's.
+    if rule == "cuda":
+        _layer_norm_in_fp32_under_autocast(monkeypatch)
+    torch.manual_seed(0)
+    model = (SwinBackbone if version == "v1" else SwinV2Backbone)(
+        arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
+        out_indices=(0, 1))
+    x = torch.randn(2, 3, 40, 36)
+    results = []
+    for save_memory in (True, False):
+        model.zero_grad()
+        with ops.override(save_memory=save_memory), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = model(x)
+        loss = sum(o.float().square().mean() for o in outs)
+        with _OpCounter(torch.ops.aten.gelu.default) as recomputed:
+            loss.backward()
+        assert recomputed.count == (4 if save_memory else 0), (save_memory, recomputed.count)
+        results.append([o.float() for o in outs] + [p.grad.float() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_training_graph_can_be_walked_twice_without_memory_saving(version):
+    # A training forward's graph serves two backward passes (retain_graph=True) with memory
+    # saving off, as plain autograd's does: the second adds the same gradients again. With it
+    # on (the default), torch's selective checkpointing frees its saved matmul outputs in the
+    # first backward and says so in the second (docs/design.md, "The planner").
+    torch.manual_seed(0)
+    model = (SwinBackbone if version == "v1" else SwinV2Backbone)(
+        arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
+        out_indices=(0, 1)).double()
+    x = torch.randn(1, 3, 24, 20, dtype=torch.float64)
+    with ops.override(save_memory=False):
+        loss = sum(o.square().mean() for o in model(x))
+    loss.backward(retain_graph=True)
+    once = [p.grad.clone() for p in model.parameters()]
+    loss.backward()
+    for a, b in zip(once, model.parameters()):
+        torch.testing.assert_close(b.grad, 2 * a)
+    if ops.planner._SAVE_MATMULS is not None:
+        loss = sum(o.square().mean() for o in model(x))
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="selective activation checkpoint"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_functional_call_gets_the_gradients_of_its_own_parameters(version):
+    # torch.func.functional_call swaps tensors in for one call: a recomputation in backward
+    # must not read the module's own parameters instead. Gradients w.r.t. the swapped-in
+    # tensors equal those of a model that holds them.
+    from torch.func import functional_call
+
+    kw = dict(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
+              out_indices=(0, 1))
+    cls = SwinBackbone if version == "v1" else SwinV2Backbone
+    torch.manual_seed(0)
+    model, holder = cls(**kw).double().train(), cls(**kw).double().train()
+    swapped = {n: (p.detach() * 1.1 + 0.01).requires_grad_() for n, p in model.named_parameters()}
+    holder.load_state_dict({n: t.detach() for n, t in swapped.items()}, strict=False)
+    x = torch.randn(1, 3, 24, 20, dtype=torch.float64)
+    outs = functional_call(model, swapped, (x,))
+    grads = torch.autograd.grad(sum(o.square().mean() for o in outs), list(swapped.values()))
+    ref_outs = holder(x)
+    ref_grads = torch.autograd.grad(sum(o.square().mean() for o in ref_outs), list(holder.parameters()))
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b)
+    for name, a, b in zip(swapped, grads, ref_grads):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+# ---------------------------------------------------------------- CPU inference: row chunks
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("rows", [0, 1, 11])
+def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version):
+    # The CPU inference MLP residual of Swin V1 (norm first) and V2 (norm after), in place by
+    # row chunks (an odd number of rows: a ragged end; no rows at all).
+    block = _block(version)
+    x = torch.randn(1, rows, 8, dtype=torch.float64)
+    plan = ops.plan_for(x, grad=False, chunk_bytes=max(chunk_budget, 1), plain=True, chunked=True)
+    whole = ops.plan_for(x, grad=False, chunk_bytes=0, plain=True, chunked=False)
+    with torch.no_grad():
+        ref = x + _plain_branch(block, x)
+        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, 32, whole)
+        got = ops.mlp_residual(x, block.mlp_branch, 32, plan)
+    assert got is x  # in place
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(unchunked, ref)
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_chunked_mlp_residual_under_autocast(version):
+    block = _block(version, dtype=torch.float32)
+    x = torch.randn(2, 7, 8)
+    plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, plain=True, chunked=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = x + _plain_branch(block, x)
+        got = ops.mlp_residual(x.clone(), block.mlp_branch, 32, plan)
+    assert got.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 1, 3, 8), (1, 0, 3, 8)])
+def test_chunked_output_norm_matches_whole_tensors(shape):
+    norm = _block("v1").norm2
+    x = torch.randn(shape, dtype=torch.float64)
+    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, plain=True, chunked=True)  # two rows a chunk
+    whole = ops.plan_for(x, grad=False, chunk_bytes=0, chunked=False)
+    with torch.no_grad():
+        got = ops.output_nchw(x, norm, False, chunked)
+        ref = ops.output_nchw(x, norm, False, whole)
+        view = ops.output_nchw(x, norm, True, chunked)
+    assert got.is_contiguous() and ref.is_contiguous() and got.dtype == x.dtype
+    expected = norm(x).permute(0, 3, 1, 2)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(ref, expected)
+    torch.testing.assert_close(view, expected)
+    assert view.is_contiguous(memory_format=torch.channels_last) or x.numel() == 0
+
+
+def test_plain_modules_predicate():
+    # Chunks and in-place residuals only where every module is exactly what its class
+    # computes and nobody watches: any forward hook (module or global, pre or post) or a
+    # subclassed module turns them off; training turns chunks off.
+    model = SwinBackbone(**small_arch()).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        plan = ops.plan_forward(x, model, False, False, False)
+    assert plan.plain and plan.chunked and plan.chunk_bytes > 0
+    assert not ops.plan_forward(x, model.train(), False, False, False).chunked  # training
+    model.eval()
+    fc1 = model.stages[1].blocks[0].mlp.fc1
+    for register in (fc1.register_forward_hook, fc1.register_forward_pre_hook,
+                     nn.modules.module.register_module_forward_hook,
+                     nn.modules.module.register_module_forward_pre_hook):
+        handle = register(lambda *args: None)
+        with torch.no_grad():
+            watched = ops.plan_forward(x, model, False, False, False)
+        handle.remove()
+        assert not watched.plain and not watched.chunked, register
+    with torch.no_grad():
+        assert ops.plan_forward(x, model, False, False, False).chunked  # hooks removed
+
+    class Scaled(nn.Linear):  # an adapter-like subclass: computes something else
+        def forward(self, t):
+            return super().forward(t) * 2
+
+    old = model.stages[0].blocks[1].mlp.fc2
+    model.stages[0].blocks[1].mlp.fc2 = Scaled(old.in_features, old.out_features)
+    with torch.no_grad():
+        replaced = ops.plan_forward(x, model, False, False, False)
+    assert not replaced.plain and not replaced.chunked
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_hooked_or_replaced_module_sees_whole_tensors(version):
+    # A forward hook on fc1 fires exactly once per block forward, with the whole tensor, and
+    # the features equal the chunked ones; a replaced Linear (an adapter) runs on whole tensors too.
+    torch.manual_seed(0)
+    model = (SwinBackbone if version == "v1" else SwinV2Backbone)(**small_arch(out_indices=(0,))).eval()
+    x = torch.randn(2, 3, 32, 28)
+    with ops.override(chunk_bytes=3 * 128 * 4), torch.no_grad():  # chunks of 3 rows: many per block
+        (ref,) = model(x)
+        calls = []
+        fc1 = model.stages[0].blocks[1].mlp.fc1
+        handle = fc1.register_forward_hook(lambda m, args, out: calls.append(tuple(out.shape)))
+        (hooked,) = model(x)
+        handle.remove()
+        assert calls == [(2 * 8 * 7, 128)]  # (the MLP branch runs on the (B * L, C) rows)
+        torch.testing.assert_close(hooked, ref)
+
+        seen = []
+
+        class Watching(nn.Linear):
+            def forward(self, t):
+                seen.append(tuple(t.shape))
+                return super().forward(t)
+
+        replacement = Watching(fc1.in_features, fc1.out_features)
+        replacement.load_state_dict(fc1.state_dict())
+        model.stages[0].blocks[1].mlp.fc1 = replacement
+        (replaced,) = model(x)
+    assert seen == [(2 * 8 * 7, 32)]
+    torch.testing.assert_close(replaced, ref)
