@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Union
@@ -166,6 +167,33 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
     return state, report
 
 
+#: Swin V2 formats whose source models shrink the window to small maps and drop the shift
+#: (Swin V2's rule: official, timm, torchvision, transformers, mmpretrain); ours may be either.
+V2_SHRINKING_FORMATS = ("official-v2", "timm-v2", "torchvision-v2", "hf-v2", "mmpretrain-v2")
+
+
+def note_small_map_rule(model: nn.Module, fmt: str, source: str = "<dict>") -> None:
+    """Warn once per model where its explicit ``pad_small_map=True`` makes a loaded Swin V2
+    checkpoint's features differ from its source model's: stages whose map is not larger than
+    the window (at the pretraining size 256x256, window 8: stage 4) pad and shift there, the
+    source model shrinks the window and does not shift (SwinV2Backbone's default does the same)."""
+    if fmt not in V2_SHRINKING_FORMATS or not getattr(model, "pad_small_map", False):
+        return
+    if getattr(model, "_said_small_map_rule", False):
+        return
+    model._said_small_map_rule = True  # type: ignore[assignment]
+    windows = sorted(set(getattr(model, "window_sizes", ()) or ()))
+    warnings.warn(
+        f"{type(model).__name__}(pad_small_map=True) with checkpoint {source} (format '{fmt}'): the checkpoint's "
+        "model uses Swin V2's small-map rule (where a stage's map is not larger than the window "
+        f"{'/'.join(map(str, windows)) or ''}, the window shrinks to it and the shift is off; at its 256x256 "
+        "pretraining size: stage 4), this model pads and shifts there, so those stages' features differ from "
+        "the checkpoint's model; pad_small_map=False (SwinV2Backbone's default) gives them, without image-exact "
+        "batches (valid_sizes)",
+        UserWarning, stacklevel=3,
+    )
+
+
 def load_checkpoint(
     model: nn.Module,
     checkpoint: Union[str, os.PathLike, Mapping],
@@ -205,6 +233,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {source}: incomplete load with strict=True\n{report.summary()}")
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
+    note_small_map_rule(model, report.format, source)
     if logger is not None:
         level = logging.INFO if report.complete else logging.WARNING
         print_log(report.summary(), logger=logger, level=level)

@@ -138,12 +138,12 @@ def test_a_local_path_never_opens_a_connection(tmp_path, monkeypatch):
 def test_safetensors_url_and_generic_hub_file_names(server, torch_home):
     save = pytest.importorskip("safetensors.torch").save
     src, _ = _source()
-    body = save({k: v.contiguous() for k, v in FROM_OURS["timm"](src.state_dict()).items()})
+    body = save({k: v.contiguous() for k, v in FROM_OURS["mmdet"](src.state_dict()).items()})
     # Two models' files called model.safetensors (the Hugging Face hub's layout) never meet in the cache.
     a = server.serve("/org/swin-a/resolve/main/model.safetensors", body)
     b = server.serve("/org/swin-b/resolve/main/model.safetensors", b"not the same file")
     ours = _model()
-    assert load_checkpoint(ours, a, logger=None).format == "timm"
+    assert load_checkpoint(ours, a, logger=None).format == "mmdet"
     _same_weights(ours, src)
     assert cached_file(a) != cached_file(b) and cached_file(a).endswith("-model.safetensors")
     with pytest.raises(CheckpointError, match="swin-b/resolve/main/model.safetensors"):
