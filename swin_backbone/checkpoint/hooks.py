@@ -35,7 +35,9 @@ class SwinPretrainedInit:
         self.checkpoint, self.map_location = checkpoint, map_location
 
     def __call__(self, module: nn.Module) -> None:
-        load_checkpoint(module, self.checkpoint, map_location=self.map_location)
+        # As mmdet's / mmseg's own initialisation: a classifier's final norm is not the last
+        # stage's output norm there (their SwinTransformer never loads it).
+        load_checkpoint(module, self.checkpoint, map_location=self.map_location, final_norm=False)
 
 
 def _convert_on_load(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -167,6 +168,22 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
     return state, report
 
 
+#: The layouts mmdet's / mmseg's SwinTransformer read themselves (official: with
+#: ``convert_weights=True``): where ``init_cfg`` ``Pretrained`` loads as they do.
+LIBRARY_LAYOUTS = ("official", "mmdet")
+
+
+def _skip_final_norm(state: Dict[str, torch.Tensor], report: LoadReport) -> None:
+    """Take a classifier's final norm (converted from ``[prefix]norm.*``) out of ``state``, into
+    ``report.skipped``."""
+    for key, how in list(report.converted.items()):
+        m = re.fullmatch(r"renamed from (norm\.(?:weight|bias))", how)
+        if m and re.fullmatch(r"norm\d+\.(weight|bias)", key):
+            del state[key], report.converted[key]
+            report.skipped[m.group(1)] = ("the classifier's final norm: mmdet's / mmseg's SwinTransformer do not load "
+                                          f"it into {key.split('.')[0]} (init_cfg Pretrained loads as they do)")
+
+
 #: Swin V2 formats whose source models shrink the window to small maps and drop the shift
 #: (Swin V2's rule: official, timm, torchvision, transformers, mmpretrain); ours may be either.
 V2_SHRINKING_FORMATS = ("official-v2", "timm-v2", "torchvision-v2", "hf-v2", "mmpretrain-v2")
@@ -201,6 +218,7 @@ def load_checkpoint(
     strict: bool = False,
     min_match: float = MIN_MATCH,
     logger: Optional[str] = "current",
+    final_norm: bool = True,
 ) -> LoadReport:
     """Load any supported Swin checkpoint into a :class:`~swin_backbone.SwinBackbone`.
 
@@ -211,6 +229,11 @@ def load_checkpoint(
         strict: raise if anything is missing, unexpected or mismatched.
         min_match: raise if fewer than this fraction of the model's tensors load.
         logger: mmengine logger name for the report (``None``: don't log).
+        final_norm: a classification checkpoint's final ``norm.*`` becomes the last stage's
+            output norm (the source model's features). ``False``, for the layouts mmdet /
+            mmseg read themselves (official, mmdet / mmseg): it is skipped, as their
+            ``SwinTransformer`` leaves it (``init_cfg`` ``Pretrained`` does this, so a config
+            switched to SwinBackbone starts from the weights the library would load).
     Returns:
         The :class:`LoadReport`.
     Raises:
@@ -220,6 +243,8 @@ def load_checkpoint(
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "<dict>"
     obj = read_checkpoint(checkpoint, map_location) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
     state, report = prepare_state_dict(obj, model, source)
+    if not final_norm and report.format in LIBRARY_LAYOUTS:
+        _skip_final_norm(state, report)
     target = _model_state(model)
     state = {k: v for k, v in state.items() if k in target and k not in report.mismatched}
     report.loaded = [k for k in target if k in state]
