@@ -174,10 +174,10 @@ LIBRARY_LAYOUTS = ("official", "mmdet")
 
 
 def _skip_final_norm(state: Dict[str, torch.Tensor], report: LoadReport) -> None:
-    """Take a classifier's final norm (converted from ``[prefix]norm.*``) out of ``state``, into
-    ``report.skipped``."""
+    """Take a classifier's final norm (converted from ``norm.*`` to ``norm{last}.*``) out of
+    ``state``, into ``report.skipped``."""
     for key, how in list(report.converted.items()):
-        m = re.fullmatch(r"renamed from (norm\.(?:weight|bias))", how)
+        m = re.match(r"renamed from (norm\.(?:weight|bias))(?: |$)", how)
         if m and re.fullmatch(r"norm\d+\.(weight|bias)", key):
             del state[key], report.converted[key]
             report.skipped[m.group(1)] = ("the classifier's final norm: mmdet's / mmseg's SwinTransformer do not load "

@@ -104,7 +104,8 @@ def test_tools_test_py_with_a_checkpoint_url(server, tmp_path, monkeypatch):
     url = server.serve("/work_dirs/toy_upernet_iter_4.pth", buf.getvalue())
     env = dict(os.environ, TOY_DATA_ROOT=str(data), OMP_NUM_THREADS="1", TORCH_HOME=str(tmp_path / "torch_home"))
     proc = subprocess.run([sys.executable, "tools/test.py", seg, url, "--work-dir", str(tmp_path / "w"),
-                           "--cfg-options", "test_dataloader.num_workers=0", "test_dataloader.persistent_workers=False"],
+                           "--cfg-options", "test_dataloader.num_workers=0",
+                           "test_dataloader.persistent_workers=False"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mIoU" in proc.stdout + proc.stderr
