@@ -142,21 +142,23 @@ def fetch(checkpoint: str, map_location: Union[str, torch.device] = "cpu", progr
     if kind != "url":
         raise CheckpointError(f"checkpoint {checkpoint!r}: read by mmengine's CheckpointLoader, not a file to fetch")
     path = cached_file(where)
-    if os.path.isfile(path):
-        return path, None  # no network
     from mmengine.dist import barrier, get_dist_info
 
-    # As mmengine's load_from_http: rank 0 downloads, the other ranks then read its file.
+    def get() -> Optional[object]:
+        return None if os.path.isfile(path) else _download(checkpoint, where, path, map_location, progress)
+
+    # As mmengine's load_from_http: rank 0 downloads, the other ranks then read its file (or,
+    # without a shared file system, download their own); every rank passes one barrier.
     rank, world = get_dist_info()
-    if world > 1 and rank > 0:
-        barrier()
-        if os.path.isfile(path):
-            return path, None
-    try:
-        return path, _download(checkpoint, where, path, map_location, progress)
-    finally:
-        if world > 1 and rank == 0:
+    if world == 1:
+        return path, get()
+    if rank == 0:
+        try:
+            return path, get()
+        finally:
             barrier()
+    barrier()
+    return path, get()
 
 
 def _download(checkpoint: str, url: str, path: str, map_location: Union[str, torch.device],

@@ -293,3 +293,31 @@ def test_storage_backend_prefix_is_read_by_mmengines_loader(loopback_scheme):
     with pytest.raises(CheckpointError, match=r"checkpoint 'swintest://bucket/none.pth': mmengine's "
                                               r"CheckpointLoader cannot read it \(KeyError"):
         load_checkpoint(_model(), "swintest://bucket/none.pth", logger=None)
+
+
+# ---------------------------------------------------------------- torch.distributed
+def _rank_loads(rank, world, store, url, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ours = _model()
+        load_checkpoint(ours, url, logger=None)
+        torch.save(ours.state_dict(), os.path.join(out, f"rank{rank}.pth"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_ranks_download_once(server, torch_home, tmp_path):
+    # As mmengine's load_from_http: rank 0 downloads, the other rank reads its file after a barrier.
+    src, body = _source()
+    url = server.serve("/dist/swin_dist.pth", body)
+    # (fork: the children need no fresh imports; the server thread stays in the parent)
+    torch.multiprocessing.start_processes(_rank_loads, args=(2, str(tmp_path / "store"), url, str(tmp_path)),
+                                          nprocs=2, start_method="fork")
+    for rank in range(2):
+        state = torch.load(tmp_path / f"rank{rank}.pth", weights_only=True)
+        for key, value in src.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert server.requests["/dist/swin_dist.pth"] == 1
