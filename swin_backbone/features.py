@@ -173,6 +173,9 @@ class FeatureExtractor:
         ``depths`` / ``num_heads`` override the preset (``arch=None``: V1, give all three).
         ``pretrained_window_sizes`` (V2 only): the window(s) the checkpoint was pre-trained
         with, for a larger ``window_size`` (see :class:`~swin_backbone.SwinV2Backbone`).
+        ``checkpoint``: a file, a state dict, or a URL / ``torchvision://`` / ``open-mmlab://``
+        reference as mmengine takes it (fetched once into torch's hub cache,
+        :mod:`swin_backbone.checkpoint.remote`).
         Without a checkpoint the weights are random: ``seed`` makes them reproducible
         (every process of a sharded run must build the same model). ``attention``: the
         backbone's attention kernel setting (``'auto'``, ``'sdpa'``, ``'triton'``).

@@ -6,13 +6,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from swin_backbone.checkpoint.remote import fetch, is_reference, resolve  # noqa: E402
 from swin_backbone.tools import runner as R  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Test (and evaluate) a detector / segmentor with a Swin backbone")
     parser.add_argument("config", help="test config file path")
-    parser.add_argument("checkpoint", help="checkpoint file")
+    parser.add_argument("checkpoint", help="checkpoint file, or a URL / torchvision:// / open-mmlab:// reference "
+                        "as in mmengine (downloaded once into torch's hub cache)")
     parser.add_argument("--work-dir", help="the dir to save the evaluation metrics")
     parser.add_argument("--out", help="dump predictions to a pickle file (mmdet) / a directory (mmseg)")
     parser.add_argument("--show", action="store_true", help="show predictions in a window")
@@ -24,7 +26,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with R.tool_setup(args, "tools/test.py") as cfg:  # bad arguments or config: one line, exit status 1
-        if not os.path.isfile(args.checkpoint):
+        if is_reference(args.checkpoint):  # a URL (or torchvision:// ...): fetched once into torch's hub cache
+            if resolve(args.checkpoint)[0] != "mmengine":  # (storage backends: mmengine's loader reads them)
+                args.checkpoint = fetch(args.checkpoint)[0]
+        elif not os.path.isfile(args.checkpoint):
             raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: "
                                     f"{'a folder' if os.path.isdir(args.checkpoint) else 'no such file'}")
         scope = R.config_scope(cfg)

@@ -4,7 +4,8 @@ Each format module registers its layouts with :func:`register_format`: Swin V1 i
 :mod:`.formats`, Swin V2 in :mod:`.formats_v2`, Hugging Face transformers in
 :mod:`.formats_hf`; :mod:`.detect` imports all three and tells the formats apart. Imports
 inside ``checkpoint/`` go one way: ``base`` <- ``formats`` <- ``formats_v2`` <- ``formats_hf``
-<- ``detect`` <- ``loading`` <- ``hooks`` (``files`` needs only ``base``, ``resize`` nothing).
+<- ``detect`` <- ``loading`` <- ``hooks`` (``remote`` needs only ``base``, ``files`` ``base`` and
+``remote``, ``resize`` nothing).
 """
 from __future__ import annotations
 

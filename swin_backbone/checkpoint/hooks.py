@@ -2,7 +2,10 @@
 therefore imports nothing of it): the ``Pretrained`` initializer and a state-dict pre-hook.
 
 ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` runs :class:`SwinPretrainedInit`
-(registered in mmengine's ``WEIGHT_INITIALIZERS``): any supported format, a per-key report.
+(registered in mmengine's ``WEIGHT_INITIALIZERS``): any supported format, a per-key report;
+``PATH`` may be a URL or another reference mmengine takes (:mod:`.remote`). The layouts mmdet /
+mmseg read themselves load as they do (a classifier's final norm is not the last stage's
+output norm), so a config switched to SwinBackbone starts from the library's weights.
 
 The pre-hook converts checkpoint keys as they arrive in ``load_state_dict``.
 
@@ -35,7 +38,9 @@ class SwinPretrainedInit:
         self.checkpoint, self.map_location = checkpoint, map_location
 
     def __call__(self, module: nn.Module) -> None:
-        load_checkpoint(module, self.checkpoint, map_location=self.map_location)
+        # As mmdet's / mmseg's own initialisation: a classifier's final norm is not the last
+        # stage's output norm there (their SwinTransformer never loads it).
+        load_checkpoint(module, self.checkpoint, map_location=self.map_location, final_norm=False)
 
 
 def _convert_on_load(

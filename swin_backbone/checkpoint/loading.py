@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Union
@@ -166,6 +168,49 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
     return state, report
 
 
+#: The layouts mmdet's / mmseg's SwinTransformer read themselves (official: with
+#: ``convert_weights=True``): where ``init_cfg`` ``Pretrained`` loads as they do.
+LIBRARY_LAYOUTS = ("official", "mmdet")
+
+
+def _skip_final_norm(state: Dict[str, torch.Tensor], report: LoadReport) -> None:
+    """Take a classifier's final norm (converted from ``norm.*`` to ``norm{last}.*``) out of
+    ``state``, into ``report.skipped``."""
+    for key, how in list(report.converted.items()):
+        m = re.match(r"renamed from (norm\.(?:weight|bias))(?: |$)", how)
+        if m and re.fullmatch(r"norm\d+\.(weight|bias)", key):
+            del state[key], report.converted[key]
+            report.skipped[m.group(1)] = ("the classifier's final norm: mmdet's / mmseg's SwinTransformer do not load "
+                                          f"it into {key.split('.')[0]} (init_cfg Pretrained loads as they do)")
+
+
+#: Swin V2 formats whose source models shrink the window to small maps and drop the shift
+#: (Swin V2's rule: official, timm, torchvision, transformers, mmpretrain); ours may be either.
+V2_SHRINKING_FORMATS = ("official-v2", "timm-v2", "torchvision-v2", "hf-v2", "mmpretrain-v2")
+
+
+def note_small_map_rule(model: nn.Module, fmt: str, source: str = "<dict>") -> None:
+    """Warn once per model where its explicit ``pad_small_map=True`` makes a loaded Swin V2
+    checkpoint's features differ from its source model's: stages whose map is not larger than
+    the window (at the pretraining size 256x256, window 8: stage 4) pad and shift there, the
+    source model shrinks the window and does not shift (SwinV2Backbone's default does the same)."""
+    if fmt not in V2_SHRINKING_FORMATS or not getattr(model, "pad_small_map", False):
+        return
+    if getattr(model, "_said_small_map_rule", False):
+        return
+    model._said_small_map_rule = True  # type: ignore[assignment]
+    windows = sorted(set(getattr(model, "window_sizes", ()) or ()))
+    warnings.warn(
+        f"{type(model).__name__}(pad_small_map=True) with checkpoint {source} (format '{fmt}'): the checkpoint's "
+        "model uses Swin V2's small-map rule (where a stage's map is not larger than the window "
+        f"{'/'.join(map(str, windows)) or ''}, the window shrinks to it and the shift is off; at its 256x256 "
+        "pretraining size: stage 4), this model pads and shifts there, so those stages' features differ from "
+        "the checkpoint's model; pad_small_map=False (SwinV2Backbone's default) gives them, without image-exact "
+        "batches (valid_sizes)",
+        UserWarning, stacklevel=3,
+    )
+
+
 def load_checkpoint(
     model: nn.Module,
     checkpoint: Union[str, os.PathLike, Mapping],
@@ -173,6 +218,7 @@ def load_checkpoint(
     strict: bool = False,
     min_match: float = MIN_MATCH,
     logger: Optional[str] = "current",
+    final_norm: bool = True,
 ) -> LoadReport:
     """Load any supported Swin checkpoint into a :class:`~swin_backbone.SwinBackbone`.
 
@@ -183,6 +229,11 @@ def load_checkpoint(
         strict: raise if anything is missing, unexpected or mismatched.
         min_match: raise if fewer than this fraction of the model's tensors load.
         logger: mmengine logger name for the report (``None``: don't log).
+        final_norm: a classification checkpoint's final ``norm.*`` becomes the last stage's
+            output norm (the source model's features). ``False``, for the layouts mmdet /
+            mmseg read themselves (official, mmdet / mmseg): it is skipped, as their
+            ``SwinTransformer`` leaves it (``init_cfg`` ``Pretrained`` does this, so a config
+            switched to SwinBackbone starts from the weights the library would load).
     Returns:
         The :class:`LoadReport`.
     Raises:
@@ -192,6 +243,8 @@ def load_checkpoint(
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "<dict>"
     obj = read_checkpoint(checkpoint, map_location) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
     state, report = prepare_state_dict(obj, model, source)
+    if not final_norm and report.format in LIBRARY_LAYOUTS:
+        _skip_final_norm(state, report)
     target = _model_state(model)
     state = {k: v for k, v in state.items() if k in target and k not in report.mismatched}
     report.loaded = [k for k in target if k in state]
@@ -205,6 +258,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {source}: incomplete load with strict=True\n{report.summary()}")
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
+    note_small_map_rule(model, report.format, source)
     if logger is not None:
         level = logging.INFO if report.complete else logging.WARNING
         print_log(report.summary(), logger=logger, level=level)

@@ -30,18 +30,22 @@ V2_ARCH_SETTINGS: Dict[str, Dict[str, Any]] = {
 V2_ARCH_ALIASES = dict(ARCH_ALIASES, h="huge", g="giant")
 
 #: The published V2 models (official repository / timm names): preset, window and the
-#: pre-training windows of the fine-tuned ones.
+#: pre-training windows. A stage whose map at the pre-training size is smaller than the window
+#: was trained with the window shrunk to the map (Swin V2's small-map rule), which normalises
+#: its position-bias coordinates by that smaller window: e.g. ``window16_256``'s stage 4 (map 8)
+#: has pre-training window 8, ``window12_192``'s (map 6) 6, as the official fine-tunes record
+#: for their stage 4 (``(12, 12, 12, 6)``).
 PUBLISHED_V2: Dict[str, Dict[str, Any]] = {
     "swinv2_tiny_window8_256": dict(arch="tiny", window_size=8),
-    "swinv2_tiny_window16_256": dict(arch="tiny", window_size=16),
+    "swinv2_tiny_window16_256": dict(arch="tiny", window_size=16, pretrained_window_sizes=(16, 16, 16, 8)),
     "swinv2_small_window8_256": dict(arch="small", window_size=8),
-    "swinv2_small_window16_256": dict(arch="small", window_size=16),
+    "swinv2_small_window16_256": dict(arch="small", window_size=16, pretrained_window_sizes=(16, 16, 16, 8)),
     "swinv2_base_window8_256": dict(arch="base", window_size=8),
-    "swinv2_base_window16_256": dict(arch="base", window_size=16),
-    "swinv2_base_window12_192": dict(arch="base", window_size=12),
+    "swinv2_base_window16_256": dict(arch="base", window_size=16, pretrained_window_sizes=(16, 16, 16, 8)),
+    "swinv2_base_window12_192": dict(arch="base", window_size=12, pretrained_window_sizes=(12, 12, 12, 6)),
     "swinv2_base_window12to16_192to256": dict(arch="base", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
     "swinv2_base_window12to24_192to384": dict(arch="base", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
-    "swinv2_large_window12_192": dict(arch="large", window_size=12),
+    "swinv2_large_window12_192": dict(arch="large", window_size=12, pretrained_window_sizes=(12, 12, 12, 6)),
     "swinv2_large_window12to16_192to256": dict(arch="large", window_size=16, pretrained_window_sizes=(12, 12, 12, 6)),
     "swinv2_large_window12to24_192to384": dict(arch="large", window_size=24, pretrained_window_sizes=(12, 12, 12, 6)),
 }

@@ -178,6 +178,14 @@ class SwinV2Backbone(SwinBackbone):
             Default: the preset's.
         qkv_bias: learnable q and v biases (the k bias is always zero).
         qk_scale: must be ``None``: cosine attention learns a per-head ``logit_scale``.
+        pad_small_map: default ``False`` here, Swin V2's own rule (official, timm, torchvision,
+            transformers, mmpretrain): where a stage's map is not larger than the window the
+            window shrinks to it and the shift is off, so a loaded checkpoint gives its source
+            model's features at that model's input size (256x256, window 8: stage 4). ``True``
+            (mmdet's rule, SwinBackbone's default) pads small maps up to the window; image-exact
+            batches (``valid_sizes``) need it, and the shipped V2 detection / segmentation configs
+            set it; loading a foreign V2 checkpoint then says once that small maps differ from
+            the checkpoint's model (docs/swin-v2.md).
 
     ``init_weights`` zeroes every block's post-norms ``norm1`` / ``norm2`` after V1's init
     (official ``_init_respostnorm``) and sets ``logit_scale = log 10``, q / v biases 0; a
@@ -191,7 +199,8 @@ class SwinV2Backbone(SwinBackbone):
         self, arch: Optional[str] = "tiny", embed_dims: Optional[int] = None, depths: Optional[Sequence[int]] = None,
         num_heads: Optional[Sequence[int]] = None, window_size: Optional[Union[int, Sequence[int]]] = None,
         pretrained_window_sizes: Optional[Union[int, Sequence[int]]] = None,
-        extra_norm_every_n_blocks: Optional[int] = None, qk_scale: Optional[float] = None, **kwargs: Any,
+        extra_norm_every_n_blocks: Optional[int] = None, qk_scale: Optional[float] = None,
+        pad_small_map: bool = False, **kwargs: Any,
     ) -> None:
         if qk_scale is not None:
             fail("qk_scale", "None (Swin V2's cosine attention learns its scale: logit_scale)", qk_scale)
@@ -210,7 +219,7 @@ class SwinV2Backbone(SwinBackbone):
         ]
         super().__init__(arch=None, embed_dims=values["embed_dims"], depths=depths, num_heads=values["num_heads"],
                          window_size=window, block=SwinBlockV2, merging=PatchMergingV2, block_options=options,
-                         **kwargs)
+                         pad_small_map=pad_small_map, **kwargs)
         self.pretrained_window_sizes = pretrained
         self.extra_norm_every_n_blocks = extra
 

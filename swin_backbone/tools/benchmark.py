@@ -6,6 +6,10 @@ Every comparison runs its models in interleaved rounds (A B A B ...) after warm-
 medians; a speedup is the median of the per-round ratios (both models run back to back in a
 round, so the ratio is immune to the machine's drift between rounds).
 
+Every peer library is optional (a plain ``pip install swin-backbone`` has none): rows time what is
+installed, speedups are over ours where mmdet is missing, ``--ablate`` needs none, and one line
+says which comparisons were skipped and what to install for them.
+
 CPU (default on a machine without CUDA):
   1. forward, eval, 1x3x800x1216 under inference_mode: ours, mmdet, timm, torchvision;
   2. forward + backward, train mode, 2x3x512x512: ours, mmdet;
@@ -63,6 +67,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -109,11 +114,46 @@ def switches(name: Optional[str]) -> Dict[str, object]:
     return changes
 
 
+#: The peer libraries the rows compare with (none is needed: a plain install times ours alone):
+#: module -> (what is skipped without it, how to install it).
+PEERS: Dict[str, Tuple[str, str]] = {
+    "mmdet": ("mmdet's SwinTransformer rows (the speedup reference and memory ratio; speedups are then over ours)",
+              "pip install 'swin-backbone[mmdet]'"),
+    "timm": ("timm's rows (and the Swin V2 rows' reference weights)", "pip install timm"),
+    "torchvision": ("torchvision's rows", "pip install torchvision"),
+    "mmseg": ("--upernet (an mmseg UPerNet)", "pip install 'swin-backbone[mmseg]'"),
+}
+
+
+def installed(module: str) -> bool:
+    """``module`` can be imported (checked without importing it)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def skipped_peers(args: argparse.Namespace) -> List[str]:
+    """The peer libraries this run's rows would use that are not installed."""
+    if args.ablate or args.memory_child:
+        return []  # ours alone
+    wanted = ["mmdet"] if args.v2 != "only" else []
+    if not args.no_peers:
+        wanted += ["timm", "torchvision"]
+    elif args.v2:
+        wanted.append("timm")  # the V2 rows' weights
+    if args.upernet:
+        wanted.append("mmseg")
+    return [lib for lib in wanted if not installed(lib)]
+
+
 def build_pair(device: str, seed: int = 0) -> Dict[str, torch.nn.Module]:
-    """mmdet's SwinTransformer and ours (Swin-T) with identical weights."""
+    """mmdet's SwinTransformer and ours (Swin-T) with identical weights; without mmdet, ours
+    alone (its own initialisation, seeded)."""
+    torch.manual_seed(seed)
+    if not installed("mmdet"):
+        ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.0)
+        ours.init_weights()
+        return {"ours": ours.to(device)}
     from mmdet.models.backbones import SwinTransformer
 
-    torch.manual_seed(seed)
     ref = SwinTransformer(**ARCH, drop_path_rate=0.0)
     ref.init_weights()
     ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.0)
@@ -381,7 +421,9 @@ def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant
 
 # ---------------------------------------------------------------------------- reporting
 def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet") -> dict:
-    """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios)."""
+    """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios);
+    ``reference`` not among them (mmdet not installed): over ours."""
+    reference = reference if reference in times else "ours"
     med = {k: statistics.median(v) for k, v in times.items()}
     speedups = {
         k: statistics.median(r / o for r, o in zip(times[reference], v)) for k, v in times.items() if k != reference
@@ -390,13 +432,23 @@ def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet
     print(f"{label}: " + ", ".join(parts) + f"  [speedup over {reference}]")
     result = {"samples": times, "median_s": med, "speedup_over_" + reference: speedups}
     peers = [k for k in times if k not in ("ours", reference)]
-    if "ours" in times and peers:  # ours against every other model, per round as well
+    if "ours" in times and peers and reference != "ours":  # ours against every other model, per round as well
         ours_over = {k: statistics.median(p / o for p, o in zip(times[k], times["ours"])) for k in peers}
         print(f"{label}: ours faster than " + ", ".join(f"{k} {r:.2f}x" for k, r in ours_over.items()))
         result["ours_speedup_over"] = ours_over
     if "ours" in times and reference in times and reference != "ours":  # the keys earlier runs and the tests read
         result.update(ours_s=med["ours"], mmdet_s=med[reference], speedup=speedups["ours"])
     return result
+
+
+def memory_row(label: str, mem: Dict[str, int]) -> dict:
+    """Print and return the peak-memory row: ours, and mmdet's with the ratio where it ran."""
+    if "mmdet" not in mem:
+        print(f"{label}: ours {mem['ours'] / 2**20:.0f} MiB")
+        return {"ours_bytes": mem["ours"]}
+    ratio = mem["ours"] / mem["mmdet"]
+    print(f"{label}: ours {mem['ours'] / 2**20:.0f} MiB, mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {ratio:.2f}x")
+    return {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"], "ratio": ratio}
 
 
 # ---------------------------------------------------------------------------- runs
@@ -425,10 +477,7 @@ def run_cpu(args, results: dict) -> None:
 
     if not args.skip_memory:
         mem = {k: peak_memory(k, device, 2, (ts, ts)) for k in models}
-        ratio = mem["ours"] / mem["mmdet"]
-        print(f"peak memory fwd+bwd 2x3x{ts}x{ts}: ours {mem['ours'] / 2**20:.0f} MiB, "
-              f"mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {ratio:.2f}x")
-        results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"], "ratio": ratio}
+        results["peak_memory"] = memory_row(f"peak memory fwd+bwd 2x3x{ts}x{ts}", mem)
 
     models["ours"].eval()
     flops = count_flops(models["ours"], x_eval)
@@ -694,10 +743,7 @@ def run_cuda(args, results: dict, size: Sequence[int] = CUDA_SIZE) -> None:
         results[f"{kind}_{tag}_{batch}x3x{h}x{w}"] = row if allow is None else {**row, "tf32": allow}
     if not args.skip_memory:
         mem = {k: peak_memory(k, device, 2, (h, w), dtype="bfloat16") for k in models}
-        print(f"peak training memory bf16 2x3x{h}x{w}: ours {mem['ours'] / 2**20:.0f} MiB, "
-              f"mmdet {mem['mmdet'] / 2**20:.0f} MiB, ratio {mem['ours'] / mem['mmdet']:.2f}x")
-        results["peak_memory"] = {"ours_bytes": mem["ours"], "mmdet_bytes": mem["mmdet"],
-                                  "ratio": mem["ours"] / mem["mmdet"]}
+        results["peak_memory"] = memory_row(f"peak training memory bf16 2x3x{h}x{w}", mem)
     ours = models["ours"]
     # Image-exact batches: warmup + iters rounds of 2 steps (with and without) per row.
     for train in (False, True):
@@ -958,6 +1004,11 @@ def run(args: argparse.Namespace) -> dict:
                    date=time.strftime("%Y-%m-%d"))
     print(f"device {args.device}, torch {torch.__version__}" + (
         f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
+    missing = skipped_peers(args)
+    if missing:  # a plain install: ours alone, said in one line
+        print("skipped (not installed): " + "; ".join(f"{PEERS[lib][0]}: {lib} ({PEERS[lib][1]})" for lib in missing))
+        if "mmseg" in missing:
+            args.upernet = None
     if args.report:
         from .gpu_report import report
 

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from ..checkpoint.remote import fetch, is_reference, resolve
 from ..torch_compat import load_supports_mmap
 from .job import in_job, leave_job
 from ..images import READERS, ImageReadError, LoaderSettings, decode_rgb, jpeg_truncated, read_bytes, resolve_reader
@@ -638,11 +639,15 @@ def _settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
     """What decides the features' values: a rerun into the same OUT_DIR must match it."""
     ckpt = None
     if args.checkpoint:
+        path, name = args.checkpoint, os.path.basename(args.checkpoint)
+        if is_reference(args.checkpoint):  # a URL: its cached file (downloaded once), named by the URL
+            path, name = (fetch(args.checkpoint)[0] if resolve(args.checkpoint)[0] != "mmengine" else None), path
         digest = hashlib.sha256()
-        with open(args.checkpoint, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 23), b""):
-                digest.update(chunk)
-        ckpt = dict(file=os.path.basename(args.checkpoint), sha256=digest.hexdigest())
+        if path is not None:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 23), b""):
+                    digest.update(chunk)
+        ckpt = dict(file=name, sha256=digest.hexdigest() if path is not None else None)
     model = dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
                  window_size=args.window_size)
     if args.pretrained_window_sizes is not None:  # (V2 only; absent otherwise, as before V2 existed)
@@ -857,7 +862,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--embed-dims", type=int, help="override the preset's embed_dims (with --arch)")
     p.add_argument("--depths", type=int, nargs="+", help="override the preset's depths (with --arch)")
     p.add_argument("--num-heads", type=int, nargs="+", help="override the preset's num_heads (with --arch)")
-    p.add_argument("--checkpoint", help="weights: any Swin format, or a whole detector/segmentor checkpoint")
+    p.add_argument("--checkpoint", help="weights: any Swin format, or a whole detector/segmentor checkpoint; a file, "
+                   "or a URL / torchvision:// / open-mmlab:// / mmcls:// reference as in mmengine (downloaded once "
+                   "into torch's hub cache)")
     p.add_argument("--random-weights", action="store_true",
                    help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
@@ -913,7 +920,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "--random-weights if random weights are really what you want")
     if args.checkpoint and args.random_weights:
         p.error("--random-weights: not allowed with --checkpoint")
-    if args.checkpoint and not os.path.isfile(args.checkpoint):
+    if args.checkpoint and not is_reference(args.checkpoint) and not os.path.isfile(args.checkpoint):
         p.error(f"--checkpoint: {'a folder, expected a file' if os.path.isdir(args.checkpoint) else 'no such file'} "
                 f"{args.checkpoint!r}")
     for option, values in (("--embed-dims", [args.embed_dims] if args.embed_dims is not None else None),

@@ -137,6 +137,11 @@ FAILURE_ROWS = [
     ("arch-unknown", "RAW --arch tinyy --random-weights --no-progress", ["arch", "tiny"]),
     ("heads-not-dividing", "RAW --random-weights --embed-dims 16 --depths 1 1 1 1 --num-heads 3 2 4 8",
      ["num_heads[0]", "divisor"]),
+    # references are fetched, not refused as missing files (a closed loopback port: never outside)
+    ("checkpoint-url-unreachable", "RAW --checkpoint http://127.0.0.1:9/swin_hostile_row.pth --no-progress",
+     ["checkpoint 'http://127.0.0.1:9/swin_hostile_row.pth'", "cannot reach 127.0.0.1:9"]),
+    ("checkpoint-unknown-scheme", "RAW --checkpoint ftp://127.0.0.1/swin.pth --no-progress",
+     ["ftp://127.0.0.1/swin.pth", "unknown scheme"]),
 ]
 
 

@@ -211,6 +211,10 @@ def test_tool_v2_preset_with_a_timm_checkpoint(tmp_path, timm_v2_checkpoint):
             y = layer(y)
             want = torch.nn.functional.layer_norm(y, y.shape[-1:]).permute(0, 3, 1, 2)[0]
             torch.testing.assert_close(torch.from_numpy(got[f"stage{s}"]), want, rtol=1e-4, atol=1e-4)
+        # stage 4 (map 8 = window 8): timm's final norm, which ours loaded; the same window and no
+        # shift there, Swin V2's small-map rule (the V2 presets' default)
+        want = ref.norm(ref.layers[3](y)).permute(0, 3, 1, 2)[0]
+        torch.testing.assert_close(torch.from_numpy(got["stage3"]), want, rtol=1e-4, atol=1e-4)
     # a rerun with the same settings resumes; a V1 arch on the V2 checkpoint is refused with the V2 names
     again = tool.extract([str(src), str(out), "--arch", "v2-tiny", "--checkpoint", str(ckpt), "--no-progress"])
     assert again["resumed"] == 2 and again["new"] == 0

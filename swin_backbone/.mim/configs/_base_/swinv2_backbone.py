@@ -15,6 +15,10 @@ swinv2_t = dict(
     drop_path_rate=0.2,
     out_indices=(0, 1, 2, 3),
     with_cp=False,
+    # Image-exact batches (each image's features as alone, docs/image-exact-batches.md) need
+    # mmdet's small-map rule; SwinV2Backbone's default is Swin V2's own (the checkpoint model's
+    # features at its pretraining size), which differs only where a map is not larger than the window.
+    pad_small_map=True,
     init_cfg=dict(type='Pretrained', checkpoint='checkpoints/swinv2_tiny_patch4_window8_256.pth'))
 
 swinv2_paramwise_cfg = dict(

@@ -3,6 +3,7 @@
 # window and no-decay keys is the V1 toy config's.
 _base_ = './mask-rcnn_swin-toy_fpn_toy-coco.py'
 
-model = dict(backbone=dict(type='SwinV2Backbone', window_size=8, pretrained_window_sizes=0))
+model = dict(backbone=dict(type='SwinV2Backbone', window_size=8, pretrained_window_sizes=0,
+                            pad_small_map=True))  # image-exact batches (see _base_/swinv2_backbone.py)
 optim_wrapper = dict(
     paramwise_cfg=dict(custom_keys=dict(cpb_mlp=dict(decay_mult=0.), logit_scale=dict(decay_mult=0.))))

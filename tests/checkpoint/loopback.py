@@ -1,0 +1,68 @@
+"""A real HTTP server on 127.0.0.1 for the checkpoint-URL tests: serves bytes by path, counts
+the requests per path, answers 404 for unknown paths and can cut a response off part way."""
+from __future__ import annotations
+
+import collections
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Dict, Set
+
+
+class Loopback:
+    """``files``: path -> bytes; ``cut``: paths whose response announces the full length, sends
+    half of it and closes the connection; ``requests``: path -> GET count."""
+
+    def __init__(self) -> None:
+        self.files: Dict[str, bytes] = {}
+        self.cut: Set[str] = set()
+        self.requests: Dict[str, int] = collections.Counter()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?")[0]
+                server.requests[path] += 1
+                body = server.files.get(path)
+                if body is None:
+                    self.send_error(404, "Not Found")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if path in server.cut:
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.root + path
+
+    def serve(self, path: str, body: bytes) -> str:
+        """Serve ``body`` at ``path``; its URL."""
+        self.files[path] = body
+        return self.url(path)
+
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
