@@ -7,6 +7,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, Set
 
+import pytest
+
 
 class Loopback:
     """``files``: path -> bytes; ``cut``: paths whose response announces the full length, sends
@@ -66,3 +68,20 @@ class Loopback:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    """A :class:`Loopback` server for one test (import the fixture where it is used)."""
+    srv = Loopback()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def torch_home(tmp_path, monkeypatch):
+    """A fresh ``$TORCH_HOME`` (and ``$MMENGINE_HOME``): the cache every download goes to."""
+    home = tmp_path / "torch_home"
+    monkeypatch.setenv("TORCH_HOME", str(home))
+    monkeypatch.setenv("MMENGINE_HOME", str(tmp_path / "mmengine_home"))
+    return home

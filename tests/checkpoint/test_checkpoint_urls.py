@@ -18,25 +18,9 @@ from swin_backbone.checkpoint.formats import FROM_OURS
 from swin_backbone.checkpoint.remote import cache_dir, cached_file, fetch
 
 from ..helpers import TINY
-from .loopback import Loopback
+from .loopback import server, torch_home  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def server():
-    srv = Loopback()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def torch_home(tmp_path, monkeypatch):
-    """A fresh ``$TORCH_HOME`` (and ``$MMENGINE_HOME``): the cache every download goes to."""
-    home = tmp_path / "torch_home"
-    monkeypatch.setenv("TORCH_HOME", str(home))
-    monkeypatch.setenv("MMENGINE_HOME", str(tmp_path / "mmengine_home"))
-    return home
 
 
 def _model():

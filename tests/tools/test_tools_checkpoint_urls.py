@@ -18,25 +18,11 @@ from swin_backbone.checkpoint.remote import cached_file
 from swin_backbone.tools import extract_features as tool
 from swin_backbone.tools.convert_checkpoint import main as convert_main
 
-from ..checkpoint.loopback import Loopback
+from ..checkpoint.loopback import server, torch_home  # noqa: F401 (fixtures)
 from ..helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def server():
-    srv = Loopback()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def torch_home(tmp_path, monkeypatch):
-    home = tmp_path / "torch_home"
-    monkeypatch.setenv("TORCH_HOME", str(home))
-    return home
 
 
 def _served_model(server, path):
