@@ -144,7 +144,8 @@ def _run_worker(cases: List[Case], env: Dict[str, str], results: Dict[Case, dict
 @pytest.fixture(scope="module")
 def compile_matrix(tmp_path_factory) -> Dict[Case, dict]:
     if ta._triton_version() < (3, 0):
-        pytest.skip(f"triton {ta.triton.__version__} < 3.0: the kernel needs tl.dot(input_precision=) and is declined")
+        pytest.skip(f"triton {getattr(ta.triton, '__version__', '(not installed)')} < 3.0: the kernel needs "
+                    "tl.dot(input_precision=) and is declined")
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:
