@@ -4,9 +4,15 @@ Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone
 ``MODELS`` registry of every installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs
 can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
 :class:`SwinBlock` / :class:`SwinBlockV2` are exported for FSDP wrap policies (one unit per block:
-configs/_base_/fsdp.py, docs/large-models.md).
+configs/_base_/fsdp.py, docs/large-models.md). Where mmcv is installed without compiled ops
+(mmcv-lite), importing the package gives mmcv its ops from torchvision / torch
+(:mod:`swin_backbone.mmcv_lite`, docs/mmcv-lite.md).
 """
 from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
+from . import mmcv_lite
+
+# Before anything imports mmdet / mmseg models (they import mmcv.ops): mmcv-lite gets its ops here.
+mmcv_lite.activate()
 from .model.backbone import SwinBackbone
 from .model.blocks import SwinBlock
 from .model.presets import ARCH_SETTINGS

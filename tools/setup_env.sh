@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create one of the project's venvs (Python 3.11), idempotently:
 #
-#   tools/setup_env.sh            .venv            torch 2.14.1, mmcv 2.1.0 built from source, mmdet 3.3, mmseg 1.2
+#   tools/setup_env.sh            .venv            torch 2.14.1, mmcv-lite 2.1.0 (no compile: swin_backbone.mmcv_lite
+#                                                  gives it mmcv's ops from torchvision / torch), mmdet 3.3, mmseg 1.2
 #   tools/setup_env.sh torch2.1   .venv-torch2.1   torch 2.1.2 + numpy 1.x, mmcv 2.1.0 built for it, mmdet 3.3, mmseg 1.2
 #                                                  (the environment most mmdet / mmseg users have)
 #   tools/setup_env.sh torch2.0   .venv-torch2.0   torch 2.0.1 + numpy 1.x (the supported floor), mmengine, no mmcv
 #
 # The recipe is the tested one from shared/ENVIRONMENT.md. The only slow step is compiling
-# mmcv 2.1.0 with its CPU ops (~14 min on 2 cores per torch version): the built wheel is kept in a
+# mmcv 2.1.0 with its CPU ops for the torch 2.1 stack (~14 min on 2 cores): the built wheel is kept in a
 # cache OUTSIDE the checkout, keyed by mmcv / torch / Python versions, so later setups on the same
 # machine (fresh clones included) reuse it. A stamp file in the venv records the hash of this
 # script, setup.cfg and the stack name: when none changed, the script exits in well under a second.
@@ -30,9 +31,9 @@ case "$STACK" in
         VENV="${VENV:-$ROOT/.venv}"
         TORCH_VERSION=2.14.1; TORCHVISION_VERSION=0.29.1
         NUMPY_SPEC=""            # numpy 2.x
-        WITH_MMCV=1
-        CXX_STD=20               # torch 2.14's headers need C++20; mmcv hard-codes -std=c++17
-        EXTRAS="mmdet,mmseg,onnx,test,hf"
+        WITH_MMCV=lite           # mmcv-lite: pure Python, nothing compiled (docs/mmcv-lite.md)
+        CXX_STD=""
+        EXTRAS="mmdet-lite,mmseg-lite,onnx,test,hf"
         ;;
     torch2.1)
         VENV="${VENV:-$ROOT/.venv-torch2.1}"
@@ -104,6 +105,11 @@ if ! have "mmengine==$MMENGINE_VERSION"; then
     pip_q install "mmengine==$MMENGINE_VERSION" "${PINS[@]}"
 fi
 
+if [[ "$WITH_MMCV" == lite ]] && ! have "mmcv-lite==$MMCV_VERSION"; then
+    log "installing mmcv-lite $MMCV_VERSION (no compiled ops: swin_backbone.mmcv_lite provides them)"
+    pip_q install "mmcv-lite==$MMCV_VERSION" "${PINS[@]}"
+fi
+
 if [[ "$WITH_MMCV" == 1 ]] && ! have "mmcv==$MMCV_VERSION"; then
     wheel="$(ls "$WHEEL_CACHE"/mmcv-$MMCV_VERSION-*.whl 2>/dev/null | head -n1 || true)"
     if [[ -z "$wheel" ]]; then
@@ -138,6 +144,8 @@ fi
 PKGS=("${PINS[@]}" "mmengine==$MMENGINE_VERSION" "timm==$TIMM_VERSION")
 if [[ "$WITH_MMCV" == 1 ]]; then
     PKGS+=("mmcv==$MMCV_VERSION" "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION")
+elif [[ "$WITH_MMCV" == lite ]]; then
+    PKGS+=("mmcv-lite==$MMCV_VERSION" "mmdet==$MMDET_VERSION" "mmsegmentation==$MMSEG_VERSION")
 fi
 log "installing swin_backbone (editable) with its [$EXTRAS] extras"
 # Through the package's extras, so the suite runs on exactly what setup.cfg promises; the pins keep
@@ -149,7 +157,9 @@ if ! "${PIP[@]}" install -q --no-build-isolation "${PKGS[@]}" \
 fi
 
 check='import torch, swin_backbone; assert torch.__version__.split("+")[0] == "'"$TORCH_VERSION"'", torch.__version__'
-[[ "$WITH_MMCV" == 1 ]] && check="import mmcv.ops, mmdet, mmseg; $check"
+[[ "$WITH_MMCV" == 1 ]] && check="import mmcv.ops, mmdet, mmseg; $check; from swin_backbone import mmcv_lite; assert not mmcv_lite.active()"
+# swin_backbone first: it gives mmcv-lite its ops before mmdet / mmseg import mmcv.ops.
+[[ "$WITH_MMCV" == lite ]] && check="$check; import mmdet.models, mmseg.models; from swin_backbone import mmcv_lite; assert mmcv_lite.active()"
 "$VENV/bin/python" -c "$check" || { log "import check failed"; exit 1; }
 echo "$want_stamp" > "$STAMP"
 log "done: $VENV ($((SECONDS - started)) s)"

@@ -1,0 +1,71 @@
+"""mmdet and mmseg on mmcv-lite: mmcv's compiled ops from torchvision and torch.
+
+mmdet and mmseg import ``mmcv.ops`` when their models are imported, and ``mmcv.ops`` asks the
+compiled extension ``mmcv._ext`` for its functions by name. mmcv-lite (the pure-Python build of
+mmcv, on PyPI for every Python and torch) has no ``_ext``, so neither library imports. Where mmcv
+is installed without its compiled ops, :func:`activate` (run by ``import swin_backbone``) gives
+mmcv :mod:`swin_backbone.mmcv_lite.ext` as its ``_ext``: the ops the Swin detectors and segmentors
+call, written with torchvision.ops and torch (docs/mmcv-lite.md lists them), and an error naming
+the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Optional
+
+#: The module mmcv's ``ext_loader.load_ext('_ext', ...)`` imports.
+EXT_NAME = "mmcv._ext"
+
+_state = {"checked": False, "active": False}
+
+
+def compiled_ops_available() -> Optional[bool]:
+    """``None`` without mmcv; whether mmcv's compiled extension can be found otherwise."""
+    try:
+        if importlib.util.find_spec("mmcv") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    mmcv_ext = sys.modules.get(EXT_NAME)
+    if mmcv_ext is not None:
+        return not getattr(mmcv_ext, "IS_SWIN_BACKBONE_LITE", False)
+    try:
+        return importlib.util.find_spec(EXT_NAME) is not None
+    except (ImportError, ValueError):  # mmcv itself fails to import: leave it to report that
+        return None
+
+
+def active() -> bool:
+    """Whether mmcv's ops run on :mod:`swin_backbone.mmcv_lite.ext` in this process."""
+    return getattr(sys.modules.get(EXT_NAME), "IS_SWIN_BACKBONE_LITE", False)
+
+
+def activate() -> bool:
+    """Give mmcv-lite its ``_ext`` (once per process); returns whether the stand-in is active.
+
+    Never replaces a compiled extension: with full mmcv installed this returns False.
+    """
+    if _state["checked"]:
+        return active()
+    _state["checked"] = True
+    if compiled_ops_available() is not False:
+        return active()
+    import mmcv
+
+    from . import ext
+
+    sys.modules[EXT_NAME] = ext
+    mmcv._ext = ext  # type: ignore[attr-defined]
+    _log(f"swin_backbone: mmcv {mmcv.__version__} has no compiled ops (mmcv-lite): its ops run on "
+         "torchvision / torch (swin_backbone.mmcv_lite; install full mmcv for any op not covered)")
+    return True
+
+
+def _log(message: str) -> None:
+    try:
+        from mmengine.logging import print_log
+
+        print_log(message, logger="current")
+    except ImportError:  # pragma: no cover - mmengine is a requirement
+        print(message, file=sys.stderr)
