@@ -1,8 +1,8 @@
 # swin-backbone: every target sets up what it needs (idempotent; seconds when nothing changed).
 #
-# make test   = the full suite on today's stack (.venv: torch 2.14.1) and the compatibility suites
-#               on the old stacks users have (docs/compatibility.md):
-#                 .venv-torch2.1  torch 2.1.2 + mmcv 2.1.0 + mmdet 3.3 + mmseg 1.2 + numpy 1.x
+# make test   = the full suite on today's stack (.venv: torch 2.14.1, mmcv-lite: nothing compiled) and
+#               the compatibility suites on the old stacks users have (docs/compatibility.md):
+#                 .venv-torch2.1  torch 2.1.2 + mmcv 2.1.0 (compiled) + mmdet 3.3 + mmseg 1.2 + numpy 1.x
 #                 .venv-torch2.0  torch 2.0.1 (the floor) + mmengine + numpy 1.x, no mmcv
 #               `make test COMPAT=0` (or PYTEST_ARGS=...) runs today's stack only.
 SHELL := /bin/bash
@@ -20,7 +20,10 @@ COMPAT_CORE := tests/test_compat.py tests/model tests/ops tests/checkpoint
 # Of tests/tools, the feature-extraction tool's tests (a user tool; the benchmark is a developer
 # tool, run on today's stack).
 COMPAT_TOOLS := $(wildcard tests/tools/test_*feature*.py)
-COMPAT_TORCH21 := $(COMPAT_CORE) $(COMPAT_TOOLS) tests/mmlab/test_tools_train.py::test_train_resume_and_test
+# tests/mmcv_lite: our stand-in ops against the compiled ones, op by op and end to end (the one
+# stack with compiled mmcv).
+COMPAT_TORCH21 := $(COMPAT_CORE) $(COMPAT_TOOLS) tests/mmlab/test_tools_train.py::test_train_resume_and_test \
+	tests/mmcv_lite
 # The floor has no mmdet: test_tool_from_config_and_glob reads an mmdet config.
 COMPAT_TORCH20 := $(COMPAT_CORE) $(COMPAT_TOOLS) \
 	--deselect tests/tools/test_tools_extract_features.py::test_tool_from_config_and_glob

@@ -8,15 +8,16 @@ only torch, and use it there (no checkout on ``sys.path``).
    torch 2.1.2 + mmcv 2.1.0 + mmdet 3.3 + mmseg 1.2, and torch 2.0.1): pip's plan
    (``--dry-run --report``) for the wheel and its ``[mmdet,mmseg,triton]`` extras changes nothing
    of torch, its companions, numpy or the OpenMMLab libraries;
-3. ``[mmdet,mmseg]`` added to the fresh venv: SwinBackbone builds from both libraries'
-   registries, a user config inheriting ours through the ``swin_backbone::`` scope loads and
-   builds its detector / segmentor, and a copy of tools/train.py (outside the checkout) trains
-   a user config inheriting ``swin_backbone::toy/...`` for two iterations.
+3. a fresh venv that has no mmcv: pip's plan for every extra holds no source build (nothing
+   compiles: the plain extras ask for no mmcv, the ``-lite`` ones for the mmcv-lite wheel);
+4. ``[mmdet-lite,mmseg-lite]`` (+ the torchvision built for torch) added to the fresh venv:
+   mmdet's and mmseg's models import on mmcv-lite with our ops, SwinBackbone builds from both
+   libraries' registries, a user config inheriting ours through the ``swin_backbone::`` scope
+   loads and builds its detector / segmentor, and a copy of tools/train.py (outside the
+   checkout) trains a user config inheriting ``swin_backbone::toy/...`` for two iterations.
 
-torch comes from the machine's local wheels (pip config), the rest from the package index,
-mmcv 2.1.0 from the wheel tools/setup_env.sh built and cached (PyPI has none for recent torch:
-the [mmdet,mmseg] part is skipped, saying so, without it). Run alone: ``pytest -m install``;
-leave out: ``-m 'not install'``.
+torch and torchvision come from the machine's local wheels (pip config), the rest from the
+package index. Run alone: ``pytest -m install``; leave out: ``-m 'not install'``.
 """
 from __future__ import annotations
 
@@ -36,11 +37,8 @@ pytestmark = pytest.mark.install
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "swin_backbone", ".mim", "configs")
 TORCH_VERSION = torch.__version__.split("+")[0]
-PYTAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 MMCV_VERSION = "2.1.0"  # as tools/setup_env.sh
-CACHE_ROOT = os.environ.get("SWIN_BACKBONE_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swin-backbone")
-MMCV_WHEELS = os.path.join(CACHE_ROOT, "wheels", f"mmcv-{MMCV_VERSION}-torch{TORCH_VERSION}-{PYTAG}")
+TORCHVISION_VERSION = {"2.14.1": "0.29.1"}.get(TORCH_VERSION)  # the one built for this torch
 SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark")
 # Left out of the copy the wheel is built from (what .gitignore keeps out of a clone).
 NOT_SOURCE = {".git", ".venv", "build", "dist", "data", "work_dirs", "outputs", "checkpoints", ".pytest_cache"}
@@ -143,7 +141,7 @@ def test_wheel_ships_the_one_copy_of_the_configs(wheel):
     assert "Requires-Python: >=3.8" in metadata
     assert [r for r in base if r.lower().startswith("torch")] == ["torch>=2.0"]
     assert [r for r in base if r.lower().startswith("numpy")] == ["numpy"]
-    for extra in ("mmdet", "mmseg", "onnx", "test", "triton"):
+    for extra in ("mmdet", "mmseg", "mmdet-lite", "mmseg-lite", "onnx", "test", "triton"):
         assert f"Provides-Extra: {extra}" in metadata
     for script in SCRIPTS:
         assert f"{script} = swin_backbone.tools." in entry_points
@@ -232,29 +230,53 @@ def test_installing_into_an_existing_environment_changes_nothing_of_it(stack, wh
     assert before["torch"].split("+")[0] == {"torch2.1": "2.1.2", "torch2.0": "2.0.1"}[stack]
     if has_mmcv:
         assert before["mmcv"] == MMCV_VERSION
+        # The full mmcv stays what runs: swin_backbone's stand-in for its ops stays off.
+        out = run([python, "-c", "import swin_backbone, mmcv.ops; from swin_backbone import mmcv_lite; "
+                   "import mmcv._ext as e; print('LITE', mmcv_lite.active(), hasattr(e, '__file__') and "
+                   "e.__file__.endswith('.so'))"], str(tmp_path))
+        assert last(out, "LITE ") == "False True"
+
+
+@pytest.mark.parametrize("extras", ["[mmdet,mmseg]", "[mmdet-lite,mmseg-lite]"])
+def test_no_extra_compiles_mmcv_in_a_fresh_environment(venv, wheel, extras, tmp_path):
+    """A torch-only environment (no mmcv): pip's plan downloads wheels only, so nothing is built;
+    the plain extras leave mmcv to the user, the lite ones bring the pure-Python mmcv-lite."""
+    report = tmp_path / "report.json"
+    venv.pip("install", "--dry-run", "--quiet", "--report", str(report), f"{wheel}{extras}")
+    rows = json.loads(report.read_text())["install"]
+    planned = {row["metadata"]["name"].lower(): row["metadata"]["version"] for row in rows}
+    built = [row["metadata"]["name"] for row in rows
+             if not row["download_info"]["url"].endswith(".whl") and row["metadata"]["name"] != "swin-backbone"]
+    assert not built, f"pip would build {built} from source for {extras}"
+    assert "mmcv" not in planned and "torch" not in planned and "torchvision" not in planned
+    assert ("mmcv-lite" in planned) == extras.startswith("[mmdet-lite")
 
 
 @pytest.fixture(scope="module")
 def venv_mm(venv, wheel):
-    """The same venv with the [mmdet,mmseg] extras (mmcv from the cached local build)."""
-    mmcv = [f for f in os.listdir(MMCV_WHEELS) if f.endswith(".whl")] if os.path.isdir(MMCV_WHEELS) else []
-    if not mmcv:
-        pytest.skip(f"no mmcv {MMCV_VERSION} wheel for torch {TORCH_VERSION} in {MMCV_WHEELS} (PyPI has none: "
-                    "`make setup` builds and caches it)")
-    venv.pip("install", "-q", f"{wheel}[mmdet,mmseg]", f"torch=={TORCH_VERSION}", "--find-links", MMCV_WHEELS,
-             "--only-binary", "mmcv")
+    """The same venv with the [mmdet-lite,mmseg-lite] extras and the torchvision built for torch."""
+    if TORCHVISION_VERSION is None:
+        pytest.skip(f"which torchvision goes with torch {TORCH_VERSION} is not written down here")
+    venv.pip("install", "-q", f"{wheel}[mmdet-lite,mmseg-lite]", f"torch=={TORCH_VERSION}",
+             f"torchvision=={TORCHVISION_VERSION}")
     return venv
 
 
 def test_extras_install_what_they_promise(venv_mm):
     installed = venv_mm.installed()
     assert installed["torch"] == TORCH_VERSION  # the extras never replace the user's torch
-    assert installed["mmcv"] == MMCV_VERSION
+    assert installed["mmcv-lite"] == MMCV_VERSION and "mmcv" not in installed
     for name in ("mmdet", "mmsegmentation", "mmengine", "ftfy", "regex"):
         assert name in installed, name
-    assert "torchvision" not in installed
     assert int(installed["setuptools"].split(".")[0]) < 81  # mmengine's `pkg::` lookup uses pkg_resources
     venv_mm.pip("check")
+    out = venv_mm.py("""
+        import swin_backbone, mmdet.models, mmseg.models
+        from swin_backbone import mmcv_lite
+        print('LITE', mmcv_lite.active())
+    """)
+    assert last(out, "LITE ") == "True"
+    assert "has no compiled ops (mmcv-lite)" in out  # the one line that says so
 
 
 def test_registries_and_config_scope(venv_mm):
