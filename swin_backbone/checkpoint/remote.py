@@ -423,9 +423,10 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
             expected = int(length) if length and length.isdigit() else None
             digest, size = hashlib.sha256(), 0
             bar = _progress(expected) if progress else None
+            read = getattr(response, "read1", response.read)  # read1: what has arrived, so a stall counts it
             try:
                 while True:
-                    chunk = response.read(READ_CHUNK)
+                    chunk = read(READ_CHUNK)
                     if not chunk:
                         break
                     f.write(chunk)

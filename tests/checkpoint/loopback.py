@@ -33,7 +33,13 @@ class Loopback:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?")[0]
+                try:
+                    self.answer()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout under test)
+                    self.close_connection = True
+
+            def answer(self) -> None:
+                path = self.path  # the query string included: ``/uc?id=A`` and ``/uc?id=B`` are two files
                 server.requests[path] += 1
                 time.sleep(server.delay.get(path, 0.0))
                 body = server.files.get(path)
