@@ -148,7 +148,8 @@ def stage_depths(state: Iterable[str], source: str = "checkpoint") -> List[int]:
     return depths
 
 
-def stage_tensor(state: Mapping[str, torch.Tensor], stage: int, suffix: str, source: str = "checkpoint") -> torch.Tensor:
+def stage_tensor(state: Mapping[str, torch.Tensor], stage: int, suffix: str,
+                 source: str = "checkpoint") -> torch.Tensor:
     """``stages.{stage}.blocks.{j}.{suffix}`` of the first block ``j`` that has it (a per-stage
     shape such as the number of heads); :class:`CheckpointError` naming the key if none has."""
     pattern = re.compile(rf"^stages\.{stage}\.blocks\.\d+\.{re.escape(suffix)}$")

@@ -280,10 +280,14 @@ def _writable(named: str, url: str, folder: str, call, *args, **kwargs):
     try:
         return call(*args, **kwargs)
     except OSError as err:
-        raise CheckpointError(
-            f"{named}: cannot write to the download cache {folder} ({type(err).__name__}: "
-            f"{err.strerror or err}); point $TORCH_HOME at a writable folder (torch.hub.get_dir()), or download "
-            f"{url} elsewhere and pass its local path") from None
+        raise _unwritable(named, url, folder, err) from None
+
+
+def _unwritable(named: str, url: str, folder: str, err: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"{named}: cannot write to the download cache {folder} ({type(err).__name__}: {err.strerror or err}); "
+        f"point $TORCH_HOME at a writable folder (torch.hub.get_dir()), or download {url} elsewhere and pass its "
+        "local path")
 
 
 @contextlib.contextmanager
@@ -295,8 +299,11 @@ def _locked(named: str, url: str, lock: str) -> Iterator[None]:
         return
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except PermissionError:  # another user's lock file: a read-only descriptor locks as well
-        fd = _writable(named, url, os.path.dirname(lock), os.open, lock, os.O_RDONLY)
+    except OSError as err:
+        try:  # another user's lock file: a read-only descriptor locks as well
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            raise _unwritable(named, url, os.path.dirname(lock), err) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
