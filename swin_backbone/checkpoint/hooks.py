@@ -3,7 +3,8 @@ therefore imports nothing of it): the ``Pretrained`` initializer and a state-dic
 
 ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` runs :class:`SwinPretrainedInit`
 (registered in mmengine's ``WEIGHT_INITIALIZERS``): any supported format, a per-key report;
-``PATH`` may be a URL or another reference mmengine takes (:mod:`.remote`). The layouts mmdet /
+``PATH`` may be a URL or another reference mmengine takes (:mod:`.remote`); mmengine's ``prefix=``
+takes the keys under it (``'teacher.backbone.'``). The layouts mmdet /
 mmseg read themselves load as they do (a classifier's final norm is not the last stage's
 output norm), so a config switched to SwinBackbone starts from the library's weights.
 
