@@ -2,8 +2,8 @@
 from . import hooks  # noqa: F401  (backbones convert foreign keys in load_state_dict)
 from .base import CheckpointError, to_ours
 from .detect import FORMATS, detect_format, unwrap_state_dict
-from .files import CheckpointNotFoundError, read_checkpoint, write_checkpoint
-from .loading import LoadReport, load_checkpoint, prepare_state_dict
+from .files import CheckpointNotFoundError, write_checkpoint
+from .loading import LoadReport, load_checkpoint, prepare_state_dict, read_checkpoint
 
 __all__ = [
     "FORMATS",

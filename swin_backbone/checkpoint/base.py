@@ -3,9 +3,10 @@
 Each format module registers its layouts with :func:`register_format`: Swin V1 in
 :mod:`.formats`, Swin V2 in :mod:`.formats_v2`, Hugging Face transformers in
 :mod:`.formats_hf`; :mod:`.detect` imports all three and tells the formats apart. Imports
-inside ``checkpoint/`` go one way: ``base`` <- ``formats`` <- ``formats_v2`` <- ``formats_hf``
-<- ``detect`` <- ``loading`` <- ``hooks`` (``remote`` needs only ``base``, ``files`` ``base`` and
-``remote``, ``resize`` nothing).
+inside ``checkpoint/`` go one way, function-level imports included (tests/checkpoint/
+test_checkpoint_cache.py checks it): ``base`` <- ``formats`` <- ``formats_v2`` <- ``formats_hf``
+<- ``detect``; ``base`` <- ``files`` (local files) <- ``remote`` (URLs and other references);
+``detect``, ``files``, ``remote`` and ``resize`` (which needs nothing) <- ``loading`` <- ``hooks``.
 """
 from __future__ import annotations
 
@@ -147,7 +148,8 @@ def stage_depths(state: Iterable[str], source: str = "checkpoint") -> List[int]:
     return depths
 
 
-def stage_tensor(state: Mapping[str, torch.Tensor], stage: int, suffix: str, source: str = "checkpoint") -> torch.Tensor:
+def stage_tensor(state: Mapping[str, torch.Tensor], stage: int, suffix: str,
+                 source: str = "checkpoint") -> torch.Tensor:
     """``stages.{stage}.blocks.{j}.{suffix}`` of the first block ``j`` that has it (a per-stage
     shape such as the number of heads); :class:`CheckpointError` naming the key if none has."""
     pattern = re.compile(rf"^stages\.{stage}\.blocks\.\d+\.{re.escape(suffix)}$")

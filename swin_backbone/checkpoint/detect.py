@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from typing import Iterable, List, Mapping, Tuple
+from collections import Counter
+from typing import Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -25,7 +26,7 @@ FORMATS = tuple(FORMAT_NAMES)
 WRAPPER_KEYS = ("state_dict", "model", "model_state", "module", "state_dict_ema", "model_ema")
 
 
-def unwrap_state_dict(obj: object, source: str = "") -> Tuple[StateDict, List[str]]:
+def unwrap_state_dict(obj: object, source: str = "", prefix: Optional[str] = None) -> Tuple[StateDict, List[str]]:
     """Find the tensor dict inside a checkpoint and strip framework prefixes.
 
     Handles ``{'state_dict': ...}``, ``{'model': ...}``, ``module.`` (DDP) prefixes, full
@@ -36,6 +37,9 @@ def unwrap_state_dict(obj: object, source: str = "") -> Tuple[StateDict, List[st
     Args:
         obj: what the checkpoint file holds.
         source: the file, for error messages.
+        prefix: keep the keys under this prefix instead of ``backbone.`` / ``encoder.`` (mmengine's
+            ``PretrainedInit(prefix=...)``; a trailing ``.`` is added if missing), tried on the keys
+            as they are, then without a DDP ``module.``; no key under it is a :class:`CheckpointError`.
     Returns:
         ``(state_dict, steps)``: the backbone's tensors and a description of what was
         unwrapped, for the report.
@@ -55,6 +59,8 @@ def unwrap_state_dict(obj: object, source: str = "") -> Tuple[StateDict, List[st
         path, obj = _nested_tensor_dict(obj, where)
         steps.append("took '" + "' -> '".join(path) + "'")
         state = OrderedDict((k, v) for k, v in obj.items() if isinstance(v, torch.Tensor))
+    if prefix is not None:
+        return _take_prefix(state, prefix, where, steps)
     if all(str(k).startswith("module.") for k in state):
         state = OrderedDict((k[len("module."):], v) for k, v in state.items())
         steps.append("stripped 'module.'")
@@ -66,6 +72,25 @@ def unwrap_state_dict(obj: object, source: str = "") -> Tuple[StateDict, List[st
                 state = inner
                 break
     return dict(state), steps
+
+
+def _take_prefix(state: StateDict, prefix: str, where: str, steps: List[str]) -> Tuple[StateDict, List[str]]:
+    """The keys under an explicit ``prefix`` (as is, else after a DDP ``module.``)."""
+    if not isinstance(prefix, str) or not prefix.strip("."):
+        raise CheckpointError(f"{where}: prefix: expected the non-empty prefix of a submodule's keys, such as "
+                              f"'backbone.', got {prefix!r}")
+    prefix = prefix if prefix.endswith(".") else prefix + "."
+    for strip in ("", "module."):
+        if strip and not all(str(k).startswith(strip) for k in state):
+            continue
+        inner = prefixed(state, strip + prefix)
+        if inner:
+            kept = f"kept '{strip + prefix}*' (prefix={prefix!r}: {len(inner)} keys, {len(state) - len(inner)} " \
+                   "others dropped)"
+            return dict(inner), steps + [kept]
+    heads = Counter(k.split(".")[0] + "." if "." in k else k for k in state)
+    seen = ", ".join(f"{head} ({n})" for head, n in heads.most_common(8))
+    raise CheckpointError(f"{where}: prefix={prefix!r}: no key starts with it; the keys start with {seen}")
 
 
 #: Keys of training state that hold tensors but never the model's weights.

@@ -29,7 +29,6 @@ import torch
 
 from ..torch_compat import load
 from .base import CheckpointError
-from .remote import is_reference, read_reference
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -212,25 +211,19 @@ def _safetensors_through_torch(path: str, map_location: Union[str, torch.device]
     return OrderedDict(obj)
 
 
-def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> object:
-    """Read a checkpoint file as weights only (torch zip / pickle with ``weights_only=True``,
-    safetensors without pickle), with errors that say what is wrong.
-
-    ``path`` may also be a URL or another reference mmengine's ``CheckpointLoader`` accepts
-    (``torchvision://``, ``open-mmlab://``, ``mmcls://``, storage backends): fetched once into
-    torch's hub cache and read from there (:mod:`.remote`).
+def read_file(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> object:
+    """Read a local checkpoint file as weights only (torch zip / pickle with ``weights_only=True``,
+    safetensors without pickle), with errors that say what is wrong. URLs and other references
+    go through :func:`~swin_backbone.checkpoint.read_checkpoint` (:mod:`.loading`).
 
     Returns:
         What the file holds: a dict (a state dict, or a wrapper such as ``{'state_dict': ...}``).
     Raises:
         CheckpointNotFoundError: no file at ``path`` (also a ``FileNotFoundError``).
         CheckpointError: a directory, an empty / text / random / truncated file, or one torch
-            cannot read; a reference that cannot be fetched (unreachable host, HTTP error, cut-off
-            download); the message names the file or reference, what was expected and what was found.
+            cannot read; the message names the file, what was expected and what was found.
     """
     path = os.fspath(path)
-    if is_reference(path):  # a URL or another mmengine prefix (.remote); a local path never goes there
-        return read_reference(path, map_location)
     kind = sniff(path)
     if kind == "safetensors":
         return read_safetensors(path, map_location)

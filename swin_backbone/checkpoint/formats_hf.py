@@ -231,7 +231,8 @@ def _ours_to_hf(state: StateDict, v2: bool) -> StateDict:
                     "to hf: transformers' Swinv2 has no usable absolute position embedding "
                     "(its (1, L + 1, C) parameter does not match its tokens); this V2 model cannot be written as hf"
                 )
-            out[f"{root}embeddings.position_embeddings"] = value.flatten(2).transpose(1, 2) if value.dim() == 4 else value
+            tokens = value.flatten(2).transpose(1, 2) if value.dim() == 4 else value
+            out[f"{root}embeddings.position_embeddings"] = tokens
         elif v2 and re.search(r"\.norm3\.", key):
             raise CheckpointError(
                 f"to hf: '{key}' is an extra block norm (Swin V2 huge / giant); transformers' Swinv2 has none, "

@@ -3,7 +3,8 @@ therefore imports nothing of it): the ``Pretrained`` initializer and a state-dic
 
 ``init_cfg=dict(type='Pretrained', checkpoint=PATH)`` runs :class:`SwinPretrainedInit`
 (registered in mmengine's ``WEIGHT_INITIALIZERS``): any supported format, a per-key report;
-``PATH`` may be a URL or another reference mmengine takes (:mod:`.remote`). The layouts mmdet /
+``PATH`` may be a URL or another reference mmengine takes (:mod:`.remote`); mmengine's ``prefix=``
+takes the keys under it (``'teacher.backbone.'``). The layouts mmdet /
 mmseg read themselves load as they do (a classifier's final norm is not the last stage's
 output norm), so a config switched to SwinBackbone starts from the library's weights.
 
@@ -17,7 +18,7 @@ config unchanged, its backbone keys converted and its PatchMerging channels reor
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from mmengine.logging import print_log
 from mmengine.registry import WEIGHT_INITIALIZERS
@@ -32,15 +33,20 @@ from .loading import load_checkpoint, prepare_state_dict
 @WEIGHT_INITIALIZERS.register_module(name=PRETRAINED_INIT)
 class SwinPretrainedInit:
     """Load a Swin checkpoint file of any supported format into a backbone, with a per-key
-    report (:func:`~swin_backbone.checkpoint.load_checkpoint`)."""
+    report (:func:`~swin_backbone.checkpoint.load_checkpoint`).
 
-    def __init__(self, checkpoint: str, map_location: str = "cpu", **_: Any) -> None:
-        self.checkpoint, self.map_location = checkpoint, map_location
+    Takes mmengine's ``PretrainedInit`` arguments: ``prefix`` (e.g. ``'backbone.'`` of a whole
+    detector, ``'teacher.backbone.'`` of a distillation checkpoint) loads the keys under it; a
+    prefix no key has is an error.
+    """
+
+    def __init__(self, checkpoint: str, prefix: Optional[str] = None, map_location: str = "cpu", **_: Any) -> None:
+        self.checkpoint, self.prefix, self.map_location = checkpoint, prefix, map_location
 
     def __call__(self, module: nn.Module) -> None:
         # As mmdet's / mmseg's own initialisation: a classifier's final norm is not the last
         # stage's output norm there (their SwinTransformer never loads it).
-        load_checkpoint(module, self.checkpoint, map_location=self.map_location, final_norm=False)
+        load_checkpoint(module, self.checkpoint, map_location=self.map_location, final_norm=False, prefix=self.prefix)
 
 
 def _convert_on_load(

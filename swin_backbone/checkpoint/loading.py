@@ -1,4 +1,5 @@
-"""Reading checkpoints and loading them into a SwinBackbone with a per-key report."""
+"""Reading checkpoints (a local file through :mod:`.files`, a URL or other reference through
+:mod:`.remote`) and loading them into a SwinBackbone with a per-key report."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,8 @@ from torch import nn
 
 from .base import CheckpointError, StateDict, swin_version, to_ours
 from .detect import describe_unknown, detect_format, unwrap_state_dict
-from .files import read_checkpoint
+from .files import PathLike, read_file
+from .remote import is_reference, read_reference
 from .resize import (
     adapt_patch_embed_channels,
     pos_embed_grid,
@@ -26,6 +28,26 @@ from .resize import (
 
 #: Fewer than this fraction of the model's tensors loaded is an error, not a warning.
 MIN_MATCH = 0.5
+
+
+def read_checkpoint(path: PathLike, map_location: Union[str, torch.device] = "cpu") -> object:
+    """Read a checkpoint file as weights only (torch zip / pickle with ``weights_only=True``,
+    safetensors without pickle), with errors that say what is wrong.
+
+    ``path`` may also be a URL or another reference mmengine's ``CheckpointLoader`` accepts
+    (``torchvision://``, ``open-mmlab://``, ``mmcls://``, storage backends): fetched once into
+    torch's hub cache and read from there (:mod:`.remote`). A local path never touches the network.
+
+    Returns:
+        What the file holds: a dict (a state dict, or a wrapper such as ``{'state_dict': ...}``).
+    Raises:
+        CheckpointNotFoundError: no file at ``path`` (also a ``FileNotFoundError``).
+        CheckpointError: a directory, an empty / text / random / truncated file, or one torch
+            cannot read; a reference that cannot be fetched (unreachable host, HTTP error, stalled or
+            cut-off download); the message names the file or reference, what was expected and what was found.
+    """
+    path = os.fspath(path)
+    return read_reference(path, map_location) if is_reference(path) else read_file(path, map_location)
 
 
 @dataclass
@@ -142,8 +164,13 @@ def check_swin_version(fmt: str, model: nn.Module, source: str = "<dict>") -> No
         )
 
 
-def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<dict>") -> tuple:
+def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<dict>",
+                       prefix: Optional[str] = None) -> tuple:
     """Unwrap, detect, convert and resize a checkpoint for ``model``.
+
+    ``prefix``: take the keys under it (mmengine's ``PretrainedInit(prefix=...)``, e.g.
+    ``'backbone.'`` or ``'teacher.backbone.'``) instead of finding the backbone's keys
+    (:func:`~swin_backbone.checkpoint.unwrap_state_dict`).
 
     Returns:
         ``(state_dict, report)``: every tensor in our key names, resized to the model where
@@ -152,7 +179,7 @@ def prepare_state_dict(checkpoint: Mapping, model: nn.Module, source: str = "<di
         fit in ``report.mismatched``.
     """
     report = LoadReport(source=source)
-    raw, report.unwrapped = unwrap_state_dict(checkpoint, source)
+    raw, report.unwrapped = unwrap_state_dict(checkpoint, source, prefix=prefix)
     report.format = detect_format(raw)
     if report.format == "unknown":
         raise CheckpointError(f"checkpoint {source}: {describe_unknown(raw)}")
@@ -219,6 +246,7 @@ def load_checkpoint(
     min_match: float = MIN_MATCH,
     logger: Optional[str] = "current",
     final_norm: bool = True,
+    prefix: Optional[str] = None,
 ) -> LoadReport:
     """Load any supported Swin checkpoint into a :class:`~swin_backbone.SwinBackbone`.
 
@@ -234,6 +262,10 @@ def load_checkpoint(
             mmseg read themselves (official, mmdet / mmseg): it is skipped, as their
             ``SwinTransformer`` leaves it (``init_cfg`` ``Pretrained`` does this, so a config
             switched to SwinBackbone starts from the weights the library would load).
+        prefix: load the keys under this prefix (a trailing ``.`` added if missing), as
+            mmengine's ``PretrainedInit(prefix=...)``: e.g. ``'teacher.backbone.'`` of a
+            distillation checkpoint; ``None``: the backbone's keys are found
+            (:func:`~swin_backbone.checkpoint.unwrap_state_dict`). No key under it is an error.
     Returns:
         The :class:`LoadReport`.
     Raises:
@@ -242,7 +274,7 @@ def load_checkpoint(
     """
     source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else "<dict>"
     obj = read_checkpoint(checkpoint, map_location) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
-    state, report = prepare_state_dict(obj, model, source)
+    state, report = prepare_state_dict(obj, model, source, prefix=prefix)
     if not final_norm and report.format in LIBRARY_LAYOUTS:
         _skip_final_norm(state, report)
     target = _model_state(model)

@@ -1,39 +1,68 @@
 """A real HTTP server on 127.0.0.1 for the checkpoint-URL tests: serves bytes by path, counts
-the requests per path, answers 404 for unknown paths and can cut a response off part way."""
+the requests per path, answers 404 for unknown paths, and can cut a response off part way, stall
+in the middle of one, answer an error status first or answer late."""
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, Set
+from typing import Dict, List, Set
 
 import pytest
 
 
 class Loopback:
     """``files``: path -> bytes; ``cut``: paths whose response announces the full length, sends
-    half of it and closes the connection; ``requests``: path -> GET count."""
+    half of it and closes the connection; ``stall``: the same, but it then sends nothing more
+    until the server closes; ``fail``: path -> HTTP statuses to answer first, one per request
+    (with ``Retry-After: 0``); ``delay``: path -> seconds to wait before answering;
+    ``requests``: path -> GET count."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
         self.cut: Set[str] = set()
+        self.stall: Set[str] = set()
+        self.fail: Dict[str, List[int]] = {}
+        self.delay: Dict[str, float] = {}
         self.requests: Dict[str, int] = collections.Counter()
+        self.closing = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?")[0]
+                try:
+                    self.answer()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout under test)
+                    self.close_connection = True
+
+            def answer(self) -> None:
+                path = self.path  # the query string included: ``/uc?id=A`` and ``/uc?id=B`` are two files
                 server.requests[path] += 1
+                time.sleep(server.delay.get(path, 0.0))
                 body = server.files.get(path)
                 if body is None:
                     self.send_error(404, "Not Found")
                     return
+                if server.fail.get(path):
+                    self.send_response(server.fail[path].pop(0))
+                    self.send_header("Retry-After", "0")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("ETag", f'"{len(body)}-{path}"')
                 self.end_headers()
+                if path in server.stall:
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    server.closing.wait()
+                    self.close_connection = True
+                    return
                 if path in server.cut:
                     self.wfile.write(body[: len(body) // 2])
                     self.wfile.flush()
@@ -47,7 +76,7 @@ class Loopback:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
         self.thread.start()
 
     @property
@@ -66,6 +95,7 @@ class Loopback:
         return sum(self.requests.values())
 
     def close(self) -> None:
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -84,4 +114,5 @@ def torch_home(tmp_path, monkeypatch):
     home = tmp_path / "torch_home"
     monkeypatch.setenv("TORCH_HOME", str(home))
     monkeypatch.setenv("MMENGINE_HOME", str(tmp_path / "mmengine_home"))
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_BACKOFF", "0.05")  # retries without the default's seconds
     return home

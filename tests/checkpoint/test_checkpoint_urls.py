@@ -4,6 +4,7 @@ own loader; ``open-mmlab://``, ``torchvision://``, ``mmcls://`` names; storage b
 mmengine's ``CheckpointLoader``; and every bad case as a clear error naming the reference, with
 nothing half-written left in the cache. All against a real HTTP server on 127.0.0.1 that counts
 requests (tests/checkpoint/loopback.py)."""
+import hashlib
 import io
 import json
 import os
@@ -48,6 +49,11 @@ def _files(folder):
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
+def _checkpoints(folder):
+    """The cached files, without their source records (``.json``) and locks (``.lock``)."""
+    return [f for f in _files(folder) if not f.endswith((".json", ".lock"))]
+
+
 def _closed_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -66,8 +72,12 @@ def test_url_downloads_once_into_torch_home_then_loads_from_the_cache(server, to
     _same_weights(ours, src)
     assert server.requests["/storage/v1.0.0/swin_tiny_patch4_window7_224.pth"] == 1
     cached = torch_home / "hub" / "checkpoints" / "swin_tiny_patch4_window7_224.pth"
-    assert cached.read_bytes() == body and _files(cached.parent) == [cached.name]  # nothing else left there
-    assert cached_file(url) == str(cached) and cache_dir() == str(cached.parent)
+    assert cached.read_bytes() == body and cached_file(url) == str(cached) and cache_dir() == str(cached.parent)
+    # nothing else left there but the file's source record and its lock
+    assert _files(cached.parent) == [cached.name, cached.name + ".json", cached.name + ".lock"]
+    record = json.loads((cached.parent / (cached.name + ".json")).read_text())
+    assert record["url"] == url and record["size"] == len(body) and record["etag"]
+    assert record["sha256"] == hashlib.sha256(body).hexdigest()
 
     # init_cfg Pretrained, load_checkpoint and read_checkpoint again: the cache, no request
     via_init = SwinBackbone(**dict(TINY, out_indices=(3,)), init_cfg=dict(type="Pretrained", checkpoint=url))
@@ -132,7 +142,7 @@ def test_safetensors_url_and_generic_hub_file_names(server, torch_home):
     assert cached_file(a) != cached_file(b) and cached_file(a).endswith("-model.safetensors")
     with pytest.raises(CheckpointError, match="swin-b/resolve/main/model.safetensors"):
         load_checkpoint(_model(), b, logger=None)
-    assert _files(cache_dir()) == [os.path.basename(cached_file(a))]
+    assert _checkpoints(cache_dir()) == [os.path.basename(cached_file(a))]
 
 
 # ---------------------------------------------------------------- bad cases
@@ -140,29 +150,31 @@ def test_unreachable_host(torch_home):
     url = f"http://127.0.0.1:{_closed_port()}/swin.pth"
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': cannot reach 127\.0\.0\.1:\d+ \(.*refused"):
         load_checkpoint(_model(), url, logger=None)
-    assert _files(cache_dir()) == []
+    assert _checkpoints(cache_dir()) == []
 
 
 def test_http_404(server, torch_home):
     url = server.url("/missing/swin.pth")
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': the server answered HTTP 404 Not Found"):
         load_checkpoint(_model(), url, logger=None)
-    assert server.requests["/missing/swin.pth"] == 1 and _files(cache_dir()) == []
+    assert server.requests["/missing/swin.pth"] == 1 and _checkpoints(cache_dir()) == []  # (404: no retry)
 
 
-def test_cut_off_download_leaves_nothing_in_the_cache_and_a_retry_downloads(server, torch_home):
+def test_cut_off_download_leaves_nothing_in_the_cache_and_a_retry_downloads(server, torch_home, monkeypatch):
     src, body = _source()
     url = server.serve("/cut/swin.pth", body)
     server.cut.add("/cut/swin.pth")
-    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': the downloaded file \({len(body) // 2} bytes\) "
-                                              r"is not a readable checkpoint: .*truncated.*cut off.*nothing was kept"):
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "1")
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': the connection closed after {len(body) // 2} of "
+                                              rf"{len(body)} bytes \(cut off\) \(2 tries.*nothing was kept"):
         load_checkpoint(_model(), url, logger=None)
-    assert _files(cache_dir()) == []  # no partial, no staging file, no truncated checkpoint
+    assert _checkpoints(cache_dir()) == []  # no partial, no staging file, no truncated checkpoint
+    assert server.requests["/cut/swin.pth"] == 2  # the first try and one retry
     server.cut.clear()
     ours = _model()
     load_checkpoint(ours, url, logger=None)
     _same_weights(ours, src)
-    assert server.requests["/cut/swin.pth"] == 2
+    assert server.requests["/cut/swin.pth"] == 3
 
 
 def test_a_file_that_is_not_a_checkpoint(server, torch_home):
@@ -170,7 +182,7 @@ def test_a_file_that_is_not_a_checkpoint(server, torch_home):
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': the downloaded file \(\d+ bytes\) is not a "
                                               r"readable checkpoint: .*found text .*'<!DOCTYPE html>"):
         load_checkpoint(_model(), url, logger=None)
-    assert _files(cache_dir()) == []
+    assert _checkpoints(cache_dir()) == []
 
 
 def test_a_broken_file_already_in_the_cache_is_named(server, torch_home):
@@ -290,7 +302,7 @@ def _rank_loads(rank, world, store, url, out):
 
 
 def test_distributed_ranks_download_once(server, torch_home, tmp_path):
-    # As mmengine's load_from_http: rank 0 downloads, the other rank reads its file after a barrier.
+    # One rank downloads under the cache file's lock, the other reads its file (no collective).
     src, body = _source()
     url = server.serve("/dist/swin_dist.pth", body)
     # (fork: the children need no fresh imports; the server thread stays in the parent)
