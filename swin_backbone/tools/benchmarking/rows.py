@@ -20,9 +20,11 @@ def padded_batch(size: Sequence[int], device: str) -> Tuple[torch.Tensor, List[T
     h, w = size
     sizes = [(h, w - 17), (h - 50, w)]
     x = torch.randn(2, 3, h, w, device=device)
-    for image, (valid_h, valid_w) in zip(x, sizes):
-        image[:, valid_h:] = 0
-        image[:, :, valid_w:] = 0
+    for image, (valid_h, valid_w) in zip(x, sizes):  # (narrow: a size too small for these cuts is an error)
+        if valid_h < h:
+            image.narrow(1, valid_h, h - valid_h).zero_()
+        if valid_w < w:
+            image.narrow(1, 0, valid_h).narrow(2, valid_w, w - valid_w).zero_()
     return x, sizes
 
 
