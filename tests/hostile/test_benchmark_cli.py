@@ -1,10 +1,14 @@
 """Hostile command lines for swin-benchmark: each is refused up front (argparse's exit status
 2, a message naming the option, what it expects and what it got), before any model is built
 or timed. The measurements themselves are tests/tools/test_tools_benchmark.py's."""
+import json
+import os
+
 import pytest
 import torch
 
 from swin_backbone.tools import benchmark
+from swin_backbone.tools.benchmarking.report import SavedResults
 
 CUDA = torch.cuda.is_available()
 
@@ -70,8 +74,15 @@ def test_a_failure_is_one_line_and_status_1(capsys, monkeypatch):
     assert err == "swin-benchmark: error: RuntimeError: the measured step failed"
 
 
-def test_saved_results_leave_no_temporary_file_when_writing_fails(tmp_path):
-    results = benchmark.SavedResults(str(tmp_path / "r.json"))
+def test_saved_results_leave_no_temporary_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    results = SavedResults(str(path))
+    results["kept"] = 1
     with pytest.raises(TypeError):
         results["row"] = object()  # not JSON
-    assert not list(tmp_path.glob("*.tmp"))
+    del results["row"]
+    monkeypatch.setattr(os, "replace", lambda *args: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        results["other"] = 2  # the rename into place fails
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
+    assert json.loads(path.read_text()) == {"kept": 1}  # the last complete file

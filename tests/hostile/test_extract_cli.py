@@ -6,15 +6,14 @@ what it got, before any model is built or image read. Failure rows: ``main`` ret
 says why in one line. File rows: one run over a folder of hostile image files; each file is
 either extracted correctly or listed as failed with the reason, naming it. Output rows: names
 that cannot collide, OUT_DIR inside INPUT never read as input, no temporary files left."""
-import json
 import os
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
+from swin_backbone.tools.common import atomic_write
 
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
          "--random-weights", "--no-progress", "--batch-size", "2", "--workers", "0"]
@@ -277,7 +276,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tool.os, "replace", broken_replace)
+    monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
-        tool.atomic_write(str(target), b"data")
+        atomic_write(str(target), b"data")
     assert list(tmp_path.iterdir()) == []

@@ -15,6 +15,8 @@ import torch
 from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
+from swin_backbone.tools.extraction.inputs import find_images
+from swin_backbone.tools.extraction.loading import default_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
@@ -31,7 +33,7 @@ def write_images(root) -> None:
         image = Image.fromarray(rng.randint(0, 255, size + (3,), dtype=np.uint8))
         image.save(root / ("nested" if i % 3 == 0 else ".") / f"img{i}.{'jpg' if i % 2 else 'png'}")
     (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg at all")
-    good = (root / "img0.png").read_bytes() if (root / "img0.png").exists() else (root / "nested" / "img0.png").read_bytes()
+    good = ((root / "img0.png") if (root / "img0.png").exists() else (root / "nested" / "img0.png")).read_bytes()
     (root / "truncated.png").write_bytes(good[: len(good) // 3])
 
 
@@ -184,12 +186,13 @@ def test_random_weights_need_saying_so_and_are_flagged(tmp_path, images, capsys)
 
 def test_argument_errors_name_the_argument(tmp_path, images, capsys):
     for extra, name in [(["--workers", "-1"], "--workers"), (["--batch-size", "0"], "--batch-size"),
-                        (["--no-maps"], "--no-maps"), (["--checkpoint", str(tmp_path / "none.pth")], "--random-weights")]:
+                        (["--no-maps"], "--no-maps"),
+                        (["--checkpoint", str(tmp_path / "none.pth")], "--random-weights")]:
         with pytest.raises(SystemExit):
             tool.extract([str(images), str(tmp_path / "o")] + SMALL + extra)
         assert name in capsys.readouterr().err
-    assert 1 <= tool.default_workers() <= 8 and tool.default_workers(4096) == 1
-    assert tool.default_workers(4096, "cpu") == 0 and tool.default_workers(1, "cpu") in (0, 1)
+    assert 1 <= default_workers() <= 8 and default_workers(4096) == 1
+    assert default_workers(4096, "cpu") == 0 and default_workers(1, "cpu") in (0, 1)
 
 
 # ---------------------------------------------------------------------------------- torchrun
@@ -227,7 +230,7 @@ def test_torchrun_two_ranks_share_the_images_and_report_broken_ones_once(tmp_pat
 
 def test_torchrun_failing_rank_is_reported_with_its_images_and_a_rerun_finishes(tmp_path, images, reference):
     out = tmp_path / "out"
-    paths, _ = tool.find_images(str(images))
+    paths, _ = find_images(str(images))
     victim = paths[1]  # rank 1's first image; its output path is blocked by a folder
     blocker = out / (os.path.splitext(os.path.relpath(victim, images))[0] + ".npz")
     blocker.mkdir(parents=True)

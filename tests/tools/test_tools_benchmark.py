@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from swin_backbone.tools.benchmark import ABLATIONS, V2_ABLATIONS
+from swin_backbone.tools.benchmarking import ablation, builders, cuda, memory, steps
+from swin_backbone.tools.benchmarking.ablation import ABLATIONS, V2_ABLATIONS
 
 
 def _run(tmp_path, *extra):
@@ -103,7 +104,6 @@ def test_v2_ablation_runs_each_variant_on_the_v2_model(monkeypatch):
     """In process: every forward of the V2 ablation runs SwinV2Backbone (never V1's model) under
     its variant's planner switches, in eval and in training."""
     from swin_backbone import SwinV2Backbone, ops
-    from swin_backbone.tools import benchmark
 
     seen = []
 
@@ -127,18 +127,18 @@ def test_v2_ablation_runs_each_variant_on_the_v2_model(monkeypatch):
         children.append((name, tuple(size), variant))
         return 2**20
 
-    real_build_v2 = benchmark.build_v2
-    monkeypatch.setattr(benchmark, "build_v2", build_v2)
-    monkeypatch.setattr(benchmark, "build_pair", build_pair)
-    monkeypatch.setattr(benchmark, "peak_memory", peak_memory)
+    real_build_v2 = builders.build_v2
+    monkeypatch.setattr(builders, "build_v2", build_v2)
+    monkeypatch.setattr(builders, "build_pair", build_pair)
+    monkeypatch.setattr(memory, "peak_memory", peak_memory)
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, skip_memory=False, eval_size=(32, 48), train_size=32,
                               v2="only", only=None)
     results = {}
-    benchmark.run_ablations(args, results)
+    ablation.run_ablations(args, results)
     with ops.override() as defaults:
         pass
     variants = [None, *V2_ABLATIONS]
-    expected = [dataclasses.replace(defaults, **benchmark.switches(v)) for v in variants]
+    expected = [dataclasses.replace(defaults, **ablation.switches(v)) for v in variants]
     assert seen == [(False, s) for s in expected] + [(True, s) for s in expected]
     # Memory: V2's model in the child, under each variant.
     assert children == [("v2:ours", (32, 32), v) for v in variants]
@@ -147,17 +147,15 @@ def test_v2_ablation_runs_each_variant_on_the_v2_model(monkeypatch):
 
 
 def test_ablation_only_matching_nothing_fails_before_anything_runs(monkeypatch):
-    from swin_backbone.tools import benchmark
-
     def build(*args, **kwargs):
         raise AssertionError("built a model for an --only that matches no variant")
 
-    monkeypatch.setattr(benchmark, "build_pair", build)
-    monkeypatch.setattr(benchmark, "build_v2", build)
+    monkeypatch.setattr(builders, "build_pair", build)
+    monkeypatch.setattr(builders, "build_v2", build)
     for v2 in (None, "also", "only"):
         args = argparse.Namespace(device="cpu", v2=v2, only=["no such variant"])
         with pytest.raises(ValueError, match="--only"):
-            benchmark.run_ablations(args, {})
+            ablation.run_ablations(args, {})
 
 
 def _check_rows(results, keys, models):
@@ -190,36 +188,30 @@ def test_benchmark_v2_cuda_rows_run_on_the_cpu():
     """The CUDA run's V2 rows (bf16 autocast and fp32, batches 1 and 8) through the same code on
     the CPU, tiny: every row exists with positive ratios."""
     pytest.importorskip("timm")
-    from swin_backbone.tools.benchmark import run_cuda_v2
-
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=False, skip_memory=True)
     results = {}
-    run_cuda_v2(args, results, size=(32, 32))
+    cuda.run_cuda_v2(args, results, size=(32, 32))
     keys = [f"v2_eval_{t}_{b}x3x32x32" for t, b in (("bf16", 1), ("bf16", 8), ("fp32-ieee", 1))]
     keys += ["v2_train_bf16_2x3x32x32", "v2_train_fp32-ieee_2x3x32x32"]
     _check_rows(results, keys, {"ours", "timm", "torchvision"})
 
 
 def _tf32_state():
-    from swin_backbone.tools.benchmark import _tf32_flags
-
-    return tuple(getattr(ns, name) for ns, name, _, _ in _tf32_flags())
+    return tuple(getattr(ns, name) for ns, name, _, _ in steps.tf32_flags())
 
 
 def test_tf32_sets_and_restores_torch_switches():
     """TF32 on / off for cuBLAS matmuls and cuDNN convolutions, restored on exit (also after an
     error), through ``fp32_precision`` where torch has it (the legacy ``allow_tf32`` raises once
     that was used)."""
-    from swin_backbone.tools.benchmark import _tf32_flags, tf32
-
-    flags = _tf32_flags()
+    flags = steps.tf32_flags()
     before = _tf32_state()
     for enabled in (True, False):
-        with tf32(enabled):
+        with steps.tf32(enabled):
             assert _tf32_state() == tuple(on if enabled else off for _, _, on, off in flags)
         assert _tf32_state() == before
     with pytest.raises(RuntimeError):
-        with tf32(True):
+        with steps.tf32(True):
             raise RuntimeError
     assert _tf32_state() == before
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
@@ -230,8 +222,6 @@ def test_tf32_sets_and_restores_torch_switches():
 def test_peak_memory_returns_cached_cuda_memory_before_the_child(monkeypatch):
     """On CUDA the parent empties its allocator cache before it starts a memory child (its cached
     blocks would compete with the child for the GPU); on the CPU there is nothing to empty."""
-    from swin_backbone.tools import benchmark
-
     calls = []
 
     def run(cmd, **kwargs):
@@ -239,11 +229,11 @@ def test_peak_memory_returns_cached_cuda_memory_before_the_child(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, stdout='{"peak_bytes": 123}\n')
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(benchmark.subprocess, "run", run)
-    assert benchmark.peak_memory("ours", "cuda", 2, (64, 64), dtype="bfloat16") == 123
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    assert memory.peak_memory("ours", "cuda", 2, (64, 64), dtype="bfloat16") == 123
     assert calls == ["empty_cache", "ours"]
     calls.clear()
-    assert benchmark.peak_memory("mmdet", "cpu", 2, (64, 64)) == 123
+    assert memory.peak_memory("mmdet", "cpu", 2, (64, 64)) == 123
     assert calls == ["mmdet"]
 
 
@@ -260,8 +250,6 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
     exists; the fp32 rows ran with TF32 as labelled, restored after; the compiled copy with the
     opt-in Triton kernel has ours' weights and asked for the kernel at every call, the other
     compiled models never; memory children for mmdet and ours."""
-    from swin_backbone.tools import benchmark
-
     built = {}
     fp32_states = []  # TF32 switches at each forward of ours without autocast
 
@@ -296,15 +284,15 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
         children.append((name, device, batch, tuple(size), variant, dtype))
         return 2**20
 
-    real_build_pair = benchmark.build_pair
-    monkeypatch.setattr(benchmark, "build_pair", build_pair)
-    monkeypatch.setattr(benchmark, "compile_model", compile_model)
-    monkeypatch.setattr(benchmark, "peak_memory", peak_memory)
+    real_build_pair = builders.build_pair
+    monkeypatch.setattr(builders, "build_pair", build_pair)
+    monkeypatch.setattr(steps, "compile_model", compile_model)
+    monkeypatch.setattr(memory, "peak_memory", peak_memory)
     before = _tf32_state()
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile=True,
                               upernet=None)
     results = {}
-    benchmark.run_cuda(args, results, size=(64, 96))
+    cuda.run_cuda(args, results, size=(64, 96))
 
     pair = {"mmdet", "ours"}
     for t, b in (("bf16", 1), ("bf16", 8), ("fp32-ieee", 1), ("fp32-tf32", 1)):
@@ -315,7 +303,7 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
         assert results[f"{kind}_fp32-ieee_{1 if kind == 'eval' else 2}x3x64x96"]["tf32"] is False
         assert results[f"{kind}_fp32-tf32_{1 if kind == 'eval' else 2}x3x64x96"]["tf32"] is True
         assert "tf32" not in results[f"{kind}_bf16_{1 if kind == 'eval' else 2}x3x64x96"]
-    flags = benchmark._tf32_flags()
+    flags = steps.tf32_flags()
     ieee, on = tuple(off for *_, off in flags), tuple(on for _, _, on, _ in flags)
     assert set(fp32_states) == {ieee, on}  # fp32 rows: explicitly off, or on
     assert _tf32_state() == before
@@ -368,9 +356,7 @@ def test_v2_rows_share_their_weights():
     """ours, timm's and torchvision's V2-T of the V2 rows compute the same features from the same
     weights (at 256x256, where all three place the same windows in stages 1-3)."""
     pytest.importorskip("timm")
-    from swin_backbone.tools.benchmark import build_v2
-
-    models = build_v2("cpu", (256, 256))
+    models = builders.build_v2("cpu", (256, 256))
     assert set(models) == {"ours", "timm", "torchvision"}
     x = torch.randn(1, 3, 256, 256)
     with torch.no_grad():
@@ -385,7 +371,7 @@ def test_v2_rows_share_their_weights():
 
 def test_saved_results_rewrite_the_json_as_rows_finish(tmp_path):
     """--json: every row added rewrites the file, so a run cut short (a time limit) keeps its rows."""
-    from swin_backbone.tools.benchmark import SavedResults
+    from swin_backbone.tools.benchmarking.report import SavedResults
 
     path = tmp_path / "b.json"
     results = SavedResults(str(path))
@@ -393,20 +379,18 @@ def test_saved_results_rewrite_the_json_as_rows_finish(tmp_path):
     assert json.loads(path.read_text()) == {"a": {"samples": {"ours": [0.1]}}}
     results["b"] = [(64, 79), (14, 96)]
     assert json.loads(path.read_text()) == {"a": {"samples": {"ours": [0.1]}}, "b": [[64, 79], [14, 96]]}
-    assert not (tmp_path / "b.json.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # (no temporary file left)
 
 
 def test_benchmark_cuda_compile_only_runs_just_the_compiled_rows(monkeypatch):
     # `--compile only`: a device call of its own for the compiled rows (no eager rows, no
     # memory children), so the GPU run can be split over calls of 10 minutes.
-    from swin_backbone.tools import benchmark
-
-    monkeypatch.setattr(benchmark, "compile_model", lambda model, **kwargs: model)
-    monkeypatch.setattr(benchmark, "peak_memory", lambda *a, **k: pytest.fail("no memory rows with --compile only"))
+    monkeypatch.setattr(steps, "compile_model", lambda model, **kwargs: model)
+    monkeypatch.setattr(memory, "peak_memory", lambda *a, **k: pytest.fail("no memory rows with --compile only"))
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile="only",
                               upernet=None)
     results = {}
-    benchmark.run_cuda(args, results, size=(64, 96))
+    cuda.run_cuda(args, results, size=(64, 96))
     rows = {k for k in results if k not in ("sdpa_kernels", "gpu")}
     assert rows and all(k.startswith("compiled_") for k in rows), sorted(results)
     assert set(results["sdpa_kernels"]) == {"compiled_eval_bf16", "compiled_eval_bf16_triton",
