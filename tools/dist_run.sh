@@ -28,12 +28,13 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 if [ "$NNODES" -gt 1 ] && [ "${SINGLE_HOST_NODES:-0}" != 1 ]; then
     case "${MASTER_ADDR:-}" in
-        "") echo "$0: NNODES=$NNODES but MASTER_ADDR is not set; expected node 0's address, reachable from every node" >&2
+        "") echo "$0: NNODES=$NNODES but MASTER_ADDR is not set; expected node 0's address, reachable from" \
+                 "every node" >&2
             exit 2 ;;
         127.*|localhost|::1|0.0.0.0)
-            echo "$0: NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR is a loopback address, which each node resolves to" \
-                 "itself; expected node 0's address, reachable from every node (SINGLE_HOST_NODES=1: all nodes on this" \
-                 "machine)" >&2
+            echo "$0: NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR is a loopback address, which each node" \
+                 "resolves to itself; expected node 0's address, reachable from every node" \
+                 "(SINGLE_HOST_NODES=1: all nodes on this machine)" >&2
             exit 2 ;;
     esac
 fi

@@ -272,10 +272,10 @@ def check_shared_work_dir(work_dir: str) -> bool:
     if blind:
         shown = "; ".join(f"rank {r} on {host} ({where})" for r, host, where in blind[:4])
         raise RuntimeError(
-            f"work_dir {work_dir!r}: not the same folder on every node: {len(blind)} rank(s) do not see the file rank 0 "
-            f"({views[0][1]}) wrote there: {shown}. A job of several nodes needs its work_dir on a file system all "
-            "nodes share (NFS, Lustre, ...): mmengine saves checkpoints and last_checkpoint on rank 0, and --resume "
-            "on the other nodes would start from scratch. Give --work-dir a shared path")
+            f"work_dir {work_dir!r}: not the same folder on every node: {len(blind)} rank(s) do not see the file "
+            f"rank 0 ({views[0][1]}) wrote there: {shown}. A job of several nodes needs its work_dir on a file "
+            "system all nodes share (NFS, Lustre, ...): mmengine saves checkpoints and last_checkpoint on rank 0, "
+            "and --resume on the other nodes would start from scratch. Give --work-dir a shared path")
     return True
 
 
@@ -320,8 +320,9 @@ def single_process_runner(cfg: Config, checkpoint: str) -> None:
 
         cfg.pop("runner_type")
         strategy = cfg.pop("strategy", None)
-        print_log(f"one process: testing with mmengine's Runner (the config's strategy {strategy and strategy.get('type')} "
-                  "needs a distributed launch)", logger="current")
+        kind = strategy and strategy.get("type")
+        print_log(f"one process: testing with mmengine's Runner (the config's strategy {kind} needs a distributed "
+                  "launch)", logger="current")
 
 
 def require_checkpoint_match_any(runner, checkpoint: str) -> None:

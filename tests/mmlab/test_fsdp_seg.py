@@ -16,23 +16,24 @@ import glob
 import json
 import math
 import os
-import subprocess
-import sys
+import runpy
 
 import pytest
 import torch
 
-from .test_fsdp import assert_losses_close, free_port, launch, losses
+from .test_fsdp import assert_losses_close, launch, losses
 from .test_tools_train import FAST, ROOT, scalars, toy_data  # noqa: F401  (fixture)
 
 SEG_FSDP = "configs/toy/upernet_swin-toy_fsdp_toy-ade.py"
 SEG_DDP = "configs/toy/upernet_swin-toy_flexible-ddp_toy-ade.py"
 ITERS = 3
 #: bf16 autocast in both runs: the same bf16 operations on the same weights, so iteration 1 agrees
-#: to float rounding; after it, FSDP's reduce-scatter and DDP's all-reduce sum the fp32 gradients in
-#: another order, and bf16 rounding of the next forward can amplify that to about bf16's resolution
-#: (2^-8 = 4e-3). Seen here (gloo, 2 ranks): see the docs' table of tests.
-BF16_RTOL = 1e-2
+#: to float rounding; after it, FSDP's reduce-scatter and DDP's all-reduce may sum the fp32 gradients
+#: in another order (other backends, more ranks), which bf16 rounding of the next forward can amplify
+#: towards bf16's resolution (2^-8 = 4e-3). Seen here (gloo, 2 ranks, 3 iterations): bit-identical.
+BF16_RTOL = 1e-3
+#: the values compared: the total, the decode and auxiliary heads' losses
+NAMES = ("loss", "decode.loss", "aux.loss")
 #: a fixed seed, constant learning rate, every iteration logged, validation and the checkpoint at
 #: the end, the model-zoo-layout file as load_from (appended by the fixtures)
 RUN = FAST + ["randomness.seed=0", "param_scheduler.0.start_factor=1.0", "default_hooks.logger.interval=1",
@@ -115,12 +116,12 @@ def test_fsdp_bf16_from_a_model_zoo_file_trains_as_ddp_under_slurm(seg_ddp_run, 
     # both runs in bf16 (the CPU's --amp), from the file: iteration 1's decode loss is ln(4 classes)
     for run in (ddp, work):
         assert "BF16AutocastOptimWrapper" in open(glob.glob(os.path.join(run, "*.py"))[0]).read()
-        assert losses(run)[1]["decode.loss_ce"] == pytest.approx(math.log(4), rel=1e-3)
+        assert losses(run, NAMES)[1]["decode.loss_ce"] == pytest.approx(math.log(4), rel=1e-5)
     # under FSDP the file's mmseg-layout backbone keys were converted while the sharded model
     # loaded them on every rank, and every tensor of the model got a value
     assert "from format 'mmdet'" in out
     assert "SwinFSDPStrategy" in out and "missing: [] (0), unexpected: [] (0)" in out
-    assert_losses_close(losses(work), losses(ddp), BF16_RTOL)
+    assert_losses_close(losses(work, NAMES), losses(ddp, NAMES), BF16_RTOL)
     assert len(losses(work)) == ITERS
     assert abs(losses(ddp)[1]["loss"] - losses(ddp)[ITERS]["loss"]) > 1e-3  # it trained
     got, expected = seg_metrics(work), seg_metrics(ddp)
@@ -135,12 +136,12 @@ def test_sharded_folder_tests_at_its_world_size_only(tmp_path, seg_fsdp_run, toy
     work, _ = seg_fsdp_run
     folder = os.path.join(work, f"iter_{ITERS}.pth")
     cfg = os.path.join(work, os.path.basename(SEG_FSDP))  # the work-dir copy
-    env = dict(os.environ, TOY_DATA_ROOT=toy_data, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    one = subprocess.run([sys.executable, "tools/test.py", cfg, folder], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 1
-    assert "a sharded FSDP checkpoint of 2 ranks" in one.stderr and "this run has 1 process" in one.stderr
+    tool = runpy.run_path(os.path.join(ROOT, "tools", "test.py"), run_name="tools_test")  # as a module
+    with pytest.raises(SystemExit) as one:  # in one process (no launcher): the one-line error, status 1
+        tool["main"]([cfg, folder, "--work-dir", str(tmp_path / "one")])
+    assert str(one.value).startswith("tools/test.py: error: checkpoint")
+    assert "a sharded FSDP checkpoint of 2 ranks" in str(one.value) and "this run has 1 process" in str(one.value)
     launch(["tools/slurm_test.sh", "debug", "swin-toy-test", cfg, folder, "--work-dir", str(tmp_path / "test")],
-           toy_data, env=dict(slurm_env(tmp_path), MASTER_PORT=str(free_port())))
+           toy_data, env=slurm_env(tmp_path))
     got = seg_metrics(str(tmp_path / "test"))
     assert len(got) == 1 and got[0] == pytest.approx(seg_metrics(work)[0], abs=1e-6)

@@ -1,7 +1,7 @@
 # The large-model recipe's shape at toy size, for the CPU: the toy Mask R-CNN on mmengine's
-# FlexibleRunner with FSDP (one unit per Swin block, original parameters, full-state
-# checkpoints; configs/_base_/fsdp.py), activation checkpointing, a frozen first stage and
-# per-stage learning rates, gradient clipping, one checkpoint file per save (state_dict_cfg='full').
+# FlexibleRunner with FSDP (configs/_base_/fsdp.py: one unit per Swin block, original parameters,
+# one checkpoint file per save), activation checkpointing, a frozen first stage, per-stage
+# learning rates and gradient clipping.
 # tests/mmlab/test_fsdp.py trains it with 2 gloo processes.
 _base_ = ['./mask-rcnn_swin-toy_fpn_toy-coco.py', '../_base_/fsdp.py']
 
