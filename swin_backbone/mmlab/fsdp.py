@@ -164,9 +164,15 @@ class SwinFSDPStrategy(FSDPStrategy):
             path = osp.join(filename, f"rank{dist.get_rank()}.pth")
         self.logger.info(f"Load checkpoint from {filename}" + (" (sharded: this rank's file)" if shards else
                                                                " (full state dict, on every rank)"))
-        # a full file goes to the CPU whatever map_location says: every rank holds all of it
-        checkpoint = _load_checkpoint(path, map_location="cpu" if not shards or map_location == "default"
-                                      else map_location)
+        # a full file goes to the CPU whatever map_location says (every rank holds all of it); a
+        # shard where mmengine would put it
+        if not shards:
+            map_location = "cpu"
+        elif map_location == "default":
+            from mmengine.device import get_device
+
+            map_location = get_device()
+        checkpoint = _load_checkpoint(path, map_location=map_location)
         if callback is not None:
             callback(checkpoint)
         if isinstance(checkpoint, dict) and "state_dict" in checkpoint:

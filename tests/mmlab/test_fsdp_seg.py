@@ -3,9 +3,10 @@ UPerNet, SwinFSDPStrategy, with_cp, a frozen stage, sharded checkpoints ``state_
 in bf16 (``--amp``: autocast in the optimizer wrapper, as the large recipes), started from a file in
 mmseg's model-zoo layout (``load_from``; its backbone keys in mmseg's SwinTransformer names):
 
-* under FSDP (2 processes, tools/dist_train.sh) it trains as the same recipe under DDP launched
-  through tools/slurm_train.sh (2 SLURM tasks: mmengine's ``slurm`` launcher from the variables srun
-  sets; ``tests/mmlab/slurm/srun`` stands in for SLURM's, which this machine lacks): the same
+* under FSDP (2 processes, tools/dist_train.sh, the config as mmengine dumps it into a work dir) it
+  trains as the same recipe under DDP launched through tools/slurm_train.sh (2 SLURM tasks:
+  mmengine's ``slurm`` launcher from the variables srun sets; ``tests/mmlab/slurm/srun`` stands in
+  for SLURM's, which this machine lacks): the same
   losses at every iteration to ``BF16_RTOL``, both from the file's weights (``load_from`` of a
   single file under ``'local'``, keys converted while the sharded model loads them);
 * its sharded checkpoint (a folder of rankN.pth) tested through tools/slurm_test.sh at the
@@ -98,9 +99,17 @@ def seg_ddp_run(tmp_path_factory, toy_data, start_file):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def seg_fsdp_run(tmp_path_factory, toy_data, start_file):  # noqa: F811
-    """The recipe under FSDP, bf16, 2 processes (tools/dist_train.sh), sharded checkpoints."""
-    work = str(tmp_path_factory.mktemp("seg_fsdp"))
-    out = launch(["tools/dist_train.sh", SEG_FSDP, "2", "--work-dir", work, "--amp", "--cfg-options", *RUN,
+    """The recipe under FSDP, bf16, 2 processes (tools/dist_train.sh), sharded checkpoints, from
+    the config as mmengine writes it into a work dir (``Config.dump``: values only; fine-tuning
+    from it in fresh processes)."""
+    from mmengine.config import Config
+
+    tmp = tmp_path_factory.mktemp("seg_fsdp")
+    os.environ["TOY_DATA_ROOT"] = toy_data  # read when the config is parsed
+    dumped = str(tmp / os.path.basename(SEG_FSDP))
+    Config.fromfile(os.path.join(ROOT, SEG_FSDP)).dump(dumped)
+    work = str(tmp / "work")
+    out = launch(["tools/dist_train.sh", dumped, "2", "--work-dir", work, "--amp", "--cfg-options", *RUN,
                   f"load_from={start_file}"], toy_data)[0]
     return work, out
 
