@@ -13,6 +13,9 @@
 #                torchrun numbers them itself, so NODE_RANK is not the rank order); RDZV_ID names the
 #                job (default swin-backbone), the same on every node
 #   PYTHON       the interpreter (default python)
+#   SINGLE_HOST_NODES=1  allow NNODES > 1 with a loopback MASTER_ADDR: all "nodes" on this one
+#                machine (the tests do that); otherwise that is refused, as is an unset MASTER_ADDR
+# Several nodes need one work dir on a shared file system (tools/train.py checks at start-up).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: $0 SCRIPT NPROC [args]" >&2
@@ -23,6 +26,18 @@ NPROC=$2
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+if [ "$NNODES" -gt 1 ] && [ "${SINGLE_HOST_NODES:-0}" != 1 ]; then
+    case "${MASTER_ADDR:-}" in
+        "") echo "$0: NNODES=$NNODES but MASTER_ADDR is not set; expected node 0's address, reachable from" \
+                 "every node" >&2
+            exit 2 ;;
+        127.*|localhost|::1|0.0.0.0)
+            echo "$0: NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR is a loopback address, which each node" \
+                 "resolves to itself; expected node 0's address, reachable from every node" \
+                 "(SINGLE_HOST_NODES=1: all nodes on this machine)" >&2
+            exit 2 ;;
+    esac
+fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-${PORT:-29500}}
 RDZV_BACKEND=${RDZV_BACKEND:-static}

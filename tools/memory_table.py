@@ -104,24 +104,40 @@ def block_params(model) -> int:
     return max(sum(p.numel() for p in m.parameters()) for m in blocks)
 
 
+def all_block_params(model) -> int:
+    """Parameters inside Swin blocks (the per-block FSDP units); the rest is FSDP's root unit."""
+    from swin_backbone.model.blocks import SwinBlock
+    from swin_backbone.model.v2 import SwinBlockV2
+
+    return sum(p.numel() for m in model.modules() if isinstance(m, (SwinBlock, SwinBlockV2)) for p in m.parameters())
+
+
 def computed(names: Sequence[str] = tuple(ARCHS), world_sizes: Sequence[int] = WORLD_SIZES) -> List[Dict[str, Any]]:
     """Per backbone: parameter count and fp32 state per rank under DDP and FSDP (FULL_SHARD)
-    at each world size, in bytes. FSDP also gathers one block's full parameters (and, in the
-    backward, its full gradients) at a time: ``unit_bytes``, added once to ``fsdp_total``."""
+    at each world size, in bytes.
+
+    DDP adds its gradient buckets (``buckets``: a second fp32 copy of the gradients, which DDP
+    all-reduces). FSDP adds what it holds unsharded during a step: one block's full parameters and
+    gradients at a time (``unit_bytes``) and the root unit's (everything outside the blocks: patch
+    embedding, patch merging, norms; FSDP does not free the root's gathered parameters between
+    forward and backward: ``root_bytes``)."""
     rows = []
     for name in names:
         with on_meta():
             model = build(name)
         n = sum(p.numel() for p in model.parameters())
         unit = block_params(model)
+        root = n - all_block_params(model)
         per_param = sum(BYTES.values())
         row: Dict[str, Any] = dict(arch=name, label=LABELS[name], params=n, largest_block_params=unit,
-                                   ddp=dict((k, v * n) for k, v in BYTES.items()), unit_bytes=8 * unit)
-        row["ddp"]["total"] = per_param * n
+                                   root_params=root, ddp=dict((k, v * n) for k, v in BYTES.items()),
+                                   unit_bytes=8 * unit, root_bytes=8 * root)
+        row["ddp"]["buckets"] = BYTES["grads"] * n
+        row["ddp"]["total"] = per_param * n + row["ddp"]["buckets"]
         for w in world_sizes:
             shard = -(-n // w)  # FSDP pads each flat parameter to a multiple of the world size
             row[f"fsdp_{w}"] = dict((k, v * shard) for k, v in BYTES.items())
-            row[f"fsdp_{w}"]["total"] = per_param * shard + row["unit_bytes"]
+            row[f"fsdp_{w}"]["total"] = per_param * shard + row["unit_bytes"] + row["root_bytes"]
         rows.append(row)
     return rows
 
@@ -141,7 +157,17 @@ def config_params(path: str) -> Dict[str, Any]:
         model = registry.build(cfg.model)
     total = sum(p.numel() for p in model.parameters())
     backbone = sum(p.numel() for p in model.backbone.parameters())
-    return dict(config=path, params=total, backbone_params=backbone, fp32_state_bytes=total * sum(BYTES.values()))
+    crop = _config_crop(cfg)
+    return dict(config=path, params=total, backbone_params=backbone, root_params=total - all_block_params(model),
+                largest_block_params=block_params(model), fp32_state_bytes=total * sum(BYTES.values()), crop=crop)
+
+
+def _config_crop(cfg) -> Optional[int]:
+    """The training crop's longer side of a config's pipeline (mmseg ``RandomCrop`` / mmdet's
+    ``crop_size``), or ``None``."""
+    pipeline = cfg.get("train_pipeline") or cfg.train_dataloader.dataset.get("pipeline", [])
+    sides = [max(step["crop_size"]) for step in pipeline if isinstance(step, dict) and "crop_size" in step]
+    return max(sides) if sides else None
 
 
 # ------------------------------------------------------------------------------------ measured
@@ -313,41 +339,83 @@ def block_input_bytes(name: str, size: int) -> float:
     return sum(d * values["embed_dims"] * 2**i * tokens / 4**i * 4 for i, d in enumerate(values["depths"]))
 
 
+def _activations_at(acts: Dict[tuple, float], arch: str, cp: bool, size: int) -> Optional[tuple]:
+    """``(bytes per image, how)``: measured at ``size``, or measured at another size and scaled by
+    the token count (a Swin block's activations grow with its tokens: windowed attention is linear
+    in them), or ``None``."""
+    if (arch, cp, size) in acts:
+        return acts[(arch, cp, size)], "measured"
+    for (a, c, s), value in sorted(acts.items(), key=lambda kv: -kv[0][2]):
+        if a == arch and c == cp:
+            return value * (size / s) ** 2, f"scaled from {s}x{s}"
+    return None
+
+
 def fits(result: Dict[str, Any], images: int = 2, size: int = 1024) -> List[Dict[str, Any]]:
-    """Per model (the configs' whole models; V2-G's backbone alone) and ``with_cp``: GiB per GPU
-    for ``images`` training images of ``size`` under DDP and FSDP at 8 / 64 ranks: the fp32
-    training state per rank (FSDP: the shard plus one gathered block) + the backbone's measured
-    activations per image x ``images`` (V2-G: V2-L's scaled by :func:`block_input_bytes`) +
-    :data:`RESERVE`. The neck's and heads' activations are not included."""
-    acts = {(r["arch"], r["with_cp"]): r["kept_for_backward"] for r in result.get("activations", [])
-            if r["size"] == size}
-    if ("v2-large", False) in acts:
-        scale = block_input_bytes("v2-giant", size) / block_input_bytes("v2-large", size)
-        for cp in (False, True):
-            acts.setdefault(("v2-giant", cp), acts[("v2-large", cp)] * scale)
+    """Per model (the configs' whole models at their recipe's crop, else ``size``; V2-G's backbone
+    alone at ``size``) and ``with_cp``: GiB per GPU for ``images`` training images under DDP and
+    FSDP at 8 / 64 ranks: the fp32 training state per rank (DDP: + its gradient buckets; FSDP: the
+    shard + one gathered block + the root unit, parameters and gradients) + the backbone's measured
+    activations per image x ``images`` (:func:`_activations_at`; V2-G: V2-L's scaled by
+    :func:`block_input_bytes`) + :data:`RESERVE`. The neck's and heads' activations are not included."""
+    acts = {(r["arch"], r["with_cp"], r["size"]): r["kept_for_backward"] for r in result.get("activations", [])}
+    for (arch, cp, s), value in list(acts.items()):
+        if arch == "v2-large":
+            scale = block_input_bytes("v2-giant", s) / block_input_bytes("v2-large", s)
+            acts.setdefault(("v2-giant", cp, s), value * scale)
     backbones = {r["arch"]: r for r in result.get("computed", [])}
     models = []
     for r in result.get("configs", []):
         name = os.path.basename(r["config"])
         arch = "v2-large" if "swinv2" in name else "large"
         label = f"{'Cascade Mask R-CNN' if 'cascade' in name else 'UPerNet'} {LABELS[arch]}"
-        models.append((label, arch, r["params"]))
+        crop = r.get("crop") if "cascade" not in name else None  # mmdet's 3x crops are not square: keep size
+        models.append((label, arch, r["params"], r.get("root_params"), crop or size))
     if "v2-giant" in backbones:
-        models.append(("Swin V2-G, backbone alone", "v2-giant", backbones["v2-giant"]["params"]))
+        b = backbones["v2-giant"]
+        models.append(("Swin V2-G, backbone alone", "v2-giant", b["params"], b.get("root_params"), size))
     rows = []
-    for label, arch, params in models:
-        if arch not in backbones or (arch, False) not in acts:
+    for label, arch, params, root, side in models:
+        if arch not in backbones:
             continue
         state = params * sum(BYTES.values())
         unit = backbones[arch]["unit_bytes"]
+        root_bytes = 8 * (root if root is not None else backbones[arch].get("root_params", 0))
         for cp in (False, True):
-            act = images * acts[(arch, cp)] + RESERVE
-            row: Dict[str, Any] = dict(model=label, arch=arch, with_cp=cp, estimated_activations=arch == "v2-giant")
-            row["ddp"] = state + act
+            found = _activations_at(acts, arch, cp, side)
+            if found is None:
+                continue
+            act = images * found[0] + RESERVE
+            row: Dict[str, Any] = dict(model=label, arch=arch, with_cp=cp, size=side, activations=found[1],
+                                       estimated_activations=arch == "v2-giant")
+            row["ddp"] = state + BYTES["grads"] * params + act
             for w in (8, 64):
-                row[f"fsdp_{w}"] = -(-state // w) + unit + act
+                row[f"fsdp_{w}"] = -(-state // w) + unit + root_bytes + act
             rows.append(row)
     return rows
+
+
+def traffic(params: int, nodes: int = 2, gpus_per_node: int = 8, dtype_bytes: int = 4) -> List[Dict[str, Any]]:
+    """Bytes each node sends over the inter-node network per training step (and receives: the same),
+    at the lower bound of ring / tree collectives, for ``params`` fp32 parameters (``dtype_bytes``: of
+    what is communicated) on ``nodes`` x ``gpus_per_node`` ranks:
+
+    * FULL_SHARD over all ranks: two all-gathers of the parameters (forward; backward, after the
+      forward freed them) and one reduce-scatter of the gradients, each moving ``(nodes - 1) / nodes``
+      of the model across the node boundary;
+    * HYBRID_SHARD (shard within a node, replicate across nodes): the all-gathers and the
+      reduce-scatter stay within the node; the nodes all-reduce the gradient shards (each rank its
+      ``1 / gpus_per_node``, all the node's ranks together the whole model): ``2 (nodes - 1) / nodes``;
+    * DDP: one all-reduce of the gradients, the same inter-node volume as HYBRID_SHARD.
+
+    Also the state per rank each shards over (``shard_ranks``)."""
+    size = params * dtype_bytes
+    cross = (nodes - 1) / nodes
+    return [
+        dict(strategy="FULL_SHARD", inter_node=3 * cross * size, shard_ranks=nodes * gpus_per_node),
+        dict(strategy="HYBRID_SHARD", inter_node=2 * cross * size, shard_ranks=gpus_per_node),
+        dict(strategy="DDP", inter_node=2 * cross * size, shard_ranks=1),
+    ]
 
 
 # ------------------------------------------------------------------------------------ output
@@ -361,21 +429,41 @@ def markdown(result: Dict[str, Any]) -> str:
     if result.get("computed"):
         head = ["backbone", "params", "DDP, any ranks"] + [f"FSDP, {w} ranks" for w in WORLD_SIZES] + [
             "largest block, gathered"]
-        lines += ["Computed: fp32 parameters + gradients + AdamW state per rank, GiB. FSDP: the rank's shard plus "
-                  "one Swin block's parameters and gradients gathered in full (last column; with backward "
-                  "prefetch two blocks at a time)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head.insert(-1, "root unit, gathered")
+        lines += ["Computed: fp32 parameters + gradients + AdamW state per rank, GiB. DDP: + its gradient buckets "
+                  "(a second copy of the gradients). FSDP: the rank's shard + one Swin block's parameters and "
+                  "gradients gathered in full (last column; with backward prefetch two blocks at a time) + the root "
+                  "unit's (patch embedding, merging, norms: gathered for the whole step)", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in result["computed"]:
             cells = [r["label"], f"{r['params'] / 1e6:.0f} M", _gib(r["ddp"]["total"])]
-            cells += [_gib(r[f"fsdp_{w}"]["total"]) for w in WORLD_SIZES] + [_gib(r["unit_bytes"])]
+            cells += [_gib(r[f"fsdp_{w}"]["total"]) for w in WORLD_SIZES]
+            cells += [_gib(r.get("root_bytes")), _gib(r["unit_bytes"])]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if result.get("configs"):
-        lines += ["Computed: whole models (backbone + neck + heads), parameters and fp32 training state "
-                  "(DDP, per rank; FSDP divides it by the ranks)", "",
-                  "| config | params | backbone | fp32 state, GiB |", "|---|---|---|---|"]
+        lines += ["Computed: whole models (backbone + neck + heads), parameters, FSDP's root unit (all outside the "
+                  "Swin blocks: embeddings, merging, norms, neck, heads; unsharded during the whole step) and fp32 "
+                  "training state (DDP, per rank, without its buckets; FSDP divides it by the ranks)", "",
+                  "| config | params | backbone | root unit | fp32 state, GiB |", "|---|---|---|---|---|"]
         for r in result["configs"]:
+            root = r.get("root_params")
             lines.append(f"| {os.path.basename(r['config'])} | {r['params'] / 1e6:.0f} M | "
-                         f"{r['backbone_params'] / 1e6:.0f} M | {_gib(r['fp32_state_bytes'])} |")
+                         f"{r['backbone_params'] / 1e6:.0f} M | {'-' if root is None else f'{root / 1e6:.0f} M'} | "
+                         f"{_gib(r['fp32_state_bytes'])} |")
+        lines.append("")
+        nodes, gpus = 2, 8
+        lines += [f"Computed: the 2-node recipes ({nodes} nodes x {gpus} GPUs), bytes each node sends (and receives) "
+                  "over the inter-node network per training step, fp32 (tools/memory_table.py `traffic`: the lower "
+                  "bound of ring collectives), and the ranks the training state is sharded over", "",
+                  "| config | FULL_SHARD | HYBRID_SHARD | DDP | HYBRID_SHARD saves | state per rank, HYBRID_SHARD |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["configs"]:
+            t = {row["strategy"]: row for row in traffic(r["params"], nodes, gpus)}
+            full, hybrid = t["FULL_SHARD"]["inter_node"], t["HYBRID_SHARD"]["inter_node"]
+            lines.append(f"| {os.path.basename(r['config'])} | {_gib(full)} GiB | {_gib(hybrid)} GiB | "
+                         f"{_gib(t['DDP']['inter_node'])} GiB | {1 - hybrid / full:.0%} | "
+                         f"{_gib(r['fp32_state_bytes'] / gpus)} GiB (1/{gpus}; FULL_SHARD 1/{nodes * gpus}) |")
         lines.append("")
     if result.get("states"):
         head = ["backbone", "strategy", "params", "grads", "AdamW state", "sum", "process allocated"]
@@ -402,18 +490,21 @@ def markdown(result: Dict[str, Any]) -> str:
         lines.append("")
     rows = fits(result)
     if rows:
-        lines += [f"Computed: GiB per GPU for 2 training images of 1024x1024: fp32 training state of the whole model "
-                  f"(FSDP: the rank's shard + one gathered block) + 2 x the backbone's activations per image as "
-                  f"measured on the CPU in fp32 + {RESERVE // GIB} GiB reserve; the neck's and heads' activations "
-                  f"are not included. In brackets, the GPUs ({' / '.join(map(str, GPUS))} GB) it fits on", "",
-                  "| model | with_cp | DDP | FSDP, 8 ranks | FSDP, 64 ranks |", "|---|---|---|---|---|"]
+        lines += [f"Computed: GiB per GPU for 2 training images (the size column): fp32 training state of the whole "
+                  f"model (DDP: + its gradient buckets; FSDP: the rank's shard + one gathered block + the root unit) + "
+                  f"2 x the backbone's activations per image as measured on the CPU in fp32 (at another size: scaled "
+                  f"by the tokens) + {RESERVE // GIB} GiB reserve; the neck's and heads' activations are not included. "
+                  f"In brackets, the GPUs ({' / '.join(map(str, GPUS))} GB) it fits on", "",
+                  "| model | size | with_cp | DDP | FSDP, 8 ranks | FSDP, 64 ranks |", "|---|---|---|---|---|---|"]
         for r in rows:
             cells = []
             for key in ("ddp", "fsdp_8", "fsdp_64"):
                 ok = [str(g) for g in GPUS if r[key] <= g * GIB]  # a "40 GB" GPU has 40 GiB
                 cells.append(f"{_gib(r[key])} ({', '.join(ok) + ' GB' if ok else 'fits none'})")
             est = " (activations: V2-L's, scaled)" if r["estimated_activations"] else ""
-            lines.append(f"| {r['model']}{est} | {'on' if r['with_cp'] else 'off'} | " + " | ".join(cells) + " |")
+            how = "" if r["activations"] == "measured" else f" ({r['activations']})"
+            lines.append(f"| {r['model']}{est} | {r['size']}x{r['size']}{how} | {'on' if r['with_cp'] else 'off'} | "
+                         + " | ".join(cells) + " |")
         lines.append("")
     lines.append(f"Machine: {result['machine']}; torch {result['torch']}; commit {result.get('commit', '?')}.")
     return "\n".join(lines)

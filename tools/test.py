@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Evaluate a checkpoint with the config's metrics (COCO mAP via pycocotools, mIoU via
-mmseg's IoUMetric); mmdet or mmseg config, scope from its ``default_scope``."""
+mmseg's IoUMetric); mmdet or mmseg config, scope from its ``default_scope``.
+
+FlexibleRunner configs (the FSDP recipes) run as they trained: distributed, a checkpoint file at
+any world size, a sharded folder at the world size that saved it; one process (no launcher) with a
+file runs the same model under mmengine's Runner."""
 import argparse
 import os
 import sys
@@ -14,7 +18,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Test (and evaluate) a detector / segmentor with a Swin backbone")
     parser.add_argument("config", help="test config file path")
     parser.add_argument("checkpoint", help="checkpoint file, or a URL / torchvision:// / open-mmlab:// reference "
-                        "as in mmengine (downloaded once into torch's hub cache)")
+                        "as in mmengine (downloaded once into torch's hub cache), or a sharded FSDP checkpoint folder "
+                        "(rankN.pth; at the world size that saved it)")
     parser.add_argument("--work-dir", help="the dir to save the evaluation metrics")
     parser.add_argument("--out", help="dump predictions to a pickle file (mmdet) / a directory (mmseg)")
     parser.add_argument("--show", action="store_true", help="show predictions in a window")
@@ -29,9 +34,11 @@ def main(argv=None):
         if is_reference(args.checkpoint):  # a URL (or torchvision:// ...): fetched once into torch's hub cache
             if resolve(args.checkpoint)[0] != "mmengine":  # (storage backends: mmengine's loader reads them)
                 args.checkpoint = fetch(args.checkpoint)[0]
+        elif os.path.isdir(args.checkpoint):  # a sharded FSDP checkpoint (state_dict_cfg='local')
+            R.check_shard_folder(cfg, args.checkpoint)
         elif not os.path.isfile(args.checkpoint):
-            raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: "
-                                    f"{'a folder' if os.path.isdir(args.checkpoint) else 'no such file'}")
+            raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: no such file")
+        R.single_process_runner(cfg, args.checkpoint)
         scope = R.config_scope(cfg)
         if args.out and scope == "mmdet" and not args.out.endswith((".pkl", ".pickle")):
             raise ValueError(f"--out: expected a .pkl file, got {args.out!r}")
@@ -46,7 +53,7 @@ def main(argv=None):
         cfg.test_evaluator["keep_results"] = True
     runner = R.build_runner(cfg)
     # README: a checkpoint matching under half the model is an error, not random weights evaluated.
-    R.require_checkpoint_match(runner, args.checkpoint)
+    R.require_checkpoint_match_any(runner, args.checkpoint)
     if args.out and scope == "mmdet":
         from mmdet.evaluation import DumpDetResults
 

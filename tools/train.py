@@ -31,9 +31,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with R.tool_setup(args, "tools/train.py") as cfg:  # bad arguments or config: one line, exit status 1
-        if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.isfile(args.resume):
-            raise FileNotFoundError(f"--resume: no such checkpoint file {args.resume!r} (or give no value: the "
-                                    "latest checkpoint in the work dir)")
+        if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.exists(args.resume):
+            raise FileNotFoundError(f"--resume: no such checkpoint file or sharded checkpoint folder {args.resume!r} "
+                                    "(or give no value: the latest checkpoint in the work dir)")
+        if args.resume not in (None, "auto") and os.path.isdir(args.resume):
+            R.check_shard_folder(cfg, args.resume)
     if args.amp:
         R.enable_amp(cfg)
     if args.auto_scale_lr:
@@ -42,7 +44,10 @@ def main(argv=None):
         cfg.auto_scale_lr.enable = True
     R.resume_settings(cfg, args.resume)
     R.setup_cpu_distributed(cfg)
+    checked = R.check_shared_work_dir(cfg.work_dir)  # where the process group exists already (CPU)
     runner = R.build_runner(cfg)
+    if not checked:  # on GPUs the Runner starts it (mmengine's launchers)
+        R.check_shared_work_dir(runner.work_dir)
     runner.train()
 
 

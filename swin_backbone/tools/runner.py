@@ -195,6 +195,8 @@ def setup_cpu_distributed(cfg: Config) -> None:
     import torch.distributed as dist
     from mmengine.logging import print_log
 
+    if cfg.launcher == "slurm":
+        slurm_environment()
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
     cfg.env_cfg = dict(cfg.get("env_cfg", {}), dist_cfg=dict(backend="gloo"))
@@ -208,6 +210,75 @@ def setup_cpu_distributed(cfg: Config) -> None:
         print_log("CPU distributed run: SyncBN replaced by BN (torch's SyncBN needs CUDA)", logger="current")
 
 
+def slurm_environment() -> None:
+    """The ``env://`` variables of a SLURM task, as mmengine's ``_init_dist_slurm`` sets them
+    (``RANK`` = ``SLURM_PROCID``, ``WORLD_SIZE`` = ``SLURM_NTASKS``, ``LOCAL_RANK`` =
+    ``SLURM_LOCALID``, ``MASTER_ADDR`` = the job's first node unless set, ``MASTER_PORT`` 29500
+    unless set). mmengine does this itself on GPUs; on the CPU its ``torch.cuda.set_device`` fails,
+    so :func:`setup_cpu_distributed` sets them and starts gloo before the Runner."""
+    import subprocess
+
+    missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODELIST") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"--launcher slurm: {', '.join(missing)} not set; expected a task started by srun "
+                           "(tools/slurm_train.sh, tools/slurm_test.sh)")
+    if "MASTER_ADDR" not in os.environ:
+        nodes = os.environ["SLURM_NODELIST"]
+        os.environ["MASTER_ADDR"] = subprocess.getoutput(f"scontrol show hostname {nodes} | head -n1").strip()
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def check_shared_work_dir(work_dir: str) -> bool:
+    """Every rank of a distributed job sees the same ``work_dir`` (a shared file system), or a
+    ``RuntimeError`` on every rank naming the ranks that do not.
+
+    mmengine writes ``last_checkpoint`` (what ``--resume`` reads), prunes old checkpoints and saves
+    full checkpoints on rank 0 only: with a work dir local to each node, nodes after the first would
+    resume from scratch. Rank 0 writes a token file, every rank reads it in its own ``work_dir``.
+    Returns whether it checked: not without a process group, or in one process."""
+    import socket
+    import uuid
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    if dist.get_world_size() == 1:
+        return True
+    rank = dist.get_rank()
+    name = [f".shared-work-dir-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    token = name[0]
+    if rank == 0:
+        os.makedirs(work_dir, exist_ok=True)
+        with open(osp.join(work_dir, token), "w") as f:
+            f.write(token)
+    dist.barrier()
+    path = osp.join(work_dir, token)
+    try:
+        with open(path) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname(), osp.abspath(work_dir)))
+    dist.barrier()  # everyone has read it
+    if rank == 0:
+        os.remove(path)
+    blind = [(r, host, where) for r, (ok, host, where) in enumerate(views) if not ok]
+    if blind:
+        shown = "; ".join(f"rank {r} on {host} ({where})" for r, host, where in blind[:4])
+        raise RuntimeError(
+            f"work_dir {work_dir!r}: not the same folder on every node: {len(blind)} rank(s) do not see the file "
+            f"rank 0 ({views[0][1]}) wrote there: {shown}. A job of several nodes needs its work_dir on a file "
+            "system all nodes share (NFS, Lustre, ...): mmengine saves checkpoints and last_checkpoint on rank 0, "
+            "and --resume on the other nodes would start from scratch. Give --work-dir a shared path")
+    return True
+
+
 def build_runner(cfg: Config):
     """Runner from the config (or the registry's runner if ``runner_type`` is set)."""
     from mmengine.registry import RUNNERS
@@ -216,6 +287,70 @@ def build_runner(cfg: Config):
     if "runner_type" not in cfg:
         return Runner.from_cfg(cfg)
     return RUNNERS.build(cfg)
+
+
+def world_size_of_launch(launcher: str) -> int:
+    """The number of processes of this launch, before any process group exists (torchrun's
+    ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS``, MPI's ``OMPI_COMM_WORLD_SIZE``; 1 without a launcher)."""
+    names = {"pytorch": "WORLD_SIZE", "slurm": "SLURM_NTASKS", "mpi": "OMPI_COMM_WORLD_SIZE"}
+    if launcher == "none":
+        return 1
+    return int(os.environ.get(names[launcher], os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_shard_folder(cfg: Config, folder: str) -> None:
+    """tools/test.py's check of a sharded FSDP checkpoint folder: a FlexibleRunner config, and
+    as many processes as ranks saved it (:func:`swin_backbone.mmlab.fsdp.check_shards`)."""
+    from ..mmlab.fsdp import check_shards, shard_count
+
+    if cfg.get("runner_type") != "FlexibleRunner" or "FSDP" not in str(cfg.get("strategy", {}).get("type", "")):
+        raise ValueError(f"checkpoint {folder!r}: a folder (a sharded FSDP checkpoint of {shard_count(folder)} ranks), "
+                         "which only an FSDP config (runner_type='FlexibleRunner', an FSDP strategy) reads; expected "
+                         "a checkpoint file for this config")
+    check_shards(folder, world_size_of_launch(cfg.get("launcher", "none")))
+
+
+def single_process_runner(cfg: Config, checkpoint: str) -> None:
+    """A FlexibleRunner config (e.g. FSDP) tested in one process (no launcher) from a checkpoint
+    file: mmengine's Runner with the same model (FSDP needs a process group; one process has
+    nothing to shard)."""
+    if cfg.get("runner_type") == "FlexibleRunner" and cfg.get("launcher", "none") == "none" \
+            and not osp.isdir(checkpoint):
+        from mmengine.logging import print_log
+
+        cfg.pop("runner_type")
+        strategy = cfg.pop("strategy", None)
+        kind = strategy and strategy.get("type")
+        print_log(f"one process: testing with mmengine's Runner (the config's strategy {kind} needs a distributed "
+                  "launch)", logger="current")
+
+
+def require_checkpoint_match_any(runner, checkpoint: str) -> None:
+    """:func:`require_checkpoint_match` for mmengine's ``Runner`` and ``FlexibleRunner``: the
+    FlexibleRunner builds its model inside ``test()``; a strategy with ``min_checkpoint_match``
+    (:class:`~swin_backbone.mmlab.fsdp.SwinFSDPStrategy`) checks its own loading, any other gets the
+    hooks on the model as soon as it is built."""
+    from types import SimpleNamespace
+
+    from mmengine.runner import FlexibleRunner
+
+    from ..mmlab.runner import MIN_MATCH
+
+    if not isinstance(runner, FlexibleRunner):
+        require_checkpoint_match(runner, checkpoint)
+        return
+    strategy = runner.strategy
+    if hasattr(strategy, "min_checkpoint_match"):
+        strategy.min_checkpoint_match = MIN_MATCH
+        return
+    build = strategy.build_model
+
+    def build_and_check(model):
+        model = build(model)
+        require_checkpoint_match(SimpleNamespace(model=model), checkpoint)
+        return model
+
+    strategy.build_model = build_and_check
 
 
 def read_metrics(work_dir: str) -> list:

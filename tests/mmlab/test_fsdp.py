@@ -1,26 +1,32 @@
 """Past one machine, tested on the CPU: the toy Mask R-CNN recipe on mmengine's FlexibleRunner with
-FSDPStrategy (configs/toy/mask-rcnn_swin-toy_fpn_fsdp_toy-coco.py: one FSDP unit per Swin block,
-original parameters, sharded checkpoints, with_cp, a frozen stage, per-stage learning rates).
+FSDP (configs/toy/mask-rcnn_swin-toy_fpn_fsdp_toy-coco.py: swin_backbone.mmlab.fsdp.SwinFSDPStrategy,
+one FSDP unit per Swin block, original parameters, with_cp, a frozen stage, per-stage learning
+rates, gradient clipping, state_dict_cfg='full').
 
 * the FSDP run, launched as 2 nodes of 1 process (tools/dist_train.sh with NNODES / NODE_RANK /
   MASTER_PORT), trains as the same recipe under DDPStrategy on 1 node of 2 processes: equal losses
-  at every iteration (``LOSS_RTOL``) and the same validation metrics;
-* its sharded checkpoint (one file per rank) resumes on 1 node: the resumed iterations equal the
-  uninterrupted run's;
-* tools/dist_test.sh as 2 nodes (torchrun's c10d rendezvous) gives the metrics the training's
-  validation gave for the same weights;
+  at every iteration (``LOSS_RTOL``), the same global gradient norm logged (clipping at work: the
+  norm is above ``max_norm`` every iteration), the same validation metrics;
+* its checkpoint is one file with the DDP run's weights, which swin_backbone.load_checkpoint,
+  swin-convert-checkpoint and swin-extract-features read;
+* the config mmengine dumped into its work dir, in fresh processes and unchanged: ``--resume`` from
+  that file continues the run exactly; tools/dist_test.sh (2 nodes, c10d) evaluates the file
+  (``load_from`` under FSDP) with the training validation's metrics;
 * the FSDP wrapping the config asks for (mmengine's MMFullyShardedDataParallel, in 2 gloo
   processes): one unit per block, the optimizer's per-parameter settings as without FSDP, the
   frozen stage unchanged by training steps; SwinBackbone and SwinV2Backbone gradients under
-  FSDP equal the unsharded model's.
+  FSDP, and their clipping by the global norm, equal the unsharded model's.
 
-Real torchrun processes, real gloo, real mmdet / mmengine, the generated toy COCO."""
+The segmentation recipe (bf16, sharded checkpoints, SLURM, load_from a model-zoo-format file) is in
+tests/mmlab/test_fsdp_seg.py. Real torchrun processes, real gloo, real mmdet / mmengine, the generated
+toy COCO."""
 import glob
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +61,8 @@ def launch(args, toy_data, nnodes=1, env=None, timeout=600):  # noqa: F811
     """``bash args`` once per node (NNODES / NODE_RANK set, the last node first); every node's
     output, after all succeeded."""
     base = dict(os.environ, TOY_DATA_ROOT=toy_data, OMP_NUM_THREADS="1", PYTHON=sys.executable,
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES=str(nnodes), **(env or {}))
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES=str(nnodes),
+                SINGLE_HOST_NODES="1", **(env or {}))  # every "node" on this machine
     procs = {}
     try:
         for node in reversed(range(nnodes)):
@@ -72,9 +79,10 @@ def launch(args, toy_data, nnodes=1, env=None, timeout=600):  # noqa: F811
     return outs
 
 
-def losses(work):
-    """``{iteration: {loss name: value}}`` of the training rows logged under ``work``."""
-    return {row["iter"]: {k: v for k, v in row.items() if k.startswith("loss")}
+def losses(work, names=("loss",)):
+    """``{iteration: {name: value}}`` of the training rows logged under ``work`` (the losses;
+    ``names``: the prefixes of the values to take)."""
+    return {row["iter"]: {k: v for k, v in row.items() if k.startswith(names)}
             for row in scalars(work) if "iter" in row and "loss" in row}
 
 
@@ -108,6 +116,11 @@ def fsdp_run(tmp_path_factory, toy_data):  # noqa: F811
     return work, outs
 
 
+def dumped_config(work):
+    """The config mmengine wrote into the work dir (what users rerun, test and share)."""
+    return os.path.join(work, os.path.basename(FSDP_CFG))
+
+
 def test_fsdp_on_two_nodes_trains_as_ddp_on_one(ddp_run, fsdp_run):
     work, outs = fsdp_run
     log = open(glob.glob(os.path.join(work, "*", "*.log"))[0]).read()
@@ -117,45 +130,90 @@ def test_fsdp_on_two_nodes_trains_as_ddp_on_one(ddp_run, fsdp_run):
     # the losses moved: the comparison is not between two untrained models
     first, last = losses(ddp_run)[1]["loss"], losses(ddp_run)[ITERS]["loss"]
     assert abs(first - last) > 1e-3
+    # clipping by the norm of the whole model's gradients (the toy clips at max_norm 10): the norm
+    # logged is DDP's (rank 0's shard alone would give another), above max_norm: every step clipped
+    norms, expected = losses(work, ("grad_norm",)), losses(ddp_run, ("grad_norm",))
+    assert_losses_close(norms, expected, LOSS_RTOL)
+    assert all(row["grad_norm"] > 10.0 for row in expected.values())
     got, expected = metrics(work), metrics(ddp_run)
     assert len(got) == len(expected) == 1
     assert got[0] == pytest.approx(expected[0], abs=1e-3)
-    # sharded checkpoints: a folder with one file per rank, each about half of DDP's full file
-    shards = sorted(os.listdir(os.path.join(work, "iter_2.pth")))
-    assert shards == ["rank0.pth", "rank1.pth"]
-    full = os.path.getsize(os.path.join(ddp_run, "iter_2.pth"))
-    for shard in shards:
-        assert 0.4 * full < os.path.getsize(os.path.join(work, "iter_2.pth", shard)) < 0.6 * full
+    # state_dict_cfg='full': one file per save (rank 0 gathers), the DDP run's weights in the
+    # unwrapped model's names (FlexibleRunner's DDP file names them module.*)
+    assert os.path.isfile(os.path.join(work, "iter_2.pth")) and os.path.isfile(os.path.join(work, f"iter_{ITERS}.pth"))
+    state = torch.load(os.path.join(work, f"iter_{ITERS}.pth"), map_location="cpu", weights_only=False)["state_dict"]
+    ref = torch.load(os.path.join(ddp_run, f"iter_{ITERS}.pth"), map_location="cpu", weights_only=False)["state_dict"]
+    ref = {k[len("module."):] if k.startswith("module.") else k: v for k, v in ref.items()}
+    assert state.keys() == ref.keys()
+    for key, value in ref.items():  # AdamW's normalised steps: lr-sized where a gradient is near 0
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4, msg=key)
 
 
-def test_sharded_checkpoint_resumes_on_one_node(tmp_path, fsdp_run, toy_data):  # noqa: F811
-    """The 2-node run's iteration-2 shards, resumed by 1 node of 2 processes, continue it exactly."""
+def test_fsdp_checkpoint_file_reads_everywhere(tmp_path, fsdp_run, ddp_run):
+    """The FSDP run's file, read as any checkpoint: swin_backbone.load_checkpoint (the backbone),
+    swin-convert-checkpoint, swin-extract-features with the work-dir config (the same features
+    as from the DDP run's file)."""
+    from mmengine.config import Config
+
+    from swin_backbone import SwinBackbone, load_checkpoint
+    from swin_backbone.tools import convert_checkpoint, extract_features
+
+    from ..tools.test_features_dataset_runs import features, write_images
+
+    work, _ = fsdp_run
+    ckpt = os.path.join(work, f"iter_{ITERS}.pth")
+    backbone_cfg = Config.fromfile(dumped_config(work)).model.backbone.to_dict()
+    backbone_cfg.pop("type"), backbone_cfg.pop("init_cfg", None), backbone_cfg.pop("_scope_", None)
+    report = load_checkpoint(SwinBackbone(**backbone_cfg), ckpt)
+    assert not report.missing and report.loaded
+    assert convert_checkpoint.main([ckpt, str(tmp_path / "converted.pth"), "--to", "official"]) == 0
+    converted = torch.load(tmp_path / "converted.pth", map_location="cpu", weights_only=True)
+    converted = converted.get("state_dict", converted)
+    assert any(k.startswith("layers.3.blocks.1.") for k in converted)  # the official layout
+    images = tmp_path / "images"
+    write_images(images)
+    outs = {}
+    for name, source in (("fsdp", ckpt), ("ddp", os.path.join(ddp_run, f"iter_{ITERS}.pth"))):
+        outs[name] = tmp_path / name
+        extract_features.extract([str(images / "nested"), str(outs[name]), "--config", dumped_config(work),
+                                  "--checkpoint", source, "--no-progress", "--workers", "0"])
+    got, expected = features(outs["fsdp"]), features(outs["ddp"])
+    assert got.keys() == expected.keys() and got
+    for image in expected:
+        for stage, array in expected[image].items():
+            assert np.allclose(got[image][stage], array, rtol=1e-3, atol=1e-3), (image, stage)
+
+
+def test_work_dir_config_resumes_the_file_in_a_fresh_process(tmp_path, fsdp_run, toy_data):  # noqa: F811
+    """The config mmengine dumped into the FSDP run's work dir, unchanged, in new processes (1 node
+    of 2): ``--resume`` from the run's iteration-2 file continues it exactly."""
     work, _ = fsdp_run
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copytree(os.path.join(work, "iter_2.pth"), resumed / "iter_2.pth")
+    shutil.copy(os.path.join(work, "iter_2.pth"), resumed / "iter_2.pth")
     (resumed / "last_checkpoint").write_text(str(resumed / "iter_2.pth"))  # `--resume`: the latest one
-    out = launch(["tools/dist_train.sh", FSDP_CFG, "2", "--work-dir", str(resumed), "--resume", "--cfg-options",
-                  *RUN], toy_data)[0]
+    out = launch(["tools/dist_train.sh", dumped_config(work), "2", "--work-dir", str(resumed), "--resume"],
+                 toy_data)[0]
     assert "resumed" in out.lower()
     continued = losses(str(resumed))
     assert sorted(continued) == list(range(3, ITERS + 1))
     assert_losses_close(continued, {it: v for it, v in losses(work).items() if it >= 3}, 1e-6)
     got, expected = metrics(str(resumed)), metrics(work)
     assert len(got) == len(expected) == 1 and got[0] == pytest.approx(expected[0], abs=1e-6)
-    assert sorted(os.listdir(resumed / f"iter_{ITERS}.pth")) == ["rank0.pth", "rank1.pth"]
+    assert os.path.isfile(resumed / f"iter_{ITERS}.pth")
 
 
-def test_dist_test_on_two_nodes_equals_the_validation(tmp_path, ddp_run, toy_data):  # noqa: F811
-    """tools/dist_test.sh as 2 nodes (c10d rendezvous) evaluates the final weights as the
-    training's own validation did."""
-    ckpt = os.path.join(ddp_run, f"iter_{ITERS}.pth")
-    # mmengine's Runner (tools/test.py checks that the checkpoint fits the model it builds; under
-    # FlexibleRunner the model is built only inside runner.test())
-    launch(["tools/dist_test.sh", DDP_CFG, ckpt, "1", "--work-dir", str(tmp_path / "test"), "--cfg-options",
-            "runner_type=Runner", *FAST[2:6]], toy_data, nnodes=2, env=dict(RDZV_BACKEND="c10d"))
+def test_dist_test_on_two_nodes_evaluates_the_fsdp_file(tmp_path, fsdp_run, toy_data):  # noqa: F811
+    """tools/dist_test.sh as 2 nodes (c10d rendezvous) with the work-dir config (FlexibleRunner,
+    FSDP: the file loads as ``load_from`` into the sharded model) gives the training's own
+    validation metrics for the same weights."""
+    work, _ = fsdp_run
+    ckpt = os.path.join(work, f"iter_{ITERS}.pth")
+    outs = launch(["tools/dist_test.sh", dumped_config(work), ckpt, "1", "--work-dir", str(tmp_path / "test")],
+                  toy_data, nnodes=2, env=dict(RDZV_BACKEND="c10d"))
+    assert "SwinFSDPStrategy" in "".join(outs)  # loaded by the FSDP strategy, not another runner
     got = metrics(str(tmp_path / "test"))
-    assert len(got) == 1 and got[0] == pytest.approx(metrics(ddp_run)[0], abs=1e-6)
+    assert len(got) == 1 and got[0] == pytest.approx(metrics(work)[0], abs=1e-6)
 
 
 # --------------------------------------------------------------------- the wrapping, in-process ranks
@@ -214,9 +272,28 @@ def _backbone_grads(rank, world, version, with_cp):
                 assert got.grad is None or not got.grad.any(), name
             else:
                 torch.testing.assert_close(got.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # clipping as SwinFSDPStrategy makes the optimizer wrapper clip: by the norm of all ranks'
+    # gradients, logged; the same norm and clipped gradients as the unsharded model's
+    from mmengine.optim import OptimWrapper
+
+    from swin_backbone.mmlab.fsdp import global_norm_clipping
+
+    max_norm = 1e-3
+    wrapper = OptimWrapper(torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=0.1),
+                           clip_grad=dict(max_norm=max_norm))
+    global_norm_clipping(wrapper, sharded)
+    wrapper._clip_grad()
+    norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
+    assert norm > max_norm  # it clips
+    assert wrapper.message_hub.get_scalar("train/grad_norm").current() == pytest.approx(float(norm), rel=1e-4)
+    with FSDP.summon_full_params(sharded, with_grads=True):
+        named = {k.replace("_fsdp_wrapped_module.", ""): v for k, v in sharded.named_parameters()}
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(named[name].grad, p.grad, rtol=1e-4, atol=1e-9, msg=name)
 
 
-def test_backbone_gradients_under_fsdp_equal_unsharded():
+def test_backbone_gradients_and_clipping_under_fsdp_equal_unsharded():
     _spawn(_backbone_grads_rank, [(1, True), (1, False), (2, False), (2, True)])
 
 
@@ -226,13 +303,13 @@ def _recipe_rank(rank, world, port, toy_data):  # noqa: F811
     steps leave the frozen stage as it was and change the rest."""
     _init(rank, world, port)
     os.environ["TOY_DATA_ROOT"] = toy_data
+    import swin_backbone  # first: where mmcv has no compiled ops, it gives mmcv its ops (mmcv-lite)
     from mmdet.testing import demo_mm_inputs
     from mmengine.config import Config
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import MODEL_WRAPPERS, DefaultScope
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    import swin_backbone
     from mmdet.registry import MODELS
 
     cfg = Config.fromfile(os.path.join(ROOT, FSDP_CFG))

@@ -2,7 +2,12 @@
 (``--nnodes 2 --node-rank 0|1``, torchrun's c10d rendezvous on 127.0.0.1), equal to the 1-process
 run. Real torchrun processes, real gloo, a small SwinBackbone, real image files
 (tests/tools/test_features_dataset_runs.py). The training tools' multi-node launches
-(tools/dist_train.sh, tools/dist_test.sh) are in tests/mmlab/test_fsdp.py."""
+(tools/dist_train.sh, tools/dist_test.sh) are in tests/mmlab/test_fsdp.py.
+
+Misconfigured multi-node launches stop with an error naming the requirement: tools/dist_train.sh with
+NNODES > 1 and a loopback (or no) MASTER_ADDR, before anything starts; tools/train.py as 2 nodes
+whose work dirs are not the same folder, at start-up (rank 0 writes a token there, every rank reads
+it)."""
 import json
 import os
 import socket
@@ -87,3 +92,35 @@ def test_extract_features_on_two_nodes_equals_one_process(tmp_path, images):
     assert_same_features(pooled(out), pooled(reference))
     # rank 0 (on whichever node the rendezvous numbered first) alone reports
     assert sum("WARNING: RANDOM WEIGHTS" in p.stdout + p.stderr for p in nodes) == 1
+
+
+def test_dist_train_refuses_several_nodes_on_a_loopback_master(tmp_path):
+    for addr in ("127.0.0.1", "localhost", None):
+        env = dict(os.environ, NNODES="2", NODE_RANK="1", PYTHON=sys.executable)
+        env.pop("MASTER_ADDR", None)
+        env.pop("SINGLE_HOST_NODES", None)
+        if addr:
+            env["MASTER_ADDR"] = addr
+        proc = subprocess.run(["bash", "tools/dist_train.sh", "configs/toy/upernet_swin-toy_toy-ade.py", "1"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        expected = "is a loopback address" if addr else "MASTER_ADDR is not set"
+        assert expected in proc.stderr and "node 0's address, reachable from every node" in proc.stderr
+        assert "torch" not in proc.stderr  # stopped before torchrun
+
+
+def test_train_on_two_nodes_needs_one_work_dir(tmp_path):
+    """Two "nodes" (1 process each) whose work dirs differ, as node-local disks would: both stop at
+    start-up, naming the requirement, before building anything."""
+    port = free_port()
+    env = dict(node_env(), NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SINGLE_HOST_NODES="1",
+               PYTHON=sys.executable, TOY_DATA_ROOT=str(tmp_path / "data"))
+    nodes = launch_nodes(lambda node: ["env", f"NODE_RANK={node}", "bash", "tools/dist_train.sh",
+                                       "configs/toy/upernet_swin-toy_flexible-ddp_toy-ade.py", "1", "--work-dir",
+                                       str(tmp_path / f"node{node}")], env=env, timeout=300)
+    for node, proc in enumerate(nodes):
+        assert proc.returncode != 0, f"node {node} started"
+    err = nodes[1].stdout + nodes[1].stderr
+    assert "not the same folder on every node" in err and "a file system all nodes share" in err
+    assert "rank 1" in err and str(tmp_path / "node1") in err
+    assert "Iter(train)" not in nodes[0].stdout + nodes[0].stderr

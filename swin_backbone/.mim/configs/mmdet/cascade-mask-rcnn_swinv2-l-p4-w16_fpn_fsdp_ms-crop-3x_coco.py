@@ -2,7 +2,7 @@
 # pretrained_window_sizes=(12, 12, 12, 6)), 3x multi-scale + crop, on FlexibleRunner with FSDP:
 # the Swin-L FSDP recipe (./cascade-mask-rcnn_swin-l-p4-w12_fpn_fsdp_ms-crop-3x_coco.py) with the
 # V2 backbone and V2's no-decay keys (continuous position bias MLPs, logit scales).
-# with_cp is off for V2 for now (configs/_base_/fsdp.py).
+#
 _base_ = ['./cascade-mask-rcnn_swin-l-p4-w12_fpn_fsdp_ms-crop-3x_coco.py', '../_base_/swinv2_backbone.py']
 
 model = dict(backbone={{_base_.swinv2_l}})

@@ -1,7 +1,7 @@
 # UPerNet, Swin-L (window 12, ImageNet-22k 384x384 weights), ADE20K 512x512, 160k, on
 # mmengine's FlexibleRunner with FSDP (configs/_base_/fsdp.py; docs/large-models.md): one FSDP
 # unit per Swin block, original parameters, bf16 autocast, activation checkpointing per block,
-# sharded checkpoints. The recipe of ./upernet_swin-t_512x512_160k_ade20k.py (8 GPUs x 2
+# one checkpoint file per save (gathered on rank 0). The recipe of ./upernet_swin-t_512x512_160k_ade20k.py (8 GPUs x 2
 # images, AdamW lr 6e-5, no decay on norms / position tables) with the large backbone.
 #
 #   bash tools/dist_train.sh configs/mmseg/upernet_swin-l-w12_fsdp_512x512_160k_ade20k.py 8
@@ -11,5 +11,6 @@ model = dict(
     backbone={{_base_.swin_l}},
     decode_head=dict(in_channels={{_base_.swin_l_channels}}),
     auxiliary_head=dict(in_channels=768))
-optim_wrapper = dict(type='AmpOptimWrapper', dtype='bfloat16')
+# bf16 autocast without a loss scaler (V100: type='AmpOptimWrapper', dtype='float16')
+optim_wrapper = dict(type='swin_backbone.tools.runner.BF16AutocastOptimWrapper')
 default_hooks = dict(checkpoint=dict(max_keep_ckpts=3))
