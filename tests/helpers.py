@@ -1,4 +1,6 @@
 """Helpers shared by test modules (fixtures are in conftest.py)."""
+import socket
+
 import torch
 
 #: A tiny Swin: real structure (four stages of two blocks), 16 channels; fast on a CPU.
@@ -32,3 +34,11 @@ def timm_stages(ref, x):
         y = layer(y)
         outs.append(y)
     return outs
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's own rendezvous: never a fixed number, which a
+    concurrent run or a lingering socket can hold)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from ..helpers import free_port
 from .test_tools_train import FAST, ROOT, scalars, toy_data  # noqa: F401  (fixture)
 
 FSDP_CFG = "configs/toy/mask-rcnn_swin-toy_fpn_fsdp_toy-coco.py"
@@ -47,14 +48,6 @@ RUN = FAST + ["randomness.seed=0", "param_scheduler.0.start_factor=1.0", "defaul
               f"train_cfg.max_iters={ITERS}", f"train_cfg.val_interval={ITERS}", "default_hooks.checkpoint.interval=2",
               "train_dataloader.dataset.pipeline.3.prob=0.0", "model.train_cfg.rpn.sampler.type=PseudoSampler",
               "model.train_cfg.rcnn.sampler.type=PseudoSampler"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args, toy_data, nnodes=1, env=None, timeout=600):  # noqa: F811

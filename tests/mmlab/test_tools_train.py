@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from ..helpers import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
 SEG = "configs/toy/upernet_swin-toy_toy-ade.py"
@@ -85,7 +87,7 @@ def test_train_resume_and_test(tmp_path, toy_data, config, metric):
 def test_dist_train_two_processes_on_cpu(tmp_path, toy_data):
     work = str(tmp_path / "dist")
     run_tool(["bash", "tools/dist_train.sh", DET, "2", "--work-dir", work, "--cfg-options", *FAST, *iters(2)],
-             toy_data, extra_env={"PYTHON": sys.executable, "PORT": "29611"})
+             toy_data, extra_env={"PYTHON": sys.executable, "PORT": str(free_port())})
     assert os.path.isfile(os.path.join(work, "iter_2.pth"))
     logs = open(glob.glob(os.path.join(work, "*", "*.log"))[0]).read()
     assert "Distributed launcher: pytorch" in logs or "distributed: True" in logs.lower()

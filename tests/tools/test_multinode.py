@@ -10,7 +10,6 @@ whose work dirs are not the same folder, at start-up (rank 0 writes a token ther
 it)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Callable, Dict, List, Optional
@@ -19,15 +18,10 @@ import pytest
 
 from swin_backbone.tools import extract_features as tool
 
+from ..helpers import free_port
 from .test_features_dataset_runs import SMALL, assert_same_features, features, pooled, write_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_nodes(command: Callable[[int], List[str]], nnodes: int = 2, env: Optional[Dict[str, str]] = None,
