@@ -397,7 +397,11 @@ def test_wrapper_computes_what_the_plain_modules_compute(kind, case, mode):
     assert max((e - b).abs().max().item() for e, b in zip(expected, before)) > 1e-3, "the case changes nothing"
     assert_outputs_close(got, expected, 1e-5, f"{kind} {mode} {case}")
     if expected_grad is not None:
-        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5,
+        # Relative to the gradient's largest magnitude: V2's cosine logits (scales up to 100)
+        # reach 10-100 there, and the two models' fp32 backward formulas differ in rounding
+        # (in float64 they agree to 1e-13).
+        atol = 1e-5 * max(1.0, expected_grad.abs().max().item())
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=atol,
                                    msg=lambda m: f"{kind} {mode} {case}, input gradient: {m}")
     if case == "linear-subclass-forward":
         calls = {n: getattr(m, "calls", 0) for n, m in linears(model).items()}

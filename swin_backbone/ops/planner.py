@@ -225,7 +225,9 @@ _decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches
 
 
 def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
-    """A plan for ``x`` with some fields forced (tests and direct use of the ops)."""
+    """A plan for ``x`` with some fields forced (tests and direct use of the ops); the modules
+    count as not plain (no shortcut re-runs them or writes into their outputs) unless ``fields``
+    say otherwise (``may_write_module_outputs``, ``save_memory``, ``chunked``)."""
     grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
     plan = _decide_cached(x.device.type, x.dtype, grad, False, False, False, "auto", False, _SWITCHES)
     if attention is not None:

@@ -259,3 +259,42 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
     layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7)  # stage 1 of 61x75
     assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
+
+
+def test_ops_and_model_imports_form_no_circle():
+    # Every import statement of swin_backbone/ops and swin_backbone/model, function-level ones
+    # included (those under TYPE_CHECKING excepted): the modules they import form no circle.
+    import ast
+    import os
+
+    import swin_backbone
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(swin_backbone.__file__)))
+    graph = {}
+    for package in ("ops", "model"):
+        folder = os.path.join(root, "swin_backbone", package)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".py"):
+                continue
+            module = f"swin_backbone.{package}" + ("" if name == "__init__.py" else f".{name[:-3]}")
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                           and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
+            here = module.split(".") if name == "__init__.py" else module.split(".")[:-1]
+            targets = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and id(node) not in typing_only and node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    targets |= {f"{base}.{a.name}" for a in node.names} | {base}
+            graph[module] = targets
+    edges = {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
+    assert "swin_backbone.ops.layouts" in edges["swin_backbone.ops.planner"]  # (the walk sees imports)
+
+    def reaches(start, goal, seen):
+        for t in edges[start]:
+            if t == goal or (t not in seen and (seen.add(t) or reaches(t, goal, seen))):
+                return True
+        return False
+
+    circles = sorted(m for m in edges if reaches(m, m, set()))
+    assert not circles, f"modules on an import circle: {circles}"
