@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 import math
 import pickle
-import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 #: Oldest torch the package runs on (2.0 brought ``F.scaled_dot_product_attention``).
 TORCH_FLOOR = (2, 0)
 
-F = TypeVar("F", bound=Callable[..., Any])
+def parse_version(version: str) -> Tuple[int, int]:
+    """``(major, minor)`` of a version string (``'2.1.2+cu121'`` -> ``(2, 1)``, ``'3.0'`` -> ``(3, 0)``)."""
+    parts = (version.split("+")[0].split(".") + ["0"])[:2]
+    major, minor = (int("".join(c for c in p if c.isdigit()) or 0) for p in parts)
+    return major, minor
 
 
-def torch_version() -> tuple:
-    """``(major, minor)`` of the installed torch (``'2.1.2+cu121'`` -> ``(2, 1)``)."""
-    parts = torch.__version__.split("+")[0].split(".")
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts[:2])
+def torch_version() -> Tuple[int, int]:
+    """``(major, minor)`` of the installed torch."""
+    return parse_version(torch.__version__)
 
 
 def check_torch() -> None:
@@ -71,14 +72,10 @@ def _sdpa_scaled_query(query, key, value, attn_mask=None, dropout_p=0.0, scale=N
     return functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, scale=None):
-    """``F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, scale)`` on every
-    supported torch: torch's own where it takes ``scale=``, else :func:`_sdpa_scaled_query`.
-    ``F.scaled_dot_product_attention`` is looked up on each call (tests record its calls)."""
-    if SDPA_HAS_SCALE:
-        return functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                       scale=scale)
-    return _sdpa_scaled_query(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+#: ``F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, scale=)`` on every
+#: supported torch: torch's own where it takes ``scale=`` (no Python frame in between), else
+#: :func:`_sdpa_scaled_query`.
+scaled_dot_product_attention = functional.scaled_dot_product_attention if SDPA_HAS_SCALE else _sdpa_scaled_query
 
 
 # ---------------------------------------------------------------------------- tracing
@@ -94,23 +91,6 @@ def is_compiling() -> bool:
 
         fn = getattr(torch._dynamo, "is_compiling", None)
     return bool(fn is not None and fn())
-
-
-def is_exporting() -> bool:
-    """Whether ``torch.export`` (or an exporter built on it) is tracing (False where torch
-    cannot tell: such torch exports through the same graphs as ``torch.compile``)."""
-    fn = getattr(_compiler, "is_exporting", None)
-    return bool(fn is not None and fn())
-
-
-def assume_constant_result(fn: F) -> F:
-    """``torch.compiler.assume_constant_result`` (torch >= 2.1), else dynamo's (2.0)."""
-    decorator = getattr(_compiler, "assume_constant_result", None)
-    if decorator is None:
-        import torch._dynamo
-
-        decorator = getattr(torch._dynamo, "assume_constant_result", None)
-    return fn if decorator is None else decorator(fn)
 
 
 #: ``torch.library.custom_op`` (torch >= 2.4): the fused Triton kernel can sit inside
@@ -380,100 +360,3 @@ def load(f: Any, map_location: Any = None, *, weights_only: bool = True, mmap: b
     if HAS_SAFE_GLOBALS:
         return torch.load(f, weights_only=True, **kwargs)
     return torch.load(f, weights_only=False, pickle_module=_RestrictedPickle, **kwargs)
-
-
-def device_capability(device: torch.device) -> Optional[tuple]:
-    """``(major, minor)`` of a CUDA device, ``None`` elsewhere."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability(device))
-
-
-# ---------------------------------------------------------------------------- features and notes
-
-#: Each newer-torch feature the package uses: ``name -> (test, what it needs, what happens
-#: without it)``. The table of docs/compatibility.md; tests that need a feature carry
-#: ``@pytest.mark.torch_feature(name)`` and skip, naming it, where it is missing.
-FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
-    "sdpa_scale": (
-        lambda: SDPA_HAS_SCALE,
-        "scaled_dot_product_attention(scale=) (torch >= 2.1)",
-        "the query is pre-scaled before SDPA (equal to rounding)",
-    ),
-    "compile": (
-        lambda: compile_unsupported_reason() is None,
-        "torch.compile on this Python (torch >= 2.1 on Python 3.11, >= 2.4 on 3.12)",
-        "torch.compile raises in torch itself; the model runs eagerly",
-    ),
-    "compile_one_graph": (
-        lambda: compile_unsupported_reason() is None and HAS_CUSTOM_OP,
-        "torch.compile tracing a whole forward as one graph (seen on torch 2.14; torch 2.1's dynamo "
-        "splits it into 80-96 graphs; versions between not tested, so torch >= 2.4 is assumed)",
-        "torch.compile runs the forward as several graphs (graph breaks: slower compiled code)",
-    ),
-    "custom_op": (
-        lambda: HAS_CUSTOM_OP,
-        "torch.library.custom_op (torch >= 2.4)",
-        "inside torch.compile graphs attention runs as plain SDPA instead of the fused Triton kernel "
-        "(eager CUDA still uses the kernel)",
-    ),
-    "cpu_flash_sdpa": (
-        lambda: hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
-        "a flash SDPA kernel for CPU tensors (newer torch: not in 2.0 or 2.1)",
-        "CPU attention runs SDPA's math kernel (same results, slower and more memory)",
-    ),
-    "export": (
-        has_export,
-        "torch.export.export with torch.export.Dim (torch >= 2.2)",
-        "torch.export is missing in torch itself; TorchScript tracing / eager are unaffected",
-    ),
-    "onnx_dynamo": (
-        onnx_export_has_dynamo,
-        "torch.onnx.export(dynamo=True) (torch >= 2.5)",
-        "the TorchScript-based ONNX exporter (torch.onnx.export without dynamo=True) is what remains",
-    ),
-    "safe_globals": (
-        lambda: HAS_SAFE_GLOBALS,
-        "torch.serialization.add_safe_globals (torch >= 2.4)",
-        "swin_backbone loads checkpoints weights-only through its own restricted unpickler (same "
-        "allow-list); mmengine's own torch.load calls are unrestricted on such torch (its default)",
-    ),
-    "load_mmap": (
-        load_supports_mmap,
-        "torch.load(mmap=True) (torch >= 2.1)",
-        "files are read into memory instead of memory-mapped (same tensors)",
-    ),
-}
-
-
-def has_feature(name: str) -> bool:
-    """Whether the installed torch has feature ``name`` (a key of :data:`FEATURES`)."""
-    return bool(FEATURES[name][0]())
-
-
-def missing_reason(name: str) -> str:
-    """One sentence: what ``name`` needs, the installed torch, and what happens instead."""
-    _, needs, instead = FEATURES[name]
-    return f"needs {needs}; the installed torch is {torch.__version__} (Python {sys.version.split()[0]}): {instead}"
-
-
-_NOTED: set = set()
-
-
-def note_missing(name: str, consequence: Optional[str] = None) -> bool:
-    """Say once per process, in mmengine's current log, that feature ``name`` is missing and what
-    happens instead; call it where the feature would have been used. Returns whether it logged
-    (``False`` when said before). ``consequence`` overrides the table's."""
-    if name in _NOTED:
-        return False
-    _NOTED.add(name)
-    _, needs, instead = FEATURES[name] if name in FEATURES else (None, name, "")
-    message = (f"swin_backbone: {needs} is not available in torch {torch.__version__}: "
-               f"{consequence or instead}")
-    try:
-        from mmengine.logging import print_log
-
-        print_log(message, logger="current", level=logging.WARNING)
-    except ImportError:  # pragma: no cover - mmengine is a requirement
-        logging.getLogger("swin_backbone").warning(message)
-    return True

@@ -59,7 +59,7 @@ def small_arch(**kw):
 # the floor torch 2.0. Two rules keep them honest without hand-kept lists of tests:
 #
 # * ``@pytest.mark.torch_feature("name")``: the test needs a newer-torch feature of
-#   ``swin_backbone.torch_compat.FEATURES``; it skips, naming the feature and the installed torch,
+#   ``tests/helpers.py``'s ``FEATURES``; it skips, naming the feature and the installed torch,
 #   where torch lacks it. Only for what torch itself cannot do, never for a bug of ours.
 # * A test whose own code imports mmcv / mmdet / mmseg skips where that library is not installed
 #   (the floor stack has no mmcv build). Only an import written in a tests/ file, of a library
@@ -71,11 +71,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def pytest_runtest_setup(item):
     for marker in item.iter_markers("torch_feature"):
-        from swin_backbone import torch_compat
+        from .helpers import has_feature, missing_reason
 
         for name in marker.args:
-            if not torch_compat.has_feature(name):
-                pytest.skip(f"torch feature {name!r} {torch_compat.missing_reason(name)}")
+            if not has_feature(name):
+                pytest.skip(f"torch feature {name!r} {missing_reason(name)}")
 
 
 def _absent_library_import(excinfo):

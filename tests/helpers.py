@@ -1,7 +1,12 @@
-"""Helpers shared by test modules (fixtures are in conftest.py)."""
+"""Helpers shared by test modules (fixtures are in conftest.py), and the table of newer-torch
+features the compatibility suites skip on (:data:`FEATURES`)."""
 import socket
+import sys
+from typing import Callable, Dict, Tuple
 
 import torch
+
+from swin_backbone import torch_compat
 
 #: A tiny Swin: real structure (four stages of two blocks), 16 channels; fast on a CPU.
 TINY = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0)
@@ -42,3 +47,70 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- torch features
+#: Each newer-torch feature the package uses: ``name -> (test, what it needs, what happens
+#: without it)``. The table of docs/compatibility.md; tests that need a feature carry
+#: ``@pytest.mark.torch_feature(name)`` and skip, naming it, where it is missing (conftest.py).
+FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
+    "sdpa_scale": (
+        lambda: torch_compat.SDPA_HAS_SCALE,
+        "scaled_dot_product_attention(scale=) (torch >= 2.1)",
+        "the query is pre-scaled before SDPA (equal to rounding)",
+    ),
+    "compile": (
+        lambda: torch_compat.compile_unsupported_reason() is None,
+        "torch.compile on this Python (torch >= 2.1 on Python 3.11, >= 2.4 on 3.12)",
+        "torch.compile raises in torch itself; the model runs eagerly",
+    ),
+    "compile_one_graph": (
+        lambda: torch_compat.compile_unsupported_reason() is None and torch_compat.HAS_CUSTOM_OP,
+        "torch.compile tracing a whole forward as one graph (seen on torch 2.14; torch 2.1's dynamo "
+        "splits it into 80-96 graphs; versions between not tested, so torch >= 2.4 is assumed)",
+        "torch.compile runs the forward as several graphs (graph breaks: slower compiled code)",
+    ),
+    "custom_op": (
+        lambda: torch_compat.HAS_CUSTOM_OP,
+        "torch.library.custom_op (torch >= 2.4)",
+        "inside torch.compile graphs attention runs as plain SDPA instead of the fused Triton kernel "
+        "(eager CUDA still uses the kernel)",
+    ),
+    "cpu_flash_sdpa": (
+        lambda: hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        "a flash SDPA kernel for CPU tensors (newer torch: not in 2.0 or 2.1)",
+        "CPU attention runs SDPA's math kernel (same results, slower and more memory)",
+    ),
+    "export": (
+        torch_compat.has_export,
+        "torch.export.export with torch.export.Dim (torch >= 2.2)",
+        "torch.export is missing in torch itself; TorchScript tracing / eager are unaffected",
+    ),
+    "onnx_dynamo": (
+        torch_compat.onnx_export_has_dynamo,
+        "torch.onnx.export(dynamo=True) (torch >= 2.5)",
+        "the TorchScript-based ONNX exporter (torch.onnx.export without dynamo=True) is what remains",
+    ),
+    "safe_globals": (
+        lambda: torch_compat.HAS_SAFE_GLOBALS,
+        "torch.serialization.add_safe_globals (torch >= 2.4)",
+        "swin_backbone loads checkpoints weights-only through its own restricted unpickler (same "
+        "allow-list); mmengine's own torch.load calls are unrestricted on such torch (its default)",
+    ),
+    "load_mmap": (
+        torch_compat.load_supports_mmap,
+        "torch.load(mmap=True) (torch >= 2.1)",
+        "files are read into memory instead of memory-mapped (same tensors)",
+    ),
+}
+
+
+def has_feature(name: str) -> bool:
+    """Whether the installed torch has feature ``name`` (a key of :data:`FEATURES`)."""
+    return bool(FEATURES[name][0]())
+
+
+def missing_reason(name: str) -> str:
+    """One sentence: what ``name`` needs, the installed torch, and what happens instead."""
+    _, needs, instead = FEATURES[name]
+    return f"needs {needs}; the installed torch is {torch.__version__} (Python {sys.version.split()[0]}): {instead}"

@@ -3,9 +3,9 @@
 * The code is Python 3.8 syntax and stdlib (vermin, a test dependency, reads the package).
 * Below the torch floor, ``import swin_backbone`` raises one ``ImportError`` naming the
   installed torch and the supported range.
-* ``swin_backbone.torch_compat``: the feature table answers what the installed torch really has,
-  and each fallback (SDPA without ``scale=``, weights-only loading without
-  ``add_safe_globals``, the once-per-process note) does what its documentation says.
+* The feature table of the compatibility suites (``tests/helpers.py``) answers what the installed
+  torch really has; each fallback of ``swin_backbone.torch_compat`` (SDPA without ``scale=``,
+  weights-only loading without ``add_safe_globals``) does what its documentation says.
 
 This file runs on every stack of ``make test`` (torch 2.14.1, 2.1.2 and 2.0.1).
 """
@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from swin_backbone import torch_compat
+
+from .helpers import FEATURES, has_feature, missing_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "swin_backbone")
@@ -123,19 +125,19 @@ def _expected_missing():
 
 def test_feature_table_matches_the_installed_torch():
     expected = _expected_missing()
-    missing = {name for name in torch_compat.FEATURES if not torch_compat.has_feature(name)}
+    missing = {name for name in FEATURES if not has_feature(name)}
     if expected is None:
         pytest.skip(f"no expectations written for torch {torch.__version__}")
     assert missing == expected, f"torch {torch.__version__}: missing {sorted(missing)}"
     for name in missing:
-        reason = torch_compat.missing_reason(name)
+        reason = missing_reason(name)
         assert torch.__version__ in reason and "needs" in reason
 
 
 def test_every_feature_documents_its_fallback():
     with open(os.path.join(ROOT, "docs", "compatibility.md")) as f:
         doc = f.read()
-    for name, (test, needs, instead) in torch_compat.FEATURES.items():
+    for name, (test, needs, instead) in FEATURES.items():
         assert callable(test) and needs and instead, name
         assert f"`{name}`" in doc, f"docs/compatibility.md does not describe feature {name!r}"
 
@@ -158,20 +160,16 @@ def test_sdpa_with_scale_on_every_torch(impl, scale):
         torch.testing.assert_close(a, b)
 
 
-def test_public_sdpa_calls_torchs_own_at_call_time(monkeypatch):
-    # F.scaled_dot_product_attention is looked up per call: a recording stand-in sees every call.
-    calls = []
-    original = torch.nn.functional.scaled_dot_product_attention
-
-    def recording(q, k, v, **kwargs):
-        calls.append(sorted(kwargs))
-        return original(q, k, v, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+def test_sdpa_is_torchs_own_where_it_takes_scale():
+    # No wrapper where torch takes scale= (no Python frame between the kernels and torch); the
+    # scaled query only where it does not. Both take the keywords the package passes.
+    if torch_compat.SDPA_HAS_SCALE:
+        assert torch_compat.scaled_dot_product_attention is torch.nn.functional.scaled_dot_product_attention
+    else:
+        assert torch_compat.scaled_dot_product_attention is torch_compat._sdpa_scaled_query
     q = torch.randn(1, 2, 4, 8)
-    torch_compat.scaled_dot_product_attention(q, q, q, scale=0.5)
-    assert len(calls) == 1
-    assert ("scale" in calls[0]) == torch_compat.SDPA_HAS_SCALE
+    out = torch_compat.scaled_dot_product_attention(q, q, q, attn_mask=None, dropout_p=0.0, scale=0.5)
+    torch.testing.assert_close(out, torch.softmax(q @ q.transpose(-1, -2) * 0.5, -1) @ q)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -255,17 +253,3 @@ def test_add_safe_globals_is_honoured_by_load_on_every_torch(tmp_path, monkeypat
     allow_mmengine_checkpoints.cache_clear()
     allow_mmengine_checkpoints()
     assert torch_compat.load(str(tmp_path / "scalar.pth"))["when"] == np.float32(2.5)
-
-
-# ---------------------------------------------------------------------------- notes
-def test_note_missing_logs_once_per_process(monkeypatch):
-    import mmengine.logging
-
-    said = []
-    monkeypatch.setattr(mmengine.logging, "print_log", lambda msg, logger=None, level=None: said.append((msg, logger)))
-    monkeypatch.setattr(torch_compat, "_NOTED", set())
-    assert torch_compat.note_missing("custom_op") is True
-    assert torch_compat.note_missing("custom_op") is False
-    assert len(said) == 1 and said[0][1] == "current"
-    assert "torch.library.custom_op" in said[0][0] and torch.__version__ in said[0][0]
-    assert "plain SDPA" in said[0][0]

@@ -32,24 +32,23 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop_rate)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout,
-                plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``proj(attention(qkv(windows(norm(x)))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
 
         The tokens are normalised by the block's ``norm``, padded, shifted and cut into
         ``layout``'s windows (one gather), projected to q, k, v, attend within their window (a
         bias per relative offset, a mask between shift regions and padding), and return to
         row-major order before the output projection, which thus runs on real tokens only.
+        ``plan``: the stage's (:func:`swin_backbone.ops.plan_forward`, ``Plan.for_stage``).
         """
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = ops.checkpointed(self.qkv_windows, plan, x, norm, layout)
-        out = ops.window_attention(qkv, self.relative_position_bias_table, self.window_size, layout, self.num_heads,
-                                   self.scale, self.attn_drop_rate, plan)
+        out = ops.window_attention(qkv, self.relative_position_bias_table, layout, plan, num_heads=self.num_heads,
+                                   scale=self.scale, dropout_p=self.attn_drop_rate)
         return self.proj_drop(self.proj(out))
 
     def qkv_windows(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
-        """``qkv(windows(norm(x)))``: ``(B, H * W, C)`` -> ``(B, nW * N, 3C)`` (row-major for the
-        fused Triton kernel, which gathers its windows itself)."""
+        """``qkv(windows(norm(x)))``: ``(B, H * W, C)`` -> ``(B, nW * N, 3C)`` (the plan's kernel
+        may read row-major tokens: :func:`swin_backbone.ops.window_partition`)."""
         return self.qkv(ops.window_partition(norm(x), layout, plan))
 
     def extra_repr(self) -> str:

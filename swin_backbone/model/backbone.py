@@ -16,7 +16,7 @@ from ..mmlab.dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
 from .presets import resolve_arch
 from .. import ops
-from ..torch_compat import is_compiling, register_load_state_dict_pre_hook
+from ..torch_compat import register_load_state_dict_pre_hook
 from ..mmlab.valid_sizes import attached_valid_sizes
 from ..validation import check_config, check_input, check_valid_sizes
 
@@ -271,16 +271,12 @@ class SwinBackbone(BaseModule):
                 ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
-        if valid_sizes is None and not is_compiling():
+        plan = ops.plan_forward(x, self, attention=self.attention_mode)
+        if valid_sizes is None and not plan.tracing:
             valid_sizes = self._attached_sizes(x)
-        valid = check_valid_sizes(
-            valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map
-        )
-        plan = ops.plan_forward(
-            x, self, attn_dropout=self.training and self.attn_drop_rate > 0,
-            dropout=self.training and self.drop_rate > 0, drop_path=self.training and self.drop_path_rate > 0,
-            valid_sizes=valid, attention=self.attention_mode,
-        )
+        valid = check_valid_sizes(valid_sizes, x.shape, mask_padding=self.mask_padding,
+                                  pad_small_map=self.pad_small_map)
+        plan = plan.with_valid_sizes(valid, x, self)
         x = self.patch_embed(ops.mask_input(x, plan, self.patch_size))  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
             x = x + self._position_embeddings(x.shape[1], x.shape[2], plan)

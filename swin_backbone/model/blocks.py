@@ -96,10 +96,9 @@ class SwinBlock(nn.Module):
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
         x = x + self.drop_path(self.attn(x, self.norm1, layout, plan))
         return ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
 
@@ -125,8 +124,7 @@ class PatchMerging(nn.Module):
         self.norm = nn.LayerNorm(4 * embed_dims) if norm else nn.Identity()
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
 
-    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
+    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         return self.reduction(self.norm(ops.merge_patches(x, plan)))
 
 
@@ -161,14 +159,16 @@ class SwinStage(nn.Module):
         )
         self.downsample = merging(embed_dims, norm=patch_norm) if downsample else None
 
-    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
-        """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging)."""
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
+    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
+        """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
+        stage's (``Plan.for_stage``), or for a stage called on its own :func:`swin_backbone.ops.plan_forward`."""
         b, h, w, c = x.shape
         window, shift = effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
         with_cp = self.with_cp and self.training and plan.grad
-        plan, regular, shifted = ops.plan_stage(plan, h, w, window, shift, self.window_size, self.mask_padding,
-                                                self.num_heads, self.embed_dims // self.num_heads, x.device, with_cp)
+        plan, regular, shifted = ops.plan_stage(
+            plan, height=h, width=w, window=window, shift=shift, table_window=self.window_size,
+            mask_padding=self.mask_padding, num_heads=self.num_heads, head_dim=self.embed_dims // self.num_heads,
+            device=x.device, with_cp=with_cp)
         tokens = x.reshape(b, h * w, c)
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular

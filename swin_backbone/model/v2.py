@@ -71,21 +71,19 @@ class WindowAttentionV2(nn.Module):
             return None
         return torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
 
-    def position_bias_table(self) -> torch.Tensor:
+    def position_bias_table(self, plan: ops.Plan) -> torch.Tensor:
         """``((2 tw - 1)**2, nH)``: ``16 * sigmoid(cpb_mlp(log-spaced coordinates))``."""
-        return ops.continuous_position_bias(self.cpb_mlp, self.window_size, self.pretrained_window_size)
+        return ops.continuous_position_bias(self.cpb_mlp, self.window_size, self.pretrained_window_size, plan)
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``proj(attention(windows(x)))``: ``(B, H * W, C)`` -> ``(B, H * W, C)`` (no norm
         before: V2 normalises the branch's output)."""
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
         qkv = self.qkv(ops.window_partition(x, layout, plan))
         if self.q_bias is not None:  # (in qkv's dtype, as F.linear's bias under autocast)
             qkv = qkv + self.qkv_bias().to(qkv.dtype)
-        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (qkv is fresh: ours to overwrite)
-        out = ops.window_attention(
-            qkv, self.position_bias_table(), self.window_size, layout, self.num_heads, 1.0, self.attn_drop_rate, plan
-        )
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (in place where the plan allows)
+        out = ops.window_attention(qkv, self.position_bias_table(plan), layout, plan, num_heads=self.num_heads,
+                                   scale=1.0, dropout_p=self.attn_drop_rate)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -120,9 +118,8 @@ class SwinBlockV2(nn.Module):
         self.norm2 = nn.LayerNorm(embed_dims)
         self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: Optional[ops.Plan] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
         x = x + self.drop_path(self.norm1(self.attn(x, layout, plan)))
         x = ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
         return x if self.norm3 is None else self.norm3(x)
@@ -154,8 +151,7 @@ class PatchMergingV2(nn.Module):
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
         self.norm = nn.LayerNorm(out_dims) if norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, plan: Optional[ops.Plan] = None) -> torch.Tensor:
-        plan = plan if plan is not None else ops.plan_for_module(x, self)
+    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         # Per-image valid sizes: cells across an image's edge read zeros beyond it, as alone.
         return self.norm(self.reduction(ops.merge_patches(x, plan)))
 

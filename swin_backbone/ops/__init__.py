@@ -6,19 +6,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import window_attention, window_partition
+from . import triton_ops  # noqa: F401  (registers the opt-in "triton" kernel)
+from .attention import KERNELS, window_attention, window_partition
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .image_sizes import merge_2x2, straddles, zero_beyond_valid, zero_straddles_
 from .layouts import WindowLayout, clear_caches
 from .planner import (
-    PLAIN_SWIN_MODULES, Plan, checkpointed, chunk_slices, mlp_residual, override, plan_for, plan_for_module,
-    plan_forward, plan_stage, resolve_attention as check_attention,
+    PLAIN_SWIN_MODULES, Plan, override, plan_for, plan_forward, plan_stage,
+    resolve_attention as check_attention,
 )
+from .regions import checkpointed, mlp_residual, row_chunks
 
 __all__ = [
-    "PLAIN_SWIN_MODULES", "Plan", "WindowLayout", "check_attention", "checkpointed", "clear_caches",
+    "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "WindowLayout", "check_attention", "checkpointed", "clear_caches",
     "continuous_position_bias", "cosine_qkv", "mask_input", "merge_patches", "mlp_residual", "output_nchw", "override",
-    "plan_for", "plan_for_module", "plan_forward", "plan_stage", "window_attention", "window_partition",
+    "plan_for", "plan_forward", "plan_stage", "row_chunks", "window_attention", "window_partition",
 ]
 
 
@@ -26,21 +28,25 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
     """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)`` (a channels-last view or
     contiguous), zeros beyond each image's valid size."""
     if channels_last:
-        out = norm(x).permute(0, 3, 1, 2)
+        out, own = norm(x).permute(0, 3, 1, 2), None  # a view of the module's output
     elif plan.chunked:  # (by map rows: whole, the transposing copy's strided writes miss the cache)
         batch, height, width, channels = x.shape
         out = None
-        step = max(1, plan.chunk_bytes // 8 // (width * channels * x.element_size()))
-        for rows in chunk_slices(height, step):  # (at least one slice, also for an empty map)
+        for rows in row_chunks(height, width * channels * x.element_size(), plan.chunk_bytes // 8):
             part = norm(x[:, rows]).permute(0, 3, 1, 2)
             if out is None:  # dtype known only now (autocast)
                 out = part.new_empty(batch, channels, height, width)
             out[:, :, rows] = part
+        own = out
     else:
-        out = norm(x).permute(0, 3, 1, 2).contiguous()
+        view = norm(x).permute(0, 3, 1, 2)
+        out = view.contiguous()
+        own = None if out is view else out  # (a 1 x 1 map is contiguous already: no copy made)
     if plan.valid_sizes is None:
         return out
-    return zero_beyond_valid(out, plan.valid_sizes, 2, inplace=not plan.grad)
+    # Zeroed in place only in memory of our own, or where module outputs may be written.
+    inplace = not plan.grad and (own is not None or plan.may_write_module_outputs)
+    return zero_beyond_valid(out, plan.valid_sizes, 2, inplace=inplace)
 
 
 def mask_input(x: torch.Tensor, plan: Plan, patch_size: int) -> torch.Tensor:

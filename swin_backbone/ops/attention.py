@@ -2,28 +2,34 @@
 gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
-computes the same with the plan's kernel, between one gather into the window layout
-(:func:`window_partition`) and one back to row-major order (:func:`window_reverse`):
+computes the same with the plan's kernel from :data:`KERNELS`, one signature for all
+(:class:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
+one back to row-major order (:func:`window_reverse`):
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
   memory-efficient kernel runs (it also gives the bias gradient).
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
-* ``triton`` (CUDA, opt-in): :mod:`.triton_attention`, reading row-major tokens.
+
+A kernel of its own module registers itself here (:mod:`.triton_ops` adds ``triton``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_compat import SDPA_HAS_SCALE, scaled_dot_product_attention
+from ..torch_compat import scaled_dot_product_attention
 from .layouts import WindowLayout
-from .planner import Plan, chunk_slices
-from .triton_ops import fused_window_attention
+from .regions import row_chunks
 from .windows import padded_size, relative_position_index, window_attention_mask
+
+if TYPE_CHECKING:  # (the planner imports this module)
+    from .planner import Plan
 
 
 def reference_window_attention(
@@ -112,56 +118,65 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
     return out.index_fill_(1, pad_slots, 0) if pad else out
 
 
-def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Optional[Plan] = None) -> torch.Tensor:
+def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
     """Pad, shift and partition in one gather: ``(B, H * W, C)`` -> ``(B, nW * N, C)`` (padding
-    zeros); ``x`` itself for the Triton kernel, which gathers its windows itself."""
-    if plan is not None and plan.attention == "triton":
+    zeros); ``x`` itself for a kernel that gathers its windows itself (:attr:`Kernel.row_major`)."""
+    if KERNELS[plan.attention].row_major:
         return x
-    if layout.traced or not (x.requires_grad and torch.is_grad_enabled()):
+    if layout.traced or not plan.grad:
         return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
-def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+def window_reverse(windows: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
     """Inverse of :func:`window_partition`: ``(B, nW * N, C)`` -> ``(B, H * W, C)``."""
-    if layout.traced or not (windows.requires_grad and torch.is_grad_enabled()):
+    if layout.traced or not plan.grad:
         return gather_tokens(windows, layout.inverse, False, None, layout.traced)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 
 def window_attention(
-    qkv: torch.Tensor, table: torch.Tensor, table_window: int, layout: WindowLayout, num_heads: int, scale: float,
-    dropout_p: float, plan: Plan,
+    qkv: torch.Tensor, table: torch.Tensor, layout: WindowLayout, plan: Plan, *, num_heads: int, scale: float,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """:func:`reference_window_attention` between the projections, by the plan's kernel:
-    ``(B, nW * N, 3C)`` window-ordered ``qkv`` (``(B, H * W, 3C)`` row-major for ``'triton'``)
-    -> ``(B, H * W, C)`` row-major; ``table`` ``((2 * tw - 1) ** 2, nH)``, ``tw >= layout.window``.
-    Windows that per-image valid sizes cut are computed again (:func:`_redo_image_windows`)."""
+    ``qkv`` from :func:`window_partition` -> ``(B, H * W, C)`` row-major; ``table``
+    ``((2 * tw - 1) ** 2, nH)`` for ``layout.table_window``. Windows that per-image valid sizes
+    cut are computed again (:func:`_redo_image_windows`)."""
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
-    if plan.attention == "triton":
-        out = fused_window_attention(qkv, table, layout.height, layout.width, layout.window, layout.shift, table_window,
-                                     num_heads, scale, plan.tracing)
-    elif plan.attention == "recompute":
-        out = _RecomputedAttention.apply(qkv, bias, num_heads, scale, layout, plan.chunk_bytes, plan.align_masks)
-    else:
-        run = _plain if plan.attention == "plain" else _sdpa
-        out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p, run,
-                                   plan.align_masks)
-        out = window_reverse(out, layout)
+    out = KERNELS[plan.attention].run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
     if layout.images is None:
         return out
     return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
 
 
-#: A kernel: ``(q, k, v, bias, scale, dropout_p)`` -> attention output, shapes as SDPA's.
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
+@dataclass(frozen=True)
+class Kernel:
+    """A window-attention kernel (an entry of :data:`KERNELS`).
+
+    ``run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)`` -> ``(B, H * W, C)``
+    row-major, for ``qkv`` ``(B, nW * N, 3C)`` in ``layout``'s window order (``row_major``:
+    ``(B, H * W, 3C)`` row-major, and the kernel gathers its windows itself), the bias ``table``
+    ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias`` ``(nH, N, N)``. ``check(plan, layout, *,
+    num_heads, head_dim, mask_padding)`` names the kernel that runs a stage (this one, or the one
+    it falls back to), once per stage (:func:`~.planner.plan_stage`); ``None``: all stages.
+    """
+
+    run: Callable[..., torch.Tensor]
+    row_major: bool = False
+    check: Optional[Callable[..., str]] = None
+
+
+#: What :func:`attention_in_windows` runs per window batch: ``(q, k, v, bias, scale, dropout_p)``
+#: -> attention output, shapes as SDPA's.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
 
 
 def attention_in_windows(
     qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], num_windows: int, num_heads: int,
-    scale: float, dropout_p: float, run: Kernel, align: bool = False,
+    scale: float, dropout_p: float, run: Attend, align: bool = False,
 ) -> torch.Tensor:
     """Attention of every window with ``run``: ``(B, nW * N, 3C)`` -> ``(B, nW * N, C)``; ``bias``
     ``(nH, N, N)`` plus ``mask`` ``(nW, N, N)``. Masked windows go into the heads dimension
@@ -191,7 +206,7 @@ def _redo_image_windows(
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
-    if plan.attention == "triton":  # row-major qkv
+    if KERNELS[plan.attention].row_major:
         picked = qkv.reshape(-1, three_c).index_select(0, images.rows)
     else:
         picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
@@ -204,9 +219,7 @@ def _redo_image_windows(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
           dropout_p: float) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (torch 2.0, which takes no ``scale``: a scaled query)."""
-    if SDPA_HAS_SCALE:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    """``F.scaled_dot_product_attention`` (:mod:`~swin_backbone.torch_compat`'s: torch 2.0 takes no ``scale``)."""
     return scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
 
 
@@ -227,13 +240,15 @@ class _RecomputedAttention(torch.autograd.Function):
     would keep ``P`` plus copies of q, k, v (about 1.5x ``qkv``)."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, num_heads: int, scale: float, layout: WindowLayout, chunk_bytes: int, align: bool):
+    def forward(ctx, qkv, table, bias, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
+                plan: Plan):
+        # (A :class:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, _sdpa,
-                                   align)
+                                   plan.align_masks)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
-        ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, chunk_bytes
+        ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, plan.chunk_bytes
         return out
 
     @staticmethod
@@ -252,19 +267,16 @@ class _RecomputedAttention(torch.autograd.Function):
         delta = gather_tokens(delta.to(dtype), *to_windows).view(batch, num_windows, n, num_heads)
         qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
         grad_qkv = torch.empty_like(qkv)
-        grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[2] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
-        step = num_windows
-        if ctx.chunk_bytes:
-            step = max(1, ctx.chunk_bytes // 2 // (batch * num_heads * n * n * qkv.element_size()))
-        for part in chunk_slices(num_windows, step):
+        for part in row_chunks(num_windows, batch * num_heads * n * n * qkv.element_size(), ctx.chunk_bytes // 2):
             part_mask = None if mask_c is None else mask_c[part]
             attention_backward(qkv[:, part], grad_out[:, part], delta[:, part], bias_c, part_mask, scale,
                                grad_qkv[:, part], grad_bias)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), None, grad_bias, None, None, None, None, None
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
@@ -304,3 +316,20 @@ def attention_backward(
     torch.matmul(grad_logits.transpose(-2, -1), q, out=grads[1])  # q is already scaled
     torch.matmul(probs.transpose(-2, -1), grad_out, out=grads[2])
     grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
+
+
+def _in_windows(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int,
+                scale: float, dropout_p: float, plan: Plan, attend: Attend = _sdpa) -> torch.Tensor:
+    """The ``sdpa`` and ``plain`` kernels: :func:`attention_in_windows` with ``attend``, then
+    :func:`window_reverse`."""
+    out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p, attend,
+                               plan.align_masks)
+    return window_reverse(out, layout, plan)
+
+
+#: The window-attention kernels by :attr:`Plan.attention <swin_backbone.ops.planner.Plan.attention>`.
+KERNELS: Dict[str, Kernel] = {
+    "sdpa": Kernel(functools.partial(_in_windows, attend=_sdpa)),
+    "plain": Kernel(functools.partial(_in_windows, attend=_plain)),
+    "recompute": Kernel(_RecomputedAttention.apply),
+}

@@ -7,14 +7,16 @@ then runs with ``scale=1.0``); :func:`continuous_position_bias` gives a table ga
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .planner import Plan
 from .layouts import size_cache
+
+if TYPE_CHECKING:
+    from .planner import Plan
 
 #: Upper clamp of ``logit_scale`` (official ``log(1 / 0.01)``), a float: works on every device.
 LOGIT_SCALE_MAX = math.log(100.0)
@@ -46,10 +48,11 @@ def _coords_on(table_window: int, pretrained_window: int, device: torch.device, 
 get_log_spaced_coords = size_cache(maxsize=64)(_coords_on)
 
 
-def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_window: int) -> torch.Tensor:
+def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_window: int, plan: Plan) -> torch.Tensor:
     """``16 * sigmoid(cpb_mlp(coords))``: the ``((2 tw - 1)**2, nH)`` bias table, in the MLP's dtype."""
     weight = cpb_mlp[0].weight  # (not parameters(): FSDP sets plain tensors while it recomputes a unit)
-    coords = get_log_spaced_coords(table_window, pretrained_window, weight.device, weight.dtype)
+    coords = (_coords_on if plan.tracing else get_log_spaced_coords)(table_window, pretrained_window, weight.device,
+                                                                     weight.dtype)
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
 
@@ -57,7 +60,8 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
                plan: Optional[Plan] = None) -> torch.Tensor:
     """``(..., 3C)`` tokens (any order) -> ``[normalize(q) * exp(min(logit_scale, log 100)),
     normalize(k), v]`` per head, in ``qkv``'s dtype, bit-identical on every path; ``logit_scale``
-    ``(nH, 1, 1)``. With a ``plan``, caller-owned ``qkv`` is overwritten where no grad is recorded.
+    ``(nH, 1, 1)``. With a ``plan``, ``qkv`` (a module's output) is overwritten where the plan
+    allows writing module outputs and no grad is recorded.
 
     q and k are normalised in fp32 (fp64 for fp64): in fp16 a squared norm can overflow and the
     epsilon underflows to 0, turning an all-zero (padding) key into ``0 / 0``.
@@ -73,7 +77,7 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
         k = qk[..., 1, :, :]
         v = heads[..., 2, :, :]
         return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
-    if plan is not None and not plan.grad and not plan.tracing:
+    if plan is not None and plan.may_write_module_outputs and not plan.grad:
         with torch.no_grad():
             return _normalize_and_scale(heads, scale, inplace=True)[0].reshape(qkv.shape)
     if plan is not None and plan.save_memory:

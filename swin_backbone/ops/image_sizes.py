@@ -101,7 +101,7 @@ def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inpl
     if not inplace:
         keep = valid_token_mask(height, width, valid_sizes, x.device)
         keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
-        return x.masked_fill(~keep, 0)
+        return torch.where(keep, x, x.new_zeros(()))  # (keeps x's memory format: masked_fill makes it contiguous)
     for b, (h, w) in enumerate(valid_sizes):
         if h < height:
             x[b].narrow(height_dim - 1, h, height - h).zero_()

@@ -12,7 +12,6 @@ from typing import Callable, List, Optional, TypeVar
 
 import torch
 
-from ..torch_compat import is_compiling
 from .windows import (
     ceil_div, mask_buffer, mask_from_labels, mask_rows, needs_mask, pad_amount, partition_grid, region_labels,
     relative_position_index, window_inverse_index, window_token_index,
@@ -73,8 +72,8 @@ class WindowLayout:
     window: int
     shift: int
     num_windows: int
+    table_window: int  #: window of the bias table that ``bias_index`` reads (``>= window``)
     has_padding: bool
-    padding_masked: bool
     index: torch.Tensor
     inverse: torch.Tensor
     pad_slots: Optional[torch.Tensor]
@@ -94,9 +93,10 @@ def build_window_layout(
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
     device = torch.device(device)
     num_windows = ceil_div(height, window) * ceil_div(width, window)
+    table_window = table_window or window
     sizes = dict(height=height, width=width, window=window, shift=shift, num_windows=num_windows,
-                 padding_masked=mask_padding)
-    bias_index = relative_position_index(window, table_window or window, CPU)
+                 table_window=table_window)
+    bias_index = relative_position_index(window, table_window, CPU)
     if tracing or not isinstance(height, int) or not isinstance(width, int):
         mask = None
         if shift > 0 or mask_padding:
@@ -128,27 +128,19 @@ def register_cache(cache: T) -> T:
 
 
 def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """``lru_cache`` for size-only helpers that steps aside while tracing (a lookup of symbolic
-    sizes would fail or bake one size into the graph)."""
+    """``lru_cache`` for size-only helpers, registered with :func:`clear_caches`; for eager
+    callers only (while tracing, sizes may be symbolic: callers then call the helper itself)."""
 
     def decorate(fn: Callable[..., T]) -> Callable[..., T]:
         @lru_cache(maxsize=maxsize)
+        @wraps(fn)
         def cached(*args):
             # Cached tensors outlive the call: built under inference_mode they would be
             # inference tensors, unusable by a later training step at the same size.
             with torch.inference_mode(False):
                 return fn(*args)
 
-        @wraps(fn)
-        def wrapper(*args):
-            if is_compiling() or torch.jit.is_tracing():
-                return fn(*args)
-            return cached(*args)
-
-        wrapper.cache_info = cached.cache_info  # type: ignore[attr-defined]
-        wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
-        register_cache(cached)
-        return wrapper
+        return register_cache(cached)
 
     return decorate
 
@@ -156,10 +148,6 @@ def size_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
 #: Cached :func:`build_window_layout`. An entry holds its mask (15-24 MB at stage 1 of 800 x 1344):
 #: more entries could hold GBs under multi-scale training (hundreds of shapes, 8 layouts each).
 get_window_layout = size_cache(maxsize=256)(build_window_layout)
-
-
-#: Cached :func:`relative_position_index`.
-get_relative_position_index = size_cache(maxsize=64)(relative_position_index)
 
 
 def clear_caches() -> None:

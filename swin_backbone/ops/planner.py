@@ -7,37 +7,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
-from mmengine.logging import print_log
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
 
 from ..torch_compat import compute_dtype, is_compiling
 from .image_sizes import get_image_windows, stage_valid_sizes
 from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache
+from .attention import KERNELS
+from .regions import SAVE_MATMULS
 from .windows import output_size
-
-#: Window-attention kernels (:mod:`swin_backbone.ops.attention`).
-ATTENTION_KERNELS = ("sdpa", "plain", "recompute", "triton")
 
 #: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``; ``'triton'``: docs/gpu-kernel.md).
 ATTENTION_CHOICES = ("auto", "sdpa", "triton")
 
 ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention`` argument
-
-#: Operators whose outputs selective checkpointing keeps (matmuls: their recomputation costs).
-SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
-
-#: Torch's selective activation checkpointing (torch >= 2.4), else ``None``.
-_SAC = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
-_SAVE_MATMULS = None if _SAC is None else functools.partial(_SAC, SAVED_OPS)
 
 
 @dataclass(frozen=True)
@@ -89,17 +77,6 @@ def cpu_chunk_bytes() -> int:
     return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
 
 
-def chunk_slices(total: int, step: int) -> List[slice]:
-    """Slices of ``range(total)``, at most ``step`` long, as even as possible (a short tail's
-    matmuls run at a lower rate)."""
-    count = max(1, -(-total // max(step, 1)))
-    base, extra = divmod(total, count)
-    bounds = [0]
-    for i in range(count):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 # ------------------------------------------------------------------------------ plain modules
 #: torch modules the fast paths may call piece by piece: exact types (a subclass, a quantized,
 #: adapted or parametrized layer may compute something else on a part of its input).
@@ -134,36 +111,53 @@ class Plan:
     grad: bool  #: autograd records this forward (some input or parameter requires grad)
     #: ``torch.compile``, ``torch.export`` or ``torch.jit.trace``: plain torch ops only
     tracing: bool
-    dropout: bool  #: dropout after the position embedding, projection and MLP is active
     stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
     attn_dropout: bool  #: attention dropout is active
-    attention: str  #: one of :data:`ATTENTION_KERNELS` (``'triton'`` is checked per stage: :func:`plan_stage`)
-    #: training with plain modules: selective checkpointing (:func:`checkpointed`, :func:`mlp_residual`)
+    attention: str  #: the kernel: a key of :data:`~.attention.KERNELS` (checked per stage: :func:`plan_stage`)
+    #: training with plain modules: selective checkpointing (:func:`~.regions.checkpointed`, ``mlp_residual``)
     save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: :func:`plain_modules`: residuals may be added into a branch's output in place
-    plain: bool = False
+    #: :func:`plain_modules`: no hook, adapter or wrapper holds a module's output, so it may be
+    #: written into (residual adds, in-place normalising or zeroing; sites add ``not grad`` where
+    #: autograd may need the values), and modules may run more than once (checkpointing, chunks)
+    may_write_module_outputs: bool = False
     #: CPU inference with plain modules: row-wise modules run ``chunk_bytes`` of rows at a time
     chunked: bool = False
+    mode: str = "auto"  #: the ``attention`` argument in force (:data:`ATTENTION_CHOICES`)
     #: per image, its ``(h, w)`` on this plan's map (pixels / tokens); ``None``: all fill it
     valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
     #: the forward's plan only: ``valid_sizes`` of each stage's map, ``None`` where all fill it
     stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
 
     def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
-        """The plan for stage ``index`` (frozen stages run like inference), with its valid sizes."""
+        """The plan for stage ``index`` on its input ``x``: frozen stages (no parameter, nor ``x``,
+        requiring grad) run like inference, dropout as the stage's modules have it; its valid sizes."""
         plan = self
-        if self.grad and not self.tracing and not x.requires_grad and not any(
-                p.requires_grad for p in stage.parameters()):
-            mode = "triton" if self.attention == "triton" else "auto"
-            plan = decide(self.device, self.mask_dtype, False, False, self.dropout, self.stochastic, self.attn_dropout,
-                          mode)
-            plan = dataclasses.replace(plan, plain=self.plain,
-                                       chunked=self.plain and plan.chunk_bytes > 0 and not self.stochastic)
+        if not self.tracing:
+            grad = self.grad and (x.requires_grad or any(p.requires_grad for p in stage.parameters()))
+            stochastic, attn_dropout = active_dropout(stage)
+            if (grad, stochastic, attn_dropout) != (self.grad, self.stochastic, self.attn_dropout):
+                plan = _decide_cached(self.device, self.mask_dtype, grad, False, stochastic, attn_dropout, self.mode,
+                                      self.may_write_module_outputs, _SWITCHES)
         valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
         if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
             return plan
         return dataclasses.replace(plan, valid_sizes=valid, stage_valid_sizes=None)
+
+    def with_valid_sizes(self, valid_sizes: Optional[Tuple[Tuple[int, int], ...]], x: torch.Tensor,
+                         model: nn.Module) -> "Plan":
+        """This forward's plan for images of per-image ``(h, w)`` ``valid_sizes`` in pixels
+        (``None``: all fill it) at the top left of ``model``'s input ``x`` (``model`` has
+        ``patch_size`` and ``stages``); the sizes of each stage's map follow."""
+        if valid_sizes is None:
+            return self
+        if self.tracing:
+            raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
+                             "torch.jit.trace); per-image valid sizes run eagerly")
+        maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(model.stages))
+        per_stage = stage_valid_sizes(valid_sizes, model.patch_size, len(model.stages))
+        return dataclasses.replace(self, valid_sizes=valid_sizes, stage_valid_sizes=tuple(
+            None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)))
 
 
 def tracing() -> bool:
@@ -171,53 +165,39 @@ def tracing() -> bool:
     return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
-def plan_forward(
-    x: torch.Tensor, model: nn.Module, attn_dropout: bool, dropout: bool, drop_path: bool,
-    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None, attention: str = "auto",
-) -> Plan:
-    """Decide how ``model`` computes its forward on ``x``; ``valid_sizes``: per-image ``(h, w)``
-    in input pixels (``model`` then needs ``patch_size`` and ``stages``)."""
-    stochastic = attn_dropout or dropout or drop_path
-    device, dtype, grad = x.device.type, compute_dtype(x), torch.is_grad_enabled()
+def active_dropout(model: nn.Module) -> Tuple[bool, bool]:
+    """``(stochastic, attention dropout)``: whether any module of ``model`` in training mode has a
+    dropout or stochastic-depth rate > 0, and whether one of them is attention dropout."""
+    stochastic = attn = False
+    for m in model.modules():
+        if m.training:
+            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
+            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
+    return stochastic or attn, attn
+
+
+def plan_forward(x: torch.Tensor, model: nn.Module, *, attention: str = "auto") -> Plan:
+    """Decide how ``model`` (the backbone, or any of its modules called on its own) computes its
+    forward on ``x``: device, autocast dtype, grad mode, tracing, dropout and :func:`plain_modules`;
+    ``attention``: the backbone's argument in force (:func:`resolve_attention`)."""
+    device, dtype = x.device.type, compute_dtype(x)
+    stochastic, attn_dropout = active_dropout(model)
     if tracing():
-        if valid_sizes is not None:
-            raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
-                             "torch.jit.trace); per-image valid sizes run eagerly")
-        return _decide(device, dtype, grad, True, dropout, stochastic, attn_dropout, attention, _SWITCHES)
-    grad = grad and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
-    plan = decide(device, dtype, grad, False, dropout, stochastic, attn_dropout, attention)
-    plain = plain_modules(model)
-    # Checkpointing and row chunks call modules more than once: exact only for plain modules.
-    plan = dataclasses.replace(plan, plain=plain, save_memory=plan.save_memory and plain,
-                               chunked=plain and plan.chunk_bytes > 0 and not grad and not stochastic)
-    if valid_sizes is None:
-        return plan
-    maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(model.stages))
-    per_stage = stage_valid_sizes(valid_sizes, model.patch_size, len(model.stages))
-    return dataclasses.replace(plan, valid_sizes=valid_sizes, stage_valid_sizes=tuple(
-        None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)))
+        plan = _decide(device, dtype, torch.is_grad_enabled(), True, stochastic, attn_dropout, attention, False,
+                       _SWITCHES)
+    else:
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
+        plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, attention, plain_modules(model),
+                              _SWITCHES)
+    return plan
 
 
-def plan_for_module(x: torch.Tensor, module: nn.Module) -> Plan:
-    """The plan for calling one of the model's modules on its own (dropout read off it)."""
-    active = module.training
-    dropout = active and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-    drop_path = active and any(getattr(m, "drop_prob", 0.0) > 0 for m in module.modules())  # DropPath
-    attn = active and any(getattr(m, "attn_drop_rate", 0.0) > 0 for m in module.modules())
-    return plan_forward(x, module, attn, dropout, drop_path)
-
-
-def decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
-           attn_dropout: bool, attention: str = "auto") -> Plan:
-    """:func:`plan_forward`'s decision from the situation alone (cached)."""
-    return _decide_cached(device, mask_dtype, grad, tracing, dropout, stochastic, attn_dropout, attention, _SWITCHES)
-
-
-def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dropout: bool, stochastic: bool,
-            attn_dropout: bool, mode: str, s: Switches) -> Plan:
+def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, stochastic: bool, attn_dropout: bool,
+            mode: str, plain: bool, s: Switches) -> Plan:
+    """:func:`plan_forward`'s decision from the situation alone."""
     cpu = device == "cpu"
     if mode == "triton" and device == "cuda" and not attn_dropout:
-        attention = "triton"  # opt-in; checked and verified per stage (plan_stage)
+        attention = "triton"  # opt-in; the kernel's own check decides per stage (plan_stage)
     elif tracing:
         # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
         attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
@@ -230,11 +210,14 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, dro
         # CUDA: memory-efficient SDPA, which takes a float bias and computes its gradient.
         attention = "sdpa"
     eager = not tracing
+    chunk_bytes = (cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0
+    plain = plain and eager
+    # Checkpointing and row chunks call modules more than once: exact only for plain modules.
     return Plan(
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
-        grad=grad, tracing=tracing, dropout=dropout, stochastic=stochastic, attn_dropout=attn_dropout,
-        attention=attention, save_memory=eager and grad and s.save_memory and _SAVE_MATMULS is not None,
-        chunk_bytes=(cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0,
+        grad=grad, tracing=tracing, stochastic=stochastic, attn_dropout=attn_dropout, attention=attention,
+        save_memory=plain and grad and s.save_memory and SAVE_MATMULS is not None, chunk_bytes=chunk_bytes,
+        may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic, mode=mode,
     )
 
 
@@ -242,22 +225,26 @@ _decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches
 
 
 def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
-    """A plan for ``x`` with some fields forced (tests and direct use of the ops)."""
+    """A plan for ``x`` with some fields forced (tests and direct use of the ops); the modules
+    count as not plain (no shortcut re-runs them or writes into their outputs) unless ``fields``
+    say otherwise (``may_write_module_outputs``, ``save_memory``, ``chunked``)."""
     grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
-    plan = decide(x.device.type, x.dtype, grad, False, False, False, False, "auto")
+    plan = _decide_cached(x.device.type, x.dtype, grad, False, False, False, "auto", False, _SWITCHES)
     if attention is not None:
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention: expected one of {ATTENTION_KERNELS}, got {attention!r}")
+        if attention not in KERNELS:
+            raise ValueError(f"attention: expected one of {tuple(KERNELS)}, got {attention!r}")
         fields["attention"] = attention
     return dataclasses.replace(plan, **fields)
 
 
 # ------------------------------------------------------------------------------ a stage's plan
-def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
-               num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
-               ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
+def plan_stage(
+    plan: Plan, *, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
+    num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
+) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
     """``(plan, regular, shifted)``: a stage's cached window layouts (``shifted`` ``None`` without
-    a shift) and its plan, with a requested Triton kernel checked (SDPA for shapes it lacks)."""
+    a shift) and its plan: without selective checkpointing under ``with_cp`` (the whole block is
+    checkpointed), with the kernel its own stage check chooses (:class:`~.attention.Kernel`)."""
     def layout(offset: int) -> WindowLayout:
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
                 table_window)
@@ -271,65 +258,9 @@ def plan_stage(plan: Plan, height: int, width: int, window: int, shift: int, tab
     regular, shifted = layout(0), layout(shift) if shift > 0 else None
     if with_cp and plan.save_memory:
         plan = dataclasses.replace(plan, save_memory=False)
-    if plan.attention == "triton":
-        plan = _check_triton(plan, height, width, window, mask_padding, num_heads, head_dim, device)
+    check = KERNELS[plan.attention].check
+    if check is not None:
+        attention = check(plan, regular, num_heads=num_heads, head_dim=head_dim, mask_padding=mask_padding)
+        if attention != plan.attention:
+            plan = dataclasses.replace(plan, attention=attention)
     return plan, regular, shifted
-
-
-def _check_triton(plan: Plan, height: int, width: int, window: int, mask_padding: bool, num_heads: int, head_dim: int,
-                  device: torch.device) -> Plan:
-    from .triton_attention import MAX_HEAD_DIM, MAX_TOKENS, static_reason, verify_once
-
-    if window * window > MAX_TOKENS or head_dim > MAX_HEAD_DIM or (
-            not mask_padding and (height % window or width % window)):
-        _say_once(f"attention='triton': the fused kernel does not cover window {window}, head_dim {head_dim}"
-                  f"{'' if mask_padding else ', mask_padding=False on a padded map'}: SDPA runs that stage")
-        return dataclasses.replace(plan, attention="plain" if plan.tracing and plan.grad else "sdpa")
-    reason = static_reason(plan.mask_dtype, device, window, num_heads, head_dim, height=height, width=width,
-                           mask_padding=mask_padding)
-    if reason:
-        raise RuntimeError(f"attention='triton' (or {ENV_VAR}=triton): the fused Triton kernel cannot run here: "
-                           f"{reason}")
-    if not plan.tracing:
-        verify_once(device, plan.mask_dtype)
-    return plan
-
-
-_SAID: set = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
-        print_log(message, logger="current", level=logging.WARNING)
-
-
-# ------------------------------------------------------------------------------ memory and residuals
-def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
-    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under selective checkpointing (matmul
-    outputs kept)."""
-    if plan.save_memory:
-        return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=_SAVE_MATMULS)
-    return fn(*args, plan)
-
-
-def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
-                 plan: Plan) -> torch.Tensor:
-    """``x + branch(x)`` for caller-owned ``(B, L, C)`` ``x`` and a row-wise ``branch`` (``hidden``:
-    its widest width): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked`, under
-    selective checkpointing with :attr:`Plan.save_memory`, else one call."""
-    # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
-    # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
-    rows = x.reshape(-1, x.shape[-1])
-    if plan.chunked:
-        # Chunks as even as possible (a short tail's matmuls run at a lower rate).
-        count = max(1, -(-rows.shape[0] * hidden * x.element_size() // plan.chunk_bytes))
-        for i in range(count):
-            chunk = rows[i * rows.shape[0] // count:(i + 1) * rows.shape[0] // count]
-            chunk.add_(branch(chunk))
-        return x
-    if plan.save_memory:
-        y = torch_checkpoint.checkpoint(branch, rows, use_reentrant=False, context_fn=_SAVE_MATMULS)
-    else:
-        y = branch(rows)
-    return (y.add_(rows) if plan.plain else rows + y).view(x.shape)

@@ -1,21 +1,31 @@
 """Fused shifted-window attention in Triton (opt-in, ``attention='triton'``): one launch each way.
 
 ``(B, H * W, 3C)`` row-major qkv -> ``(B, H * W, C)`` row-major output; pad, shift, partition,
-region mask, bias, softmax and reverse in one pass. Runs only where :func:`static_reason` allows
-and after :func:`verify_once`. Importing compiles nothing and needs no GPU or triton; the
-interpreter needs ``TRITON_INTERPRET=1`` before ``triton.language`` is imported. docs/gpu-kernel.md.
+region mask, bias, softmax and reverse in one pass. This module owns the kernel's limits
+(:func:`shape_reason`), its gate (:func:`environment_reason`), the stage check the planner asks
+(:func:`stage_kernel`) and its one check against the reference (:func:`verify_once`).
+Importing compiles nothing and needs no GPU or triton; the interpreter needs
+``TRITON_INTERPRET=1`` before ``triton.language`` is imported. docs/gpu-kernel.md.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
+from mmengine.logging import print_log
+from torch import nn
 
-from ..torch_compat import matmul_allows_tf32
+from ..torch_compat import matmul_allows_tf32, parse_version
+from .attention import reference_window_attention
 from .windows import relative_position_index
+
+if TYPE_CHECKING:
+    from .layouts import WindowLayout
+    from .planner import Plan
 
 try:  # triton is optional: the module must import (and answer ``static_reason``) without it
     import triton
@@ -24,8 +34,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-__all__ = ["triton_window_attention", "static_reason", "unsupported_reason", "verify_once", "MAX_TOKENS",
-           "MAX_HEAD_DIM", "COMPILE_TARGETS", "TRITON_VERSIONS"]
+__all__ = ["triton_window_attention", "stage_kernel", "static_reason", "environment_reason", "shape_reason",
+           "unsupported_reason", "verify_once", "MAX_TOKENS", "MAX_HEAD_DIM", "COMPILE_TARGETS", "TRITON_VERSIONS"]
 
 #: Programs a launch aims for (``nH * G``); also bounds the table-gradient buffer ``(G, nH, N, N)``.
 TARGET_PROGRAMS = 1024
@@ -226,7 +236,18 @@ def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_hea
                   height: Optional[int] = None, width: Optional[int] = None, mask_padding: bool = True,
                   dropout_p: float = 0.0) -> Optional[str]:
     """Why :func:`triton_window_attention` cannot run on this attention, or ``None`` if it can
-    (``mask_padding=False`` needs ``height`` and ``width`` that rule padding out)."""
+    (``mask_padding=False`` needs ``height`` and ``width`` that rule padding out): the
+    environment (:func:`environment_reason`), then the shape (:func:`shape_reason`)."""
+    reason = environment_reason(dtype, device)
+    if reason is None:
+        reason = shape_reason(window, head_dim, height=height, width=width, mask_padding=mask_padding,
+                              dropout_p=dropout_p)
+    return reason
+
+
+def environment_reason(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the kernel cannot run on ``device`` in ``dtype`` (triton, its version, the GPU, the
+    interpreter), or ``None``."""
     if triton is None:
         return "triton is not installed"
     reason = triton_version_reason(str(triton.__version__))
@@ -245,6 +266,12 @@ def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_hea
         return f"dtype {dtype} is not one of float32, float16, bfloat16"
     if dtype == torch.bfloat16 and interpret:
         return "bfloat16 tl.dot gives wrong results in the Triton interpreter"
+    return None
+
+
+def shape_reason(window: int, head_dim: int, *, height: Optional[int] = None, width: Optional[int] = None,
+                 mask_padding: bool = True, dropout_p: float = 0.0) -> Optional[str]:
+    """Why the kernel does not cover this window, head size and padding (its limits), or ``None``."""
     if head_dim <= 0 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim}: the kernel holds 1..{MAX_HEAD_DIM} channels per head"
     if window <= 0 or window * window > MAX_TOKENS:
@@ -257,6 +284,35 @@ def static_reason(dtype: torch.dtype, device: torch.device, window: int, num_hea
         if height % window or width % window:
             return "mask_padding=False on a padded map (real tokens attend to padding tokens, never loaded here)"
     return None
+
+
+def stage_kernel(plan: "Plan", layout: "WindowLayout", *, num_heads: int, head_dim: int, mask_padding: bool) -> str:
+    """The kernel that runs a stage for ``attention='triton'`` (its :attr:`Kernel.check
+    <swin_backbone.ops.attention.Kernel.check>`): ``'triton'`` where it covers the stage (checked
+    once per process against the reference: :func:`verify_once`); SDPA where the stage's shape is
+    beyond its limits (said once); ``RuntimeError`` where it cannot run here at all."""
+    reason = shape_reason(layout.window, head_dim, height=layout.height, width=layout.width,
+                          mask_padding=mask_padding)
+    if reason is not None:
+        _say_once(f"attention='triton': the fused kernel does not cover this stage ({reason}): SDPA runs it")
+        return "plain" if plan.tracing and plan.grad else "sdpa"
+    device = layout.index.device
+    reason = environment_reason(plan.mask_dtype, device)
+    if reason is not None:
+        raise RuntimeError("attention='triton' (or SWIN_BACKBONE_ATTENTION=triton): the fused Triton kernel cannot "
+                           f"run here: {reason}")
+    if not plan.tracing:
+        verify_once(device, plan.mask_dtype)
+    return "triton"
+
+
+_SAID: set = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        print_log(message, logger="current", level=logging.WARNING)
 
 
 _GPU_REASONS: Dict[int, Optional[str]] = {}
@@ -286,21 +342,11 @@ def capability_reason(name: str, major: int, minor: int) -> Optional[str]:
 
 def triton_version_reason(version: str) -> Optional[str]:
     """Why the kernel does not run with this Triton version (``None``: it does)."""
-    if _parse_version(version) in TRITON_VERSIONS:
+    if parse_version(version) in TRITON_VERSIONS:
         return None
     checked = ", ".join(f"{major}.{minor}" for major, minor in TRITON_VERSIONS)
     return (f"triton {version}: the kernel's compile matrix is clean with triton {checked} only "
             "(tests/ops/test_triton_compile.py)")
-
-
-def _parse_version(version: str) -> Tuple[int, int]:
-    parts = (version.split("+")[0].split(".") + ["0"])[:2]
-    major, minor = (int("".join(ch for ch in part if ch.isdigit()) or 0) for part in parts)
-    return major, minor
-
-
-def _triton_version() -> Tuple[int, int]:
-    return _parse_version(str(getattr(triton, "__version__", "0")))
 
 
 # ---------------------------------------------------------------------- launches
@@ -317,7 +363,8 @@ class _Plan:
 
 def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
           table_window: int, num_heads: int, scale: float, windows_per_program: Optional[int] = None) -> _Plan:
-    """Validate the arguments (``ValueError`` naming the culprit) and size the launch."""
+    """Check the arguments' shapes (``ValueError`` naming the culprit) and size the launch (the
+    gate, :func:`unsupported_reason`, is asked by the callers: once per call or per stage)."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv must be (B, H * W, 3C), got shape {tuple(qkv.shape)}")
     if height <= 0 or width <= 0:
@@ -338,9 +385,6 @@ def _plan(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, windo
         raise ValueError(f"table is on {table.device}, qkv on {qkv.device}")
     if windows_per_program is not None and windows_per_program <= 0:
         raise ValueError(f"windows_per_program must be > 0, got {windows_per_program}")
-    reason = unsupported_reason(qkv, window, num_heads, height=height, width=width)
-    if reason is not None:
-        raise ValueError(f"triton_window_attention cannot run here: {reason}")
 
     head_dim = qkv.shape[2] // (3 * num_heads)
     padded_h, padded_w = _ceil_div(height, window) * window, _ceil_div(width, window) * window
@@ -440,6 +484,9 @@ def triton_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int,
     ``table`` ``((2 * table_window - 1) ** 2, nH)``, read in fp32; ``window <= table_window``.
     """
     plan = _plan(qkv, table, height, width, window, shift, table_window, num_heads, scale, windows_per_program)
+    reason = unsupported_reason(qkv, window, num_heads, height=height, width=width)
+    if reason is not None:
+        raise ValueError(f"triton_window_attention cannot run here: {reason}")
     return _TritonWindowAttention.apply(qkv, table, plan)
 
 
@@ -486,10 +533,6 @@ def reference_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, wid
     """:func:`triton_window_attention` by the plain-torch reference: ``(B, H * W, 3C)`` ->
     ``(B, H * W, C)``. Token indices ride in channel 0 and "project" to their ``qkv`` row
     (padding: index 0, a zero row)."""
-    from torch import nn
-
-    from .attention import reference_window_attention
-
     batch, tokens, channels = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
     rows = torch.cat([qkv.new_zeros(batch, 1, 3 * channels), qkv], 1)
     index = torch.zeros(batch, tokens, channels, dtype=torch.float64, device=qkv.device)

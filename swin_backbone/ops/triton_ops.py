@@ -1,29 +1,33 @@
-"""The fused Triton window attention as torch custom operators for ``torch.compile`` (one opaque
-call sized at run time, so sizes stay dynamic), and :func:`fused_window_attention`, which picks
-the eager or traced form. Registered once per process on import; needs torch >= 2.4 (else ``None``).
+"""The fused Triton window attention as the ``triton`` entry of the window-attention kernels
+(:data:`~swin_backbone.ops.attention.KERNELS`), and as torch custom operators for
+``torch.compile`` (one opaque call sized at run time, so sizes stay dynamic). Registered once
+per process on import; the operators need torch >= 2.4 (else ``None``).
 """
 from typing import Tuple
 
 import torch
 
 from ..torch_compat import HAS_CUSTOM_OP
-from .triton_attention import _backward, _forward, _plan, triton_window_attention
+from .attention import KERNELS, Kernel
+from .layouts import WindowLayout
+from .triton_attention import _backward, _forward, _plan, _TritonWindowAttention, stage_kernel
 
-__all__ = ["fused_window_attention", "window_attention_op", "window_attention_backward_op"]
+__all__ = ["window_attention_op", "window_attention_backward_op"]
 
 
-def fused_window_attention(
-    qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int, table_window: int,
-    num_heads: int, scale: float, tracing: bool,
-) -> torch.Tensor:
-    """:func:`~.triton_attention.triton_window_attention`, eager or (``tracing``) as the operator:
-    ``(B, H * W, 3C)`` row-major -> ``(B, H * W, C)``."""
-    if not tracing:
-        return triton_window_attention(qkv, table, height, width, window, shift, table_window, num_heads, scale)
+def _run(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int,
+         scale: float, dropout_p: float, plan) -> torch.Tensor:
+    """The :class:`~swin_backbone.ops.attention.Kernel`: ``(B, H * W, 3C)`` row-major ``qkv`` ->
+    ``(B, H * W, C)``, eager or (tracing) as the operator; ``bias`` unused (the kernel reads the
+    table), no dropout (the planner never names this kernel with attention dropout); the stage
+    passed :func:`~.triton_attention.stage_kernel`."""
+    sizes = (layout.height, layout.width, layout.window, layout.shift, layout.table_window, num_heads, float(scale))
+    if not plan.tracing:
+        return _TritonWindowAttention.apply(qkv, table, _plan(qkv, table, *sizes))
     if window_attention_op is None:
         raise RuntimeError("the fused Triton kernel inside torch.compile graphs needs torch.library.custom_op "
                            f"(torch >= 2.4); this is torch {torch.__version__}")
-    return window_attention_op(qkv, table, height, width, window, shift, table_window, num_heads, float(scale))
+    return window_attention_op(qkv, table, *sizes)
 
 
 if HAS_CUSTOM_OP:
@@ -70,3 +74,6 @@ if HAS_CUSTOM_OP:
     window_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 else:
     window_attention_op = window_attention_backward_op = None
+
+
+KERNELS["triton"] = Kernel(_run, row_major=True, check=stage_kernel)

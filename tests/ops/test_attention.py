@@ -5,7 +5,7 @@ import torch
 
 from swin_backbone import ops
 from swin_backbone.model.attention import WindowAttention
-from swin_backbone.ops import planner
+from swin_backbone.ops import planner, regions
 from swin_backbone.ops.attention import _RecomputedAttention, per_window_bias, sdpa_ready, window_attention
 from swin_backbone.ops.layouts import build_window_layout
 from swin_backbone.ops.windows import relative_position_index, window_attention_mask
@@ -75,8 +75,10 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
-    def fn(qkv, bias):
-        return _RecomputedAttention.apply(qkv, bias, heads, d**-0.5, layout, chunk, False)
+    plan = ops.plan_for(qkv, grad=True, chunk_bytes=chunk, align_masks=False)
+
+    def fn(qkv, bias):  # (the kernel signature: no table needed, no dropout)
+        return _RecomputedAttention.apply(qkv, None, bias, layout, heads, d**-0.5, 0.0, plan)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
@@ -97,7 +99,7 @@ def test_attention_dropout_always_runs_a_kernel_that_drops():
     for device in ("cpu", "cuda"):
         for grad, tracing in ((True, False), (False, False), (True, True), (False, True)):
             for mode in planner.ATTENTION_CHOICES:
-                plan = planner.decide(device, f32, grad, tracing, False, True, True, mode)
+                plan = planner._decide(device, f32, grad, tracing, True, True, mode, True, planner._SWITCHES)
                 assert plan.attention == "plain", (device, grad, tracing, mode, plan.attention)
     # ... and that kernel drops: two training calls differ, and zero attention dropout is deterministic.
     attn = WindowAttention(16, 2, 7)
@@ -106,10 +108,10 @@ def test_attention_dropout_always_runs_a_kernel_that_drops():
     plan = ops.plan_for(x, attention="plain", attn_dropout=True)
     qkv = attn.qkv(ops.window_partition(x, layout, plan)).detach()
     table = attn.relative_position_bias_table
-    runs = [window_attention(qkv, table, 7, layout, 2, attn.scale, 0.5, plan) for _ in range(2)]
+    runs = [window_attention(qkv, table, layout, plan, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
     assert not torch.equal(runs[0], runs[1])
     off = ops.plan_for(x, attention="plain", attn_dropout=False)  # (eval: the rate is not applied)
-    runs = [window_attention(qkv, table, 7, layout, 2, attn.scale, 0.5, off) for _ in range(2)]
+    runs = [window_attention(qkv, table, layout, off, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -129,14 +131,14 @@ def test_masked_keys_get_no_weight():
     x = torch.zeros(1, 14 * 14, heads * d)
     for kernel in KERNELS:
         plan = ops.plan_for(x, grad=False, attention=kernel)
-        base = window_attention(qkv, table, 7, layout, heads, d**-0.5, 0.0, plan)
+        base = window_attention(qkv, table, layout, plan, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
         win = _masked_window(layout)
         mask = layout.mask[win]
         query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
         other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
         qkv2 = qkv.clone()
         qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
-        out2 = window_attention(qkv2, table, 7, layout, heads, d**-0.5, 0.0, plan)
+        out2 = window_attention(qkv2, table, layout, plan, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
         token = int(layout.index[win * 49 + query])  # the query's row-major position
         torch.testing.assert_close(out2[0, token], base[0, token])
         assert not torch.allclose(out2, base)  # the changed value does reach its own region
@@ -222,7 +224,7 @@ def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, wind
     # what the plain reference function computes (values and gradients).
     from swin_backbone.ops.attention import reference_window_attention
 
-    if save_memory and planner._SAVE_MATMULS is None:
+    if save_memory and regions.SAVE_MATMULS is None:
         pytest.skip("torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
 
     torch.manual_seed(0)

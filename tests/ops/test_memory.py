@@ -16,14 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from swin_backbone import SwinBackbone, SwinV2Backbone, ops
 from swin_backbone.model.blocks import SwinBlock
 from swin_backbone.model.v2 import SwinBlockV2
-from swin_backbone.ops import planner
+from swin_backbone.ops import planner, regions
 from swin_backbone.torch_compat import autocast_enabled
 
 from ..conftest import small_arch
 
 #: Tests that force ``save_memory``: torch's selective activation checkpointing (torch >= 2.4;
 #: on older torch the planner never saves memory, so there is nothing to compare).
-needs_sac = pytest.mark.skipif(planner._SAVE_MATMULS is None,
+needs_sac = pytest.mark.skipif(regions.SAVE_MATMULS is None,
                                reason="torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
 
 VERSIONS = {"v1": SwinBlock, "v2": SwinBlockV2}  # pre-norm (norm2 -> MLP) and post-norm (MLP -> norm2)
@@ -49,17 +49,22 @@ def _plain_branch(block, x):
 
 
 def _residual(block, x, save_memory, plain=True):
-    plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=plain)
+    plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=plain)
     return ops.mlp_residual(x, block.mlp_branch, block.mlp.fc1.out_features, plan)
 
 
-@pytest.mark.parametrize("total,step", [(0, 4), (1, 4), (2048, 1365), (32768, 5461), (10, 3), (10, 10), (10, 1)])
-def test_chunk_slices_cover_evenly(total, step):
-    parts = planner.chunk_slices(total, step)
+@pytest.mark.parametrize("total,row_bytes,budget", [(0, 8, 32), (1, 8, 32), (2048, 3, 4096), (32768, 12, 65536),
+                                                     (10, 8, 24), (10, 8, 80), (10, 8, 8), (10, 100, 8), (10, 8, 0)])
+def test_row_chunks_cover_evenly(total, row_bytes, budget):
+    parts = regions.row_chunks(total, row_bytes, budget)
     covered = [i for p in parts for i in range(total)[p]]
     assert covered == list(range(total))  # in order, each once
     sizes = [len(range(total)[p]) for p in parts]
-    assert max(sizes) <= step
+    if budget == 0:
+        assert len(parts) == 1
+    else:  # within the budget where a row fits it, else one row each; as few slices as that allows
+        assert (max(sizes) - 1) * row_bytes < budget  # within the budget, up to a row of the even split
+        assert len(parts) == max(1, min(total, -(-total * row_bytes // budget)))
     assert max(sizes) - min(sizes) <= 1
 
 
@@ -119,7 +124,7 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
     results = []
     for save_memory in (True, False):
         torch.manual_seed(1)
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory, dropout=True, stochastic=True)
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, stochastic=True)
         out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         results.append((out, grads))
@@ -306,7 +311,7 @@ def test_training_graph_can_be_walked_twice_without_memory_saving(version):
     loss.backward()
     for a, b in zip(once, model.parameters()):
         torch.testing.assert_close(b.grad, 2 * a)
-    if ops.planner._SAVE_MATMULS is not None:
+    if ops.regions.SAVE_MATMULS is not None:
         loss = sum(o.square().mean() for o in model(x))
         loss.backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="selective activation checkpoint"):
@@ -346,13 +351,14 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version)
     # row chunks (an odd number of rows: a ragged end; no rows at all).
     block = _block(version)
     x = torch.randn(1, rows, 8, dtype=torch.float64)
-    plan = ops.plan_for(x, grad=False, chunk_bytes=max(chunk_budget, 1), plain=True, chunked=True)
-    whole = ops.plan_for(x, grad=False, chunk_bytes=0, plain=True, chunked=False)
+    plan = ops.plan_for(x, grad=False, chunk_bytes=max(chunk_budget, 1), may_write_module_outputs=True,
+                        chunked=True)
+    whole = ops.plan_for(x, grad=False, chunk_bytes=0, may_write_module_outputs=True, chunked=False)
     with torch.no_grad():
         ref = x + _plain_branch(block, x)
         unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, 32, whole)
         got = ops.mlp_residual(x, block.mlp_branch, 32, plan)
-    assert got is x  # in place
+    assert (got is x) == (rows * 32 * 8 > plan.chunk_bytes)  # in place by chunks where more than one
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(unchunked, ref)
 
@@ -361,7 +367,7 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version)
 def test_chunked_mlp_residual_under_autocast(version):
     block = _block(version, dtype=torch.float32)
     x = torch.randn(2, 7, 8)
-    plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, plain=True, chunked=True)
+    plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, may_write_module_outputs=True, chunked=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + _plain_branch(block, x)
         got = ops.mlp_residual(x.clone(), block.mlp_branch, 32, plan)
@@ -373,7 +379,8 @@ def test_chunked_mlp_residual_under_autocast(version):
 def test_chunked_output_norm_matches_whole_tensors(shape):
     norm = _block("v1").norm2
     x = torch.randn(shape, dtype=torch.float64)
-    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, plain=True, chunked=True)  # two rows a chunk
+    # two rows a chunk
+    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, may_write_module_outputs=True, chunked=True)
     whole = ops.plan_for(x, grad=False, chunk_bytes=0, chunked=False)
     with torch.no_grad():
         got = ops.output_nchw(x, norm, False, chunked)
@@ -394,9 +401,9 @@ def test_plain_modules_predicate():
     model = SwinBackbone(**small_arch()).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        plan = ops.plan_forward(x, model, False, False, False)
-    assert plan.plain and plan.chunked and plan.chunk_bytes > 0
-    assert not ops.plan_forward(x, model.train(), False, False, False).chunked  # training
+        plan = ops.plan_forward(x, model)
+    assert plan.may_write_module_outputs and plan.chunked and plan.chunk_bytes > 0
+    assert not ops.plan_forward(x, model.train()).chunked  # training
     model.eval()
     fc1 = model.stages[1].blocks[0].mlp.fc1
     for register in (fc1.register_forward_hook, fc1.register_forward_pre_hook,
@@ -404,11 +411,11 @@ def test_plain_modules_predicate():
                      nn.modules.module.register_module_forward_pre_hook):
         handle = register(lambda *args: None)
         with torch.no_grad():
-            watched = ops.plan_forward(x, model, False, False, False)
+            watched = ops.plan_forward(x, model)
         handle.remove()
-        assert not watched.plain and not watched.chunked, register
+        assert not watched.may_write_module_outputs and not watched.chunked, register
     with torch.no_grad():
-        assert ops.plan_forward(x, model, False, False, False).chunked  # hooks removed
+        assert ops.plan_forward(x, model).chunked  # hooks removed
 
     class Scaled(nn.Linear):  # an adapter-like subclass: computes something else
         def forward(self, t):
@@ -417,8 +424,8 @@ def test_plain_modules_predicate():
     old = model.stages[0].blocks[1].mlp.fc2
     model.stages[0].blocks[1].mlp.fc2 = Scaled(old.in_features, old.out_features)
     with torch.no_grad():
-        replaced = ops.plan_forward(x, model, False, False, False)
-    assert not replaced.plain and not replaced.chunked
+        replaced = ops.plan_forward(x, model)
+    assert not replaced.may_write_module_outputs and not replaced.chunked
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

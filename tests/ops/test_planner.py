@@ -11,44 +11,49 @@ import torch
 import torch.nn.functional as F
 
 from swin_backbone import SwinBackbone, ops
-from swin_backbone.ops import planner
+from swin_backbone.ops import planner, regions
 from swin_backbone.ops import layouts as L, windows as W
 
 from ..conftest import small_arch
 
 
+def decide(device, dtype, grad, tracing, stochastic, attn_dropout, mode="auto"):
+    """The planner's decision for a situation, with plain modules and the switches in force."""
+    return planner._decide_cached(device, dtype, grad, tracing, stochastic, attn_dropout, mode, True, planner._SWITCHES)
+
+
 def test_decisions_per_situation():
     f32 = torch.float32
-    sac = planner._SAVE_MATMULS is not None  # torch >= 2.4: selective activation checkpointing
-    cpu_eval = planner.decide("cpu", f32, False, False, False, False, False)
+    sac = regions.SAVE_MATMULS is not None  # torch >= 2.4: selective activation checkpointing
+    cpu_eval = decide("cpu", f32, False, False, False, False)
     assert cpu_eval.attention == "sdpa" and cpu_eval.chunk_bytes > 0 and not cpu_eval.save_memory
-    cpu_train = planner.decide("cpu", f32, True, False, False, True, False)
+    cpu_train = decide("cpu", f32, True, False, True, False)
     assert cpu_train.attention == "recompute" and cpu_train.save_memory == sac and cpu_train.chunk_bytes > 0
     assert not cpu_eval.align_masks and not cpu_train.align_masks
-    assert planner.decide("cpu", f32, True, False, False, True, True).attention == "plain"  # attention dropout
+    assert decide("cpu", f32, True, False, True, True).attention == "plain"  # attention dropout
     # CUDA: 'auto' is memory-efficient SDPA (no measurement), in training and inference.
-    cuda = planner.decide("cuda", torch.bfloat16, True, False, False, False, False)
+    cuda = decide("cuda", torch.bfloat16, True, False, False, False)
     assert cuda.attention == "sdpa" and cuda.align_masks and cuda.save_memory == sac
     assert cuda.chunk_bytes == 0 and not cuda.tracing
-    assert planner.decide("cuda", torch.bfloat16, False, False, False, False, False, "auto").attention == "sdpa"
-    assert planner.decide("cuda", torch.bfloat16, True, False, False, False, False, "sdpa").attention == "sdpa"
+    assert decide("cuda", torch.bfloat16, False, False, False, False, "auto").attention == "sdpa"
+    assert decide("cuda", torch.bfloat16, True, False, False, False, "sdpa").attention == "sdpa"
     # 'triton' asked for on CUDA: the forward's plan names it (plan_stage checks it per stage);
     # elsewhere the situation's kernel runs.
     for grad in (False, True):
-        assert planner.decide("cuda", torch.bfloat16, grad, False, False, False, False, "triton").attention == "triton"
-    assert planner.decide("cpu", f32, False, False, False, False, False, "triton").attention == "sdpa"
-    traced = planner.decide("cpu", f32, True, True, False, False, False)
+        assert decide("cuda", torch.bfloat16, grad, False, False, False, "triton").attention == "triton"
+    assert decide("cpu", f32, False, False, False, False, "triton").attention == "sdpa"
+    traced = decide("cpu", f32, True, True, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
-    assert planner.decide("cpu", f32, False, True, False, False, False).attention == "sdpa"
-    assert planner.decide("cuda", f32, True, True, False, False, False).attention == "plain"
-    assert planner.decide("cuda", f32, False, True, False, False, False).attention == "sdpa"
+    assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
+    assert decide("cuda", f32, True, True, False, False).attention == "plain"
+    assert decide("cuda", f32, False, True, False, False).attention == "sdpa"
     with ops.override(sdpa=False, chunk_bytes=0):
-        off = planner.decide("cpu", f32, False, False, False, False, False)
+        off = decide("cpu", f32, False, False, False, False)
         assert off.attention == "plain" and off.chunk_bytes == 0
     with ops.override(recompute_attention=False, save_memory=False):
-        off = planner.decide("cpu", f32, True, False, False, True, False)
+        off = decide("cpu", f32, True, False, True, False)
         assert off.attention == "plain" and not off.save_memory
-    assert planner.decide("cpu", f32, False, False, False, False, False) == cpu_eval  # restored
+    assert decide("cpu", f32, False, False, False, False) == cpu_eval  # restored
 
 
 def test_torchscript_tracing_plans_plain_attention():
@@ -59,12 +64,12 @@ def test_torchscript_tracing_plans_plain_attention():
     seen = []
 
     def fn(x):
-        seen.append(ops.plan_forward(x, model, False, False, False))
+        seen.append(ops.plan_forward(x, model))
         return x * 2
 
     with torch.no_grad():
         torch.jit.trace(fn, torch.randn(1, 3, 8, 8), check_trace=False)  # (the check reruns fn eagerly)
-        eager = ops.plan_forward(torch.randn(1, 3, 8, 8), model, False, False, False)
+        eager = ops.plan_forward(torch.randn(1, 3, 8, 8), model)
     assert len(seen) == 1 and seen[0].tracing and seen[0].attention == "plain"
     assert seen[0].chunk_bytes == 0 and not seen[0].chunked and not seen[0].save_memory
     assert not eager.tracing and eager.attention == "sdpa"
@@ -89,10 +94,10 @@ def test_plan_follows_autocast_and_grad():
     model = SwinBackbone(**small_arch())
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        assert not ops.plan_forward(x, model, False, False, False).grad
-    assert ops.plan_forward(x, model, False, False, False).grad  # parameters require grad
+        assert not ops.plan_forward(x, model).grad
+    assert ops.plan_forward(x, model).grad  # parameters require grad
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert ops.plan_forward(x, model, False, False, False).mask_dtype == torch.bfloat16
+        assert ops.plan_forward(x, model).mask_dtype == torch.bfloat16
 
 
 def test_cpu_chunk_bytes_is_derived_from_the_machine():
@@ -104,7 +109,7 @@ def test_cpu_chunk_bytes_is_derived_from_the_machine():
 def test_frozen_stages_run_as_inference(frozen):
     model = SwinBackbone(**small_arch(frozen_stages=frozen)).train()
     x = torch.randn(1, 3, 32, 32)
-    plan = ops.plan_forward(x, model, False, False, False)
+    plan = ops.plan_forward(x, model)
     assert plan.grad and plan.attention == "recompute"
     for i, stage in enumerate(model.stages):
         stage_plan = plan.for_stage(x, stage)
@@ -165,12 +170,12 @@ def test_tracing_on_cuda_plans_by_the_situation(grad):
     # (checked per stage), except with attention dropout, which only the plain kernel applies.
     bf16, switches = torch.bfloat16, planner.Switches()
     plain = "plain" if grad else "sdpa"
-    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, "auto", switches)
+    compiled = planner._decide("cuda", bf16, grad, True, False, False, "auto", False, switches)
     assert compiled.attention == plain and compiled.tracing and not compiled.save_memory
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, "sdpa", switches).attention == plain
-    assert planner._decide("cuda", bf16, grad, True, False, False, False, "triton", switches).attention == "triton"
-    assert planner._decide("cuda", bf16, grad, True, False, True, True, "triton", switches).attention == "plain"
-    assert planner._decide("cuda", bf16, grad, True, False, True, True, "auto", switches).attention == "plain"
+    assert planner._decide("cuda", bf16, grad, True, False, False, "sdpa", False, switches).attention == plain
+    assert planner._decide("cuda", bf16, grad, True, False, False, "triton", False, switches).attention == "triton"
+    assert planner._decide("cuda", bf16, grad, True, True, True, "triton", False, switches).attention == "plain"
+    assert planner._decide("cuda", bf16, grad, True, True, True, "auto", False, switches).attention == "plain"
 
 
 def test_triton_falls_back_where_the_kernel_does_not_apply():
@@ -179,7 +184,9 @@ def test_triton_falls_back_where_the_kernel_does_not_apply():
     x = torch.zeros(1, 24, 24, 64)
     for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
         plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
-        got, regular, shifted = ops.plan_stage(plan, 24, 24, 12, 6, 12, True, 2, 64, x.device)
+        got, regular, shifted = ops.plan_stage(plan,
+            height=24, width=24, window=12, shift=6, table_window=12, mask_padding=True, num_heads=2, head_dim=64,
+            device=x.device)
         assert got.attention == expected
         assert regular.window == shifted.window == 12 and regular.shift == 0 and shifted.shift == 6
 
@@ -194,7 +201,9 @@ def test_forced_triton_that_cannot_run_raises_naming_the_reason():
     reason = triton_attention.static_reason(x.dtype, x.device, 7, 2, 16, height=14, width=14, mask_padding=True)
     assert reason  # (no fp64 kernel, and CUDA or the Triton interpreter is needed)
     with pytest.raises(RuntimeError, match="attention='triton'.*cannot run here") as err:
-        ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device)
+        ops.plan_stage(plan,
+            height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
+            device=x.device)
     assert reason in str(err.value)
 
 
@@ -202,30 +211,37 @@ def test_checkpointed_stages_skip_selective_checkpointing():
     # A stage that with_cp checkpoints whole block by block needs no checkpoint inside.
     x = torch.zeros(1, 14, 14, 32)
     plan = ops.plan_for(x, grad=True, save_memory=True)
-    assert ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device)[0].save_memory
-    assert not ops.plan_stage(plan, 14, 14, 7, 3, 7, True, 2, 16, x.device, with_cp=True)[0].save_memory
+    assert ops.plan_stage(plan,
+        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
+        device=x.device)[0].save_memory
+    assert not ops.plan_stage(plan,
+        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
+        device=x.device, with_cp=True)[0].save_memory
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("train", [False, True])
-def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monkeypatch):
+def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
     # The CUDA memory-efficient kernel needs q/k/v and the mask with last-dim stride 1, the
     # mask in q's dtype, and the mask's other strides multiples of 8 (else torch copies it on
     # every call). With the planner's CUDA alignment on, every SDPA call must meet that, and
     # the number of calls must not grow with the batch (no Python loop over images).
+    from torch.overrides import TorchFunctionMode
+
     calls = []
-    original = F.scaled_dot_product_attention
 
-    def recording(q, k, v, attn_mask=None, **kwargs):
-        calls.append((q, k, v, attn_mask))
-        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+    class Recording(TorchFunctionMode):  # (the package calls torch's own function: no wrapper to patch)
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                calls.append((*args[:3], kwargs.get("attn_mask", args[3] if len(args) > 3 else None)))
+            return func(*args, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     model = SwinBackbone(**small_arch()).train(train)
     counts = []
     for batch in (1, 3):
         calls.clear()
-        with ops.override(align_masks=True), torch.set_grad_enabled(train):
+        with ops.override(align_masks=True), torch.set_grad_enabled(train), Recording():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 model(torch.randn(batch, 3, 61, 75))
         counts.append(len(calls))
@@ -243,3 +259,42 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast, monk
     layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7)  # stage 1 of 61x75
     assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
+
+
+def test_ops_and_model_imports_form_no_circle():
+    # Every import statement of swin_backbone/ops and swin_backbone/model, function-level ones
+    # included (those under TYPE_CHECKING excepted): the modules they import form no circle.
+    import ast
+    import os
+
+    import swin_backbone
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(swin_backbone.__file__)))
+    graph = {}
+    for package in ("ops", "model"):
+        folder = os.path.join(root, "swin_backbone", package)
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".py"):
+                continue
+            module = f"swin_backbone.{package}" + ("" if name == "__init__.py" else f".{name[:-3]}")
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                           and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
+            here = module.split(".") if name == "__init__.py" else module.split(".")[:-1]
+            targets = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and id(node) not in typing_only and node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    targets |= {f"{base}.{a.name}" for a in node.names} | {base}
+            graph[module] = targets
+    edges = {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
+    assert "swin_backbone.ops.layouts" in edges["swin_backbone.ops.planner"]  # (the walk sees imports)
+
+    def reaches(start, goal, seen):
+        for t in edges[start]:
+            if t == goal or (t not in seen and (seen.add(t) or reaches(t, goal, seen))):
+                return True
+        return False
+
+    circles = sorted(m for m in edges if reaches(m, m, set()))
+    assert not circles, f"modules on an import circle: {circles}"

@@ -290,7 +290,9 @@ def test_planner_routes_a_stage_through_the_kernel(interpreter, size):
     results = []
     for kernel in ("triton", "plain"):
         plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0)
-        stage_plan = ops.plan_stage(plan, x.shape[1], x.shape[2], 4, 2, 4, True, 2, 8, x.device)[0]
+        stage_plan = ops.plan_stage(plan,
+            height=x.shape[1], width=x.shape[2], window=4, shift=2, table_window=4, mask_padding=True, num_heads=2,
+            head_dim=8, device=x.device)[0]
         assert stage_plan.attention == kernel
         results.append(_values_and_grads(stage, lambda t: stage(t, plan), x))
     for a, b in zip(*results):
@@ -312,7 +314,9 @@ def test_per_image_windows_go_through_the_kernel(interpreter):
     results = []
     for kernel in ("triton", "plain"):
         plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=0, valid_sizes=valid)
-        stage_plan, *layouts = ops.plan_stage(plan, 6, 7, 4, 2, 4, True, 2, 8, x.device)
+        stage_plan, *layouts = ops.plan_stage(plan,
+            height=6, width=7, window=4, shift=2, table_window=4, mask_padding=True, num_heads=2, head_dim=8,
+            device=x.device)
         assert stage_plan.attention == kernel
         for layout in layouts:
             assert layout.images is not None

@@ -23,6 +23,9 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton is not installed (the kernel is declined without it)")
 
 from swin_backbone.ops import triton_attention as ta  # noqa: E402
+from swin_backbone.torch_compat import parse_version  # noqa: E402
+
+TRITON_VERSION = parse_version(triton.__version__)
 
 #: Largest spill store per thread (bytes, ptxas) a variant may have. Measured with Triton 3.8:
 #: 0-56 B for fp16 / bf16 / TF32 and the forwards, about 800 B for the fp32 (no TF32) backward,
@@ -44,9 +47,10 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from swin_backbone.ops import triton_attention as ta
+from swin_backbone.torch_compat import parse_version
 
 fn = JITFunction(ta._window_attention_kernel)
-NEW_SIGNATURE = ta._triton_version() >= (3, 3)
+NEW_SIGNATURE = parse_version(triton.__version__) >= (3, 3)
 knobs = getattr(triton, "knobs", None)
 ptxas_log = knobs is not None and hasattr(knobs.nvidia, "dump_ptxas_log")
 if ptxas_log:
@@ -143,7 +147,7 @@ def _run_worker(cases: List[Case], env: Dict[str, str], results: Dict[Case, dict
 
 @pytest.fixture(scope="module")
 def compile_matrix(tmp_path_factory) -> Dict[Case, dict]:
-    if ta._triton_version() < (3, 0):
+    if TRITON_VERSION < (3, 0):
         pytest.skip(f"triton {getattr(ta.triton, '__version__', '(not installed)')} < 3.0: the kernel needs "
                     "tl.dot(input_precision=) and is declined")
     import triton.backends
@@ -197,7 +201,7 @@ def test_every_launch_variant_compiles_cleanly_for_every_allowed_target(compile_
 def test_the_gate_admits_what_compiled_and_this_triton(compile_matrix):
     # The capability gate is COMPILE_TARGETS itself; the installed Triton must be one the gate
     # admits (a new one: add it to TRITON_VERSIONS once the matrix above passes with it).
-    version = ta._triton_version()
+    version = TRITON_VERSION
     assert version in ta.TRITON_VERSIONS, (
         f"triton {triton.__version__} is not in TRITON_VERSIONS {ta.TRITON_VERSIONS}: add it if the compile matrix "
         "above is clean")

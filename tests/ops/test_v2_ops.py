@@ -23,8 +23,8 @@ def test_post_norm_mlp_residual_in_pure_bf16():
     ref = x + block.norm2(block.mlp(x))
     params = [x, block.norm2.weight]
     ref_grads = torch.autograd.grad(ref.float().sum(), params)
-    for save_memory in (True, False) if ops.planner._SAVE_MATMULS is not None else (False,):
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=True)
+    for save_memory in (True, False) if ops.regions.SAVE_MATMULS is not None else (False,):
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=True)
         out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
@@ -43,10 +43,10 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
     grad = situation != "inference"
     x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=grad)
     with torch.set_grad_enabled(grad):
-        plan = ops.plan_for_module(x, block)
-    assert plan.grad == grad and plan.dropout == (situation == "dropout")
-    assert plan.chunked == (situation == "inference") and plan.plain
-    assert plan.save_memory == (grad and ops.planner._SAVE_MATMULS is not None)
+        plan = ops.plan_forward(x, block)
+    assert plan.grad == grad and plan.stochastic == (situation == "dropout")
+    assert plan.chunked == (situation == "inference") and plan.may_write_module_outputs
+    assert plan.save_memory == (grad and ops.regions.SAVE_MATMULS is not None)
     with torch.set_grad_enabled(grad):
         torch.manual_seed(1)
         ref = x + block.mlp_branch(x)
@@ -54,8 +54,8 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
         tokens = x.detach().clone() if situation == "inference" else x * 1
         got = ops.mlp_residual(tokens, block.mlp_branch, 32, plan)
     torch.testing.assert_close(got, ref)
-    if situation == "inference":
-        assert got is tokens and got.grad_fn is None
+    if situation == "inference":  # (one chunk's rows: the residual is added into the MLP's output)
+        assert got.grad_fn is None and not torch.equal(tokens, got)
         return
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
@@ -76,13 +76,14 @@ def _reference_cosine_qkv(qkv, logit_scale, num_heads):
 
 
 def _cosine_plans(qkv):
-    """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), training
-    (memory-saving function), training without memory-saving functions (plain ops)."""
-    inference = ops.plan_for(qkv, grad=False)
+    """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), inference with
+    modules that are not plain (a hook may hold qkv: plain ops), training (memory-saving
+    function), training without memory-saving functions (plain ops)."""
+    inference = ops.plan_for(qkv, grad=False, may_write_module_outputs=True)
     training = ops.plan_for(qkv, grad=True, save_memory=True)  # (the memory-saving function needs no torch feature)
     assert not inference.grad and training.grad and training.save_memory
-    return {"none": None, "inference": inference, "training": training,
-            "training_plain": ops.plan_for(qkv, grad=True, save_memory=False)}
+    return {"none": None, "inference": inference, "inference_watched": ops.plan_for(qkv, grad=False),
+            "training": training, "training_plain": ops.plan_for(qkv, grad=True, save_memory=False)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

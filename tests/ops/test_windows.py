@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 from swin_backbone.ops.attention import window_partition, window_reverse
+from swin_backbone.ops.planner import plan_for
 
 
 def reference_partition(x, h, w, ws, shift):
@@ -44,10 +45,11 @@ def test_partition_matches_pad_roll_permute(size, ws, shift):
     h, w = size
     x = torch.randn(2, h * w, 5)
     layout = L.build_window_layout(h, w, ws, shift, True, torch.device("cpu"), torch.float32)
-    got = window_partition(x, layout)
+    plan = plan_for(x)
+    got = window_partition(x, layout, plan)
     torch.testing.assert_close(got, reference_partition(x, h, w, ws, shift), rtol=0, atol=0)
     # reverse undoes everything exactly
-    torch.testing.assert_close(window_reverse(got, layout), x, rtol=0, atol=0)
+    torch.testing.assert_close(window_reverse(got, layout, plan), x, rtol=0, atol=0)
     assert layout.num_windows == (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert layout.has_padding == (h % ws != 0 or w % ws != 0)
 
@@ -60,13 +62,15 @@ def test_gather_gradients_match_autograd_reference(size, shift):
     x1 = torch.randn(2, h * w, 4, dtype=torch.float64, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_(True)
     probe = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64)
-    (window_partition(x1, layout) * probe).sum().backward()
+    plan = plan_for(x1)
+    assert plan.grad
+    (window_partition(x1, layout, plan) * probe).sum().backward()
     (reference_partition(x2, h, w, ws, shift) * probe).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad)
     # and through reverse
     y = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: window_reverse(t, layout), (y,))
-    torch.autograd.gradcheck(lambda t: window_partition(t, layout), (x1.detach().requires_grad_(True),))
+    torch.autograd.gradcheck(lambda t: window_reverse(t, layout, plan), (y,))
+    torch.autograd.gradcheck(lambda t: window_partition(t, layout, plan), (x1.detach().requires_grad_(True),))
 
 
 @pytest.mark.parametrize("size", [(7, 7), (8, 9), (14, 21), (1, 1), (25, 38)])
@@ -233,7 +237,7 @@ def test_layout_tensors_equal_the_reference_build(dtype, align):
             _assert_same_tensor(getattr(layout, name), expected[name], (h, w, ws, shift, mask_padding, name))
         assert layout.num_windows * ws * ws == layout.index.numel()
         assert (layout.height, layout.width, layout.window, layout.shift) == (h, w, ws, shift)
-        assert layout.padding_masked == mask_padding and layout.images is None and not layout.traced
+        assert layout.table_window == table_window and layout.images is None and not layout.traced
 
 
 def test_stage_layouts_are_cached_and_images_share_their_tensors():
@@ -246,12 +250,14 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
     L.clear_caches()
     x = torch.zeros(2, 13, 20, 16)
     plan = ops.plan_for(x, grad=False)
-    _, regular, shifted = ops.plan_stage(plan, 13, 20, 7, 3, 7, True, 2, 8, cpu)
+    _, regular, shifted = ops.plan_stage(plan,
+        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=8, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.images is None
     assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
     valid = ops.plan_for(x, grad=False, valid_sizes=((13, 20), (9, 11)))
-    _, regular2, shifted2 = ops.plan_stage(valid, 13, 20, 7, 3, 7, True, 2, 8, cpu)
+    _, regular2, shifted2 = ops.plan_stage(valid,
+        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=8, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2  # the same cached layouts underneath
     images = V.get_image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), cpu, torch.float32, False)
     assert shifted2.images is images and shifted.images is None
@@ -259,7 +265,9 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
         assert getattr(shifted2, name) is getattr(shifted, name), name
         assert getattr(regular2, name) is getattr(regular, name), name
     # a window no larger than the map with no shift: no shifted layout at all
-    assert ops.plan_stage(plan, 13, 20, 7, 0, 7, True, 2, 8, cpu)[2] is None
+    assert ops.plan_stage(plan,
+        height=13, width=20, window=7, shift=0, table_window=7, mask_padding=True, num_heads=2, head_dim=8,
+        device=cpu)[2] is None
 
 
 def test_layouts_built_in_inference_mode_serve_training():
@@ -269,7 +277,7 @@ def test_layouts_built_in_inference_mode_serve_training():
     assert not layout.index.is_inference() and not layout.mask.is_inference()
     assert not layout.inverse.is_inference() and not layout.bias_index.is_inference()
     x = torch.randn(1, 90, 3, requires_grad=True)
-    window_partition(x, layout).sum().backward()  # saves index for backward: no error
+    window_partition(x, layout, plan_for(x)).sum().backward()  # saves index for backward: no error
     assert x.grad is not None
 
 
@@ -404,13 +412,12 @@ def test_package_clear_caches_clears_every_ops_cache():
     import swin_backbone
     from swin_backbone.ops import cosine, planner
 
-    caches = [L.get_window_layout, L.get_relative_position_index, V.get_image_window_masks, V.get_image_windows,
-              cosine.get_log_spaced_coords, planner._decide_cached]
+    caches = [L.get_window_layout, V.get_image_window_masks, V.get_image_windows, cosine.get_log_spaced_coords,
+              planner._decide_cached]
     L.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
-    L.get_relative_position_index(7, 7, torch.device("cpu"))
     V.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
     cosine.get_log_spaced_coords(7, 0, torch.device("cpu"), torch.float32)
-    planner.decide("cpu", torch.float32, False, False, False, False, False)
+    planner.plan_for(torch.zeros(1))
     assert all(c.cache_info().currsize > 0 for c in caches), [c.cache_info() for c in caches]
     swin_backbone.clear_caches()
     assert [c.cache_info().currsize for c in caches] == [0] * len(caches)

@@ -1,0 +1,63 @@
+"""How a region of the model's modules runs: in one call, by cache-sized row chunks (CPU
+inference) or under selective activation checkpointing (training), as the plan says.
+
+The model hands its own methods here (``qkv_windows``, ``mlp_branch``), so that these
+mechanics wrap a region of modules without an ``if`` in the model (docs/design.md).
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable, List
+
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+
+if TYPE_CHECKING:  # (the planner imports this module)
+    from .planner import Plan
+
+#: Operators whose outputs selective checkpointing keeps (matmuls: their recomputation costs).
+SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
+
+#: Torch's selective activation checkpointing (torch >= 2.4), else ``None``.
+_SAC = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
+SAVE_MATMULS = None if _SAC is None else functools.partial(_SAC, SAVED_OPS)
+
+
+def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
+    """``range(total)`` in ``ceil(total * row_bytes / budget)`` slices (``budget`` 0: one; at least
+    a row each, and one slice also for ``total`` 0), as even as possible (a short tail's matmuls
+    run at a lower rate): each within ``budget`` bytes of ``row_bytes`` rows, or one row over it."""
+    count = 1 if budget <= 0 else min(max(total, 1), max(1, -(-total * row_bytes // budget)))
+    slices = []
+    for i in range(count):
+        slices.append(slice(i * total // count, (i + 1) * total // count))
+    return slices
+
+
+def checkpointed(fn: Callable[..., torch.Tensor], plan: "Plan", *args) -> torch.Tensor:
+    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under selective checkpointing (matmul
+    outputs kept)."""
+    if plan.save_memory:
+        return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=SAVE_MATMULS)
+    return fn(*args, plan)
+
+
+def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
+                 plan: "Plan") -> torch.Tensor:
+    """``x + branch(x)`` for caller-owned ``(B, L, C)`` ``x`` and a row-wise ``branch`` (``hidden``:
+    its widest width): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked` (where its
+    rows exceed one), under selective checkpointing with :attr:`Plan.save_memory`, else one call."""
+    # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
+    # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
+    rows = x.reshape(-1, x.shape[-1])
+    row_bytes = hidden * x.element_size()
+    if plan.chunked and rows.shape[0] * row_bytes > plan.chunk_bytes:  # (more than one chunk)
+        for part in row_chunks(rows.shape[0], row_bytes, plan.chunk_bytes):
+            chunk = rows[part]
+            chunk.add_(branch(chunk))
+        return x
+    if plan.save_memory:
+        y = torch_checkpoint.checkpoint(branch, rows, use_reentrant=False, context_fn=SAVE_MATMULS)
+    else:
+        y = branch(rows)
+    return (y.add_(rows) if plan.may_write_module_outputs else rows + y).view(x.shape)
