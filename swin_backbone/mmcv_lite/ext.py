@@ -165,9 +165,28 @@ def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index
 
 
 # ------------------------------------------------------------------ modulated deformable conv
+def _output_hw(input, weight, stride, padding, dilation):
+    return tuple((input.size(2 + d) + 2 * padding[d] - dilation[d] * (weight.size(2 + d) - 1) - 1) // stride[d] + 1
+                 for d in range(2))
+
+
+def _as_mmcv_reads(t: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """``offset`` / ``mask`` as mmcv's kernels read them: per image, the first C * Ho * Wo values
+    of its (C, H, W) block, laid out as (C, Ho, Wo). The same tensor where H, W = Ho, Wo. DyHead
+    hands offsets of one pyramid level to the DCN of the next, smaller one (``spatial_conv_high``)."""
+    if tuple(t.shape[-2:]) == hw:
+        return t
+    n, c = t.shape[:2]
+    if t.shape[2] * t.shape[3] < hw[0] * hw[1]:
+        raise NotCoveredError(_message("modulated_deform_conv", f"offset / mask of spatial size "
+                                       f"{tuple(t.shape[-2:])} smaller than the output {hw}"))
+    return t.reshape(n, -1)[:, :c * hw[0] * hw[1]].reshape(n, c, hw[0], hw[1])
+
+
 def _deform_conv(input, weight, bias, offset, mask, stride, padding, dilation):
-    return torchvision.ops.deform_conv2d(input, offset, weight, bias, stride=stride, padding=padding,
-                                         dilation=dilation, mask=mask)
+    hw = _output_hw(input, weight, stride, padding, dilation)
+    return torchvision.ops.deform_conv2d(input, _as_mmcv_reads(offset, hw), weight, bias, stride=stride,
+                                         padding=padding, dilation=dilation, mask=_as_mmcv_reads(mask, hw))
 
 
 def _check_dcn_groups(op, input, weight, offset, kernel_h, kernel_w, group, deformable_group):

@@ -51,22 +51,37 @@ def make_rois(device):
     return feat, rois
 
 
-DCN_CASES = {  # (stride, padding, dilation, groups, deform_groups)
-    "3x3": (1, 1, 1, 1, 1),
-    "stride2-dilation2-groups2-dg2": (2, 2, 2, 2, 2),
+DCN_CASES = {  # (stride, padding, dilation, groups, deform_groups, offset from a 2x larger map)
+    "3x3": (1, 1, 1, 1, 1, False),
+    "stride2-dilation2-groups2-dg2": (2, 2, 2, 2, 2, False),
+    # DyHead's spatial_conv_high: offsets of level l for the DCN of level l + 1 (half the size),
+    # sliced from one offset-and-mask tensor
+    "dyhead-offset-of-larger-level": (1, 1, 1, 1, 1, True),
 }
 
 
 def make_dcn(device, case, with_bias=True):
-    stride, padding, dilation, groups, dg = DCN_CASES[case]
+    stride, padding, dilation, groups, dg, larger = DCN_CASES[case]
     x = torch.randn(2, 8, 9, 11, device=device)
     weight = torch.randn(12, 8 // groups, 3, 3, device=device) * 0.2
     bias = torch.randn(12, device=device) if with_bias else None
     ho = (9 + 2 * padding - dilation * 2 - 1) // stride + 1
     wo = (11 + 2 * padding - dilation * 2 - 1) // stride + 1
-    offset = torch.randn(2, 2 * dg * 9, ho, wo, device=device) * 2  # samples between pixels and outside
-    mask = torch.rand(2, dg * 9, ho, wo, device=device)
+    if larger:
+        ho, wo = 2 * ho, 2 * wo
+    both = torch.randn(2, 3 * dg * 9, ho, wo, device=device)
+    offset = both[:, :2 * dg * 9] * 2  # samples between pixels and outside the image
+    mask = both[:, 2 * dg * 9:].sigmoid()
+    if larger:
+        offset = both[:, :2 * dg * 9]  # a channel slice, as DyHead passes it
     return (x, offset, mask, weight, bias), (stride, padding, dilation, groups, dg)
+
+
+def as_mmcv_reads(t, like):
+    """mmcv's kernels read offset / mask per image as its first C x Ho x Wo values."""
+    n, c = t.shape[:2]
+    ho, wo = like.shape[-2:]
+    return t.reshape(n, -1)[:, :c * ho * wo].reshape(n, c, ho, wo)
 
 
 MSDA_SHAPES = [(6, 8), (3, 4)]
@@ -141,7 +156,9 @@ def test_modulated_deform_conv_values_and_grads(device, lite, case):
     inputs = leaves(*tensors)
     out = modulated_deform_conv2d(*inputs, stride, padding, dilation, groups, dg)
     ref_inputs = leaves(*tensors, dtype=torch.float64)
-    ref = ref_modulated_deform_conv(*ref_inputs, stride, padding, dilation, groups, dg)
+    x, offset, mask, weight, bias = ref_inputs
+    ref = ref_modulated_deform_conv(x, as_mmcv_reads(offset, out), as_mmcv_reads(mask, out), weight, bias, stride,
+                                    padding, dilation, groups, dg)
     close(out, ref, 1e-5, "modulated_deform_conv")
     for name, g, gr in zip(("input", "offset", "mask", "weight", "bias"), grads(out, inputs), grads(ref, ref_inputs)):
         close(g, gr, 1e-5, f"modulated_deform_conv grad {name}")
