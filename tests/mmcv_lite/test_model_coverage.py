@@ -161,7 +161,9 @@ def train_and_predict(lib, model_cfg, batch, device="cpu"):
     """One loss + backward (train mode) and one prediction (eval mode) of the built model."""
     registry = importlib.import_module(f"{lib}.registry").MODELS
     with DefaultScope.overwrite_default_scope(lib):
-        model = registry.build(model_cfg).to(device)
+        model = registry.build(model_cfg)
+    model.init_weights()  # DETR-like models leave parameters uninitialised (torch.Tensor(n, d)) until here
+    model.to(device)
     model.train()
     data = model.data_preprocessor(copy.deepcopy(batch), True)
     losses = model.loss(data["inputs"], data["data_samples"])
