@@ -18,30 +18,37 @@ from .common import Recorder, lite_ext, use_ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NMS, ROI = {"nms"}, {"roi_align_forward", "roi_align_backward"}
-FOCAL = {"sigmoid_focal_loss_forward", "sigmoid_focal_loss_backward"}  # mmdet calls it on CUDA only
+FOCAL = {"sigmoid_focal_loss_forward", "sigmoid_focal_loss_backward"}  # mmdet's FocalLoss: on CUDA only
 MSDA = {"ms_deform_attn_forward", "ms_deform_attn_backward"}  # mmcv calls it on CUDA only
 DCN = {"modulated_deform_conv_forward", "modulated_deform_conv_backward"}
 
 #: family: (library, config (lib: inside the installed package; ours: under configs/), ops on the
-#: CPU, ops added on CUDA). GLIP and Grounding DINO: test_language_model_detector_parts.
+#: CPU, ops added on CUDA).
 FAMILIES = {
     "mask-rcnn": ("mmdet", "lib:swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py", NMS | ROI, set()),
     "cascade-mask-rcnn": ("mmdet", "ours:mmdet/cascade-mask-rcnn_swin-t-p4-w7_fpn_ms-crop-3x_coco.py", NMS | ROI,
                           set()),
     "retinanet": ("mmdet", "lib:swin/retinanet_swin-t-p4-w7_fpn_1x_coco.py", NMS, FOCAL),
     "mask2former": ("mmdet", "lib:mask2former/mask2former_swin-t-p4-w7-224_8xb2-lsj-50e_coco.py", set(), MSDA),
-    "maskformer": ("mmdet", "lib:maskformer/maskformer_swin-l-p4-w12_64xb1-ms-300e_coco.py", set(), set()),
-    "dino": ("mmdet", "lib:dino/dino-5scale_swin-l_8xb2-12e_coco.py", set(), MSDA),
+    "maskformer": ("mmdet", "lib:maskformer/maskformer_swin-l-p4-w12_64xb1-ms-300e_coco.py", set(), FOCAL),
+    "dino": ("mmdet", "lib:dino/dino-5scale_swin-l_8xb2-12e_coco.py", set(), MSDA | FOCAL),
     "dyhead-atss": ("mmdet", "lib:dyhead/atss_swin-l-p4-w12_fpn_dyhead_ms-2x_coco.py", NMS | DCN, FOCAL),
     "rtmdet": ("mmdet", "lib:rtmdet/rtmdet_l_swin_b_4xb32-100e_coco.py", NMS, set()),
-    "ddq-detr": ("mmdet", "lib:ddq/ddq-detr-4scale_swinl_8xb2-30e_coco.py", NMS, MSDA),
+    "ddq-detr": ("mmdet", "lib:ddq/ddq-detr-4scale_swinl_8xb2-30e_coco.py", NMS, MSDA | FOCAL),
     "upernet": ("mmseg", "lib:swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py", set(),
                 set()),
     "upernet-ours": ("mmseg", "ours:mmseg/upernet_swin-t_512x512_160k_ade20k.py", set(), set()),
     "mask2former-seg": ("mmseg", "lib:mask2former/mask2former_swin-t_8xb2-160k_ade20k-512x512.py", set(), MSDA),
-    "maskformer-seg": ("mmseg", "lib:maskformer/maskformer_swin-t_upernet_8xb2-160k_ade20k-512x512.py", set(), set()),
+    "maskformer-seg": ("mmseg", "lib:maskformer/maskformer_swin-t_upernet_8xb2-160k_ade20k-512x512.py", set(),
+                       FOCAL),
     "knet": ("mmseg", "lib:knet/knet-s3_swin-t_upernet_8xb2-adamw-80k_ade20k-512x512.py", set(), set()),
+    # with a language model: a one-layer BERT written to a temporary directory (tiny_bert)
+    "glip": ("mmdet", "lib:glip/glip_atss_swin-t_a_fpn_dyhead_pretrain_obj365.py", NMS | DCN, set()),
+    "grounding-dino": ("mmdet", "lib:grounding_dino/grounding_dino_swin-t_pretrain_obj365_goldg_cap4m.py", set(),
+                       MSDA),
 }
+LANGUAGE = ("glip", "grounding-dino")
+CLASS_NAMES = ("person", "car", "dog")
 EMBED = 32
 SIZE = 128
 
@@ -67,7 +74,40 @@ def _remap_channels(node, old, new):
             _remap_channels(v, old, new)
 
 
-def small_model_cfg(lib, where):
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A one-layer BERT (hidden size 768, as GLIP's fusion layers expect) with a 16-word vocabulary,
+    saved as Hugging Face files: GLIP and Grounding DINO load it by path instead of downloading
+    bert-base-uncased. Random weights: the ops, not the language, are under test."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers.BertTokenizer, "batch_encode_plus"):
+        pytest.skip(f"mmdet 3.3's language model calls tokenizer.batch_encode_plus, which transformers "
+                    f"{transformers.__version__} removed (5.0): GLIP / Grounding DINO do not run here with any mmcv; "
+                    "their mmcv layers are DyHead's ModulatedDeformConv2d and DINO's MultiScaleDeformableAttention")
+    path = tmp_path_factory.mktemp("tiny-bert")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "a", "the", "and"] + list(CLASS_NAMES)
+    (path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(str(path))
+    config = transformers.BertConfig(vocab_size=len(words), hidden_size=768, num_hidden_layers=1,
+                                     num_attention_heads=12, intermediate_size=64, max_position_embeddings=256)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(str(path))
+    return str(path)
+
+
+def _set_language_model(node, path):
+    """Every BERT name in the model config (the language model's, GLIP's head's) -> ``path``."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("name", "lang_model_name") and v == "bert-base-uncased":
+                node[k] = path
+            else:
+                _set_language_model(v, path)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _set_language_model(v, path)
+
+
+def small_model_cfg(lib, where, bert=None):
     """The config's model with a small Swin (32 channels, one block a stage), random weights, sizes
     for SIZE x SIZE images, fewer queries: the same layers, quicker."""
     cfg = Config.fromfile(config_path(lib, where))
@@ -84,6 +124,8 @@ def small_model_cfg(lib, where):
         bb.update(window_size=4, pretrain_img_size=SIZE)
     model.pop("pretrained", None)
     _remap_channels(model, old, new)
+    if bert is not None:
+        _set_language_model(model, bert)
     aux = model.get("auxiliary_head")
     if isinstance(aux, dict) and aux.get("in_channels") == old_embed * 4:
         aux.in_channels = EMBED * 4
@@ -180,11 +222,13 @@ def train_and_predict(lib, model_cfg, batch, device="cpu"):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_calls_the_listed_ops(family, device, one_thread):
+def test_family_calls_the_listed_ops(family, device, one_thread, request):
     lib, where, cpu_ops, cuda_ops = FAMILIES[family]
-    _, model_cfg = small_model_cfg(lib, where)
-    n = num_classes(model_cfg)
-    batch = det_batch(n, family in WITH_MASKS) if lib == "mmdet" else seg_batch(n)
+    bert = request.getfixturevalue("tiny_bert") if family in LANGUAGE else None
+    _, model_cfg = small_model_cfg(lib, where, bert)
+    n = len(CLASS_NAMES) if bert else num_classes(model_cfg)
+    texts = [CLASS_NAMES] * 2 if bert else None
+    batch = det_batch(n, family in WITH_MASKS, texts) if lib == "mmdet" else seg_batch(n)
     recorder = Recorder(lite_ext())
     with use_ext(recorder):
         train_and_predict(lib, model_cfg, batch, device)
