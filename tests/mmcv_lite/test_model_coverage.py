@@ -139,8 +139,9 @@ def small_model_cfg(lib, where, bert=None):
         if isinstance(head.get("train_cfg"), dict) and "num_points" in head.train_cfg:
             head.train_cfg.num_points = 1024
     for key, value in (("nms_pre", 200), ("max_per_img", 50), ("num", 64), ("fc_out_channels", 256),
-                       ("num_layers", 2), ("feedforward_channels", 256)):
-        # fewer proposals, sampled RoIs and detections; smaller box heads; two transformer layers
+                       ("num_layers", 2), ("feedforward_channels", 256), ("score_thr", 0.0)):
+        # fewer proposals, sampled RoIs and detections; smaller box heads; two transformer layers; every
+        # score kept (freshly initialised classifiers score under the usual 0.05: NMS would see no box)
         _set_all(model, key, value)
     return cfg, model
 
@@ -190,7 +191,7 @@ def num_classes(node):
 def _set_all(node, key, value):
     if isinstance(node, dict):
         for k, v in node.items():
-            if k == key and isinstance(v, int):
+            if k == key and isinstance(v, (int, float)) and not isinstance(v, bool):
                 node[k] = value
             else:
                 _set_all(v, key, value)
