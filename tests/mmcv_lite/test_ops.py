@@ -298,7 +298,8 @@ def _both(compiled, fn):
         with use_ext(compiled):
             a = fn()
     except (RuntimeError, NotImplementedError) as e:
-        if "not implemented" in str(e).lower() or "not compiled" in str(e).lower() or "cuda" in str(e).lower():
+        message = str(e).lower()
+        if any(say in message for say in ("not implemented", "not compiled", "implementation for device")):
             pytest.skip(f"compiled mmcv has no kernel for this op on this device: {str(e).splitlines()[0]}")
         raise
     torch.manual_seed(0)
