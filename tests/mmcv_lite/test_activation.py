@@ -69,6 +69,8 @@ def _fake_distribution(tmp_path, name):
 
 def test_both_distributions_installed_warn_once(tmp_path):
     installed = mmcv_lite.installed_mmcv_distributions()
+    if not installed:
+        pytest.skip("neither mmcv nor mmcv-lite is installed here")
     assert len(installed) == 1, installed
     other = "mmcv" if installed == ["mmcv-lite"] else "mmcv-lite"
     out = run([LITE_MODE, "-c", PROBE], pythonpath_extra=_fake_distribution(tmp_path, other))
