@@ -6,7 +6,8 @@ mmcv, on PyPI for every Python and torch) has no ``_ext``, so neither library im
 is installed without its compiled ops, :func:`activate` (run by ``import swin_backbone``) gives
 mmcv :mod:`swin_backbone.mmcv_lite.ext` as its ``_ext``: the ops the Swin detectors and segmentors
 call, written with torchvision.ops and torch (docs/mmcv-lite.md lists them), and an error naming
-the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing.
+the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing. Where
+both the ``mmcv`` and ``mmcv-lite`` distributions are installed it warns once (they share files).
 """
 from __future__ import annotations
 
