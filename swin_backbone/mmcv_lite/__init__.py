@@ -6,13 +6,15 @@ mmcv, on PyPI for every Python and torch) has no ``_ext``, so neither library im
 is installed without its compiled ops, :func:`activate` (run by ``import swin_backbone``) gives
 mmcv :mod:`swin_backbone.mmcv_lite.ext` as its ``_ext``: the ops the Swin detectors and segmentors
 call, written with torchvision.ops and torch (docs/mmcv-lite.md lists them), and an error naming
-the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing.
+the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing. Where
+both the ``mmcv`` and ``mmcv-lite`` distributions are installed it warns once (they share files).
 """
 from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Optional
+import warnings
+from typing import List, Optional
 
 #: The module mmcv's ``ext_loader.load_ext('_ext', ...)`` imports.
 EXT_NAME = "mmcv._ext"
@@ -49,6 +51,7 @@ def activate() -> bool:
     if _state["checked"]:
         return active()
     _state["checked"] = True
+    _warn_if_both_installed()
     if compiled_ops_available() is not False:
         return active()
     import mmcv
@@ -60,6 +63,37 @@ def activate() -> bool:
     _log(f"swin_backbone: mmcv {mmcv.__version__} has no compiled ops (mmcv-lite): its ops run on "
          "torchvision / torch (swin_backbone.mmcv_lite; install full mmcv for any op not covered)")
     return True
+
+
+#: The two distributions that install the ``mmcv`` package (full, and pure-Python "lite").
+MMCV_DISTRIBUTIONS = ("mmcv", "mmcv-lite")
+
+
+def installed_mmcv_distributions() -> List[str]:
+    """Which of :data:`MMCV_DISTRIBUTIONS` this environment has installed."""
+    from importlib import metadata
+
+    found = []
+    for name in MMCV_DISTRIBUTIONS:
+        for spelling in {name, name.replace("-", "_")}:  # older importlib.metadata does not normalise
+            try:
+                metadata.distribution(spelling)
+            except metadata.PackageNotFoundError:
+                continue
+            found.append(name)
+            break
+    return found
+
+
+def _warn_if_both_installed() -> None:
+    """Both distributions write the same ``mmcv/`` files: whichever was installed last decides
+    whether compiled ops exist, and uninstalling either one breaks the other."""
+    if len(installed_mmcv_distributions()) == len(MMCV_DISTRIBUTIONS):
+        warnings.warn("both 'mmcv' and 'mmcv-lite' are installed: they write the same mmcv/ files, so the one "
+                      "installed last decides whether mmcv has compiled ops, and uninstalling either breaks the "
+                      "other. Keep one: `pip uninstall -y mmcv-lite` (full mmcv) or `pip uninstall -y mmcv mmcv-lite "
+                      "&& pip install mmcv-lite==2.1.0` (no compiled ops; swin_backbone gives it its ops)",
+                      UserWarning, stacklevel=3)
 
 
 def _log(message: str) -> None:

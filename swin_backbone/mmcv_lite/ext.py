@@ -1,13 +1,19 @@
 """A stand-in for mmcv's compiled extension ``mmcv._ext``, written with torchvision.ops and torch.
 
-Each function keeps mmcv's calling convention (outputs written into the tensors mmcv passes in;
-mmcv's own autograd Functions and modules around them run unchanged). A name not written here
-resolves to a function that raises :class:`NotCoveredError` naming the op, the mmcv layer that
-called it and the remedy.
+Each function keeps the signature of the compiled op and its calling convention (results written
+into the tensors mmcv passes in, or returned where the compiled op returns them), so mmcv's own
+autograd Functions and modules around them run unchanged, on the CPU and on CUDA. Every op
+computes in float32 with autocast off and writes back in the caller's dtype: bf16 / fp16 inputs
+(``--amp``) work where the compiled CPU kernels refuse them, at float32 accuracy.
+
+A name not written here resolves to a function that raises :class:`NotCoveredError` naming the
+op, the mmcv layer that called it, the model layer using that, and the remedy. The table of ops,
+the layers that call them and their parity with compiled mmcv: docs/mmcv-lite.md.
 """
 from __future__ import annotations
 
 import sys
+from typing import List, Optional, Tuple
 
 import torch
 import torchvision
@@ -15,96 +21,258 @@ import torchvision
 #: Marks this module as the stand-in (``swin_backbone.mmcv_lite.active``).
 IS_SWIN_BACKBONE_LITE = True
 
+#: The compiled-op names this module provides (the rest raise :class:`NotCoveredError`).
+COVERED = (
+    "nms",
+    "roi_align_forward",
+    "roi_align_backward",
+    "sigmoid_focal_loss_forward",
+    "sigmoid_focal_loss_backward",
+    "ms_deform_attn_forward",
+    "ms_deform_attn_backward",
+    "modulated_deform_conv_forward",
+    "modulated_deform_conv_backward",
+)
+
 
 class NotCoveredError(RuntimeError):
     """An mmcv op that mmcv-lite plus swin_backbone does not provide."""
 
 
+class _Float32:
+    """Autocast off for the tensors' device: the ops below run in float32 whatever the caller's
+    autocast region says (their float32 casts would otherwise be undone inside it)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.device_type = tensors[0].device.type
+
+    def __enter__(self) -> None:
+        self._ctx = torch.autocast(device_type=self.device_type, enabled=False)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+# ----------------------------------------------------------------------------------- NMS
 def nms(boxes, scores, iou_threshold, offset=0):
-    """mmcv's NMS: indices kept, by descending score. ``offset=1`` (the legacy +1 box size) is
-    the same as torchvision's NMS on boxes one pixel larger."""
-    boxes = boxes.float()
-    if offset:
-        boxes = torch.cat([boxes[:, :2], boxes[:, 2:] + offset], dim=1)
-    return torchvision.ops.nms(boxes, scores.float(), float(iou_threshold))
+    """mmcv's NMS (``boxes`` (N, 4) x1y1x2y2, ``scores`` (N,)): indices kept, by descending
+    score. ``offset=1`` (the legacy +1 box size) is torchvision's NMS on boxes one pixel larger."""
+    with _Float32(boxes):
+        boxes = boxes.float()
+        if offset:
+            boxes = torch.cat([boxes[:, :2], boxes[:, 2:] + offset], dim=1)
+        return torchvision.ops.nms(boxes, scores.float(), float(iou_threshold))
 
 
+# ------------------------------------------------------------------------------ RoIAlign
 def roi_align_forward(input, rois, output, argmax_y, argmax_x, aligned_height, aligned_width,
                       spatial_scale, sampling_ratio, pool_mode, aligned):
-    _require(pool_mode == 1, "roi_align_forward", "pool_mode='max' (only 'avg' is covered)")
-    out = torchvision.ops.roi_align(input.float(), rois.float(), (aligned_height, aligned_width),
-                                    spatial_scale, sampling_ratio, aligned)
+    """``input`` (N, C, H, W), ``rois`` (K, 5) (batch index, x1, y1, x2, y2) -> ``output``
+    (K, C, aligned_height, aligned_width), written in place. Average pooling only."""
+    _require(pool_mode == 1, "roi_align_forward", "pool_mode='max' (only pool_mode='avg' is covered)")
+    with _Float32(input):
+        out = torchvision.ops.roi_align(_f32(input), _f32(rois), (aligned_height, aligned_width),
+                                        spatial_scale, sampling_ratio, aligned)
     output.copy_(out)
 
 
 def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, aligned_height,
                        aligned_width, spatial_scale, sampling_ratio, pool_mode, aligned):
-    _require(pool_mode == 1, "roi_align_backward", "pool_mode='max' (only 'avg' is covered)")
+    """Gradient of :func:`roi_align_forward` w.r.t. its input, written into ``grad_input``."""
+    _require(pool_mode == 1, "roi_align_backward", "pool_mode='max' (only pool_mode='avg' is covered)")
     # RoIAlign is linear in its input: its vector-Jacobian product does not depend on the values.
-    with torch.enable_grad():
-        x = torch.zeros(grad_input.shape, dtype=torch.float32, device=grad_input.device,
-                        requires_grad=True)
-        out = torchvision.ops.roi_align(x, rois.float(), (aligned_height, aligned_width),
-                                        spatial_scale, sampling_ratio, aligned)
-        (g,) = torch.autograd.grad(out, x, grad_output.float())
+    with torch.enable_grad(), _Float32(grad_output):
+        x = torch.zeros(grad_input.shape, dtype=torch.float32, device=grad_input.device, requires_grad=True)
+        out = torchvision.ops.roi_align(x, _f32(rois), (aligned_height, aligned_width), spatial_scale,
+                                        sampling_ratio, aligned)
+        (g,) = torch.autograd.grad(out, x, _f32(grad_output))
     grad_input.copy_(g)
 
 
+# ---------------------------------------------------------------------- sigmoid focal loss
 def _sigmoid_focal(input, target, weight, gamma, alpha):
+    """Per-element sigmoid focal loss, (N, C) from logits (N, C) and labels (N,) (C: background).
+    ``weight`` (C,) or empty: a per-class factor, indexed by each row's label."""
     p = input.sigmoid()
     classes = torch.arange(input.size(1), device=input.device)
-    onehot = (target.unsqueeze(1) == classes).to(input.dtype)  # target == C: background
+    onehot = (target.unsqueeze(1) == classes).to(input.dtype)
     logsig = torch.nn.functional.logsigmoid
     pos = -alpha * (1 - p).pow(gamma) * logsig(input)
     neg = -(1 - alpha) * p.pow(gamma) * logsig(-input)
     loss = onehot * pos + (1 - onehot) * neg
     if weight.numel():
-        loss = loss * weight[target.clamp(min=0, max=input.size(1) - 1)].unsqueeze(1)
+        loss = loss * _f32(weight)[target.clamp(min=0, max=input.size(1) - 1)].unsqueeze(1)
     return loss
 
 
 def sigmoid_focal_loss_forward(input, target, weight, output, gamma, alpha):
-    output.copy_(_sigmoid_focal(input, target, weight, gamma, alpha))
+    with _Float32(input):
+        output.copy_(_sigmoid_focal(_f32(input), target, weight, gamma, alpha))
 
 
 def sigmoid_focal_loss_backward(input, target, weight, grad_input, gamma, alpha):
-    with torch.enable_grad():
-        x = input.detach().requires_grad_(True)
+    with torch.enable_grad(), _Float32(input):
+        x = _f32(input).detach().requires_grad_(True)
         (g,) = torch.autograd.grad(_sigmoid_focal(x, target, weight, gamma, alpha).sum(), x)
     grad_input.copy_(g)
 
 
+# -------------------------------------------------------- multi-scale deformable attention
+def _levels(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor) -> List[Tuple[int, int]]:
+    shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
+    starts = [int(s) for s in level_start_index.tolist()]
+    expected = [sum(h * w for h, w in shapes[:i]) for i in range(len(shapes))]
+    if starts != expected:  # mmcv's PyTorch path (used below) assumes the levels packed in order
+        raise NotCoveredError(_message("ms_deform_attn_forward", f"level_start_index {starts} is not the packed "
+                                       f"layout {expected} of value_spatial_shapes {shapes}"))
+    return shapes
+
+
+def _ms_deform_attn(value, shapes, sampling_locations, attention_weights):
+    from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch
+
+    return multi_scale_deformable_attn_pytorch(value, shapes, sampling_locations, attention_weights)
+
+
+def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                           attention_weights, im2col_step):
+    """``value`` (bs, num_keys, heads, dims), ``sampling_locations`` (bs, queries, heads, levels,
+    points, 2) in [0, 1], ``attention_weights`` (bs, queries, heads, levels, points) -> output
+    (bs, queries, heads * dims), in ``value``'s dtype: mmcv's own PyTorch path (grid_sample)."""
+    shapes = _levels(value_spatial_shapes, value_level_start_index)
+    with _Float32(value):
+        out = _ms_deform_attn(_f32(value), shapes, _f32(sampling_locations), _f32(attention_weights))
+    return out.to(value.dtype)
+
+
+def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
+                            attention_weights, grad_output, grad_value, grad_sampling_loc, grad_attn_weight,
+                            im2col_step):
+    """Gradients of :func:`ms_deform_attn_forward` (autograd through grid_sample), written into
+    ``grad_value``, ``grad_sampling_loc`` and ``grad_attn_weight``."""
+    shapes = _levels(value_spatial_shapes, value_level_start_index)
+    with torch.enable_grad(), _Float32(value):
+        inputs = [_f32(t).detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
+        out = _ms_deform_attn(inputs[0], shapes, inputs[1], inputs[2])
+        grads = torch.autograd.grad(out, inputs, _f32(grad_output))
+    for buf, g in zip((grad_value, grad_sampling_loc, grad_attn_weight), grads):
+        buf.copy_(g)
+
+
+# ------------------------------------------------------------------ modulated deformable conv
+def _output_hw(input, weight, stride, padding, dilation):
+    return tuple((input.size(2 + d) + 2 * padding[d] - dilation[d] * (weight.size(2 + d) - 1) - 1) // stride[d] + 1
+                 for d in range(2))
+
+
+def _as_mmcv_reads(t: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """``offset`` / ``mask`` as mmcv's kernels read them: per image, the first C * Ho * Wo values
+    of its (C, H, W) block, laid out as (C, Ho, Wo). The same tensor where H, W = Ho, Wo. DyHead
+    hands offsets of one pyramid level to the DCN of the next, smaller one (``spatial_conv_high``)."""
+    if tuple(t.shape[-2:]) == hw:
+        return t
+    n, c = t.shape[:2]
+    if t.shape[2] * t.shape[3] < hw[0] * hw[1]:
+        raise NotCoveredError(_message("modulated_deform_conv", f"offset / mask of spatial size "
+                                       f"{tuple(t.shape[-2:])} smaller than the output {hw}"))
+    return t.reshape(n, -1)[:, :c * hw[0] * hw[1]].reshape(n, c, hw[0], hw[1])
+
+
+def _deform_conv(input, weight, bias, offset, mask, stride, padding, dilation):
+    hw = _output_hw(input, weight, stride, padding, dilation)
+    return torchvision.ops.deform_conv2d(input, _as_mmcv_reads(offset, hw), weight, bias, stride=stride,
+                                         padding=padding, dilation=dilation, mask=_as_mmcv_reads(mask, hw))
+
+
+def _check_dcn_groups(op, input, weight, offset, kernel_h, kernel_w, group, deformable_group):
+    _require(input.size(1) == weight.size(1) * group, op,
+             f"input channels {input.size(1)} != weight in-channels {weight.size(1)} x group {group}")
+    _require(offset.size(1) == 2 * deformable_group * kernel_h * kernel_w, op,
+             f"offset channels {offset.size(1)} != 2 x deformable_group {deformable_group} x kernel "
+             f"{kernel_h}x{kernel_w}")
+
+
+def modulated_deform_conv_forward(input, weight, bias, ones, offset, mask, output, columns, kernel_h, kernel_w,
+                                  stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+                                  deformable_group, with_bias):
+    """DCNv2: ``input`` (N, C, H, W), ``offset`` (N, 2 * dg * kh * kw, Ho, Wo) as (dy, dx) pairs,
+    ``mask`` (N, dg * kh * kw, Ho, Wo) -> ``output`` (N, C_out, Ho, Wo), written in place
+    (torchvision's ``deform_conv2d`` with its mask; ``ones`` / ``columns`` are mmcv's unused buffers)."""
+    _check_dcn_groups("modulated_deform_conv_forward", input, weight, offset, kernel_h, kernel_w, group,
+                      deformable_group)
+    with _Float32(input):
+        out = _deform_conv(_f32(input), _f32(weight), _f32(bias) if with_bias else None, _f32(offset), _f32(mask),
+                           (stride_h, stride_w), (pad_h, pad_w), (dilation_h, dilation_w))
+    output.copy_(out)
+
+
+def modulated_deform_conv_backward(input, weight, bias, ones, offset, mask, columns, grad_input, grad_weight,
+                                   grad_bias, grad_offset, grad_mask, grad_output, kernel_h, kernel_w, stride_h,
+                                   stride_w, pad_h, pad_w, dilation_h, dilation_w, group, deformable_group,
+                                   with_bias):
+    """Gradients of :func:`modulated_deform_conv_forward` (torchvision's backward), written into
+    ``grad_input``, ``grad_weight``, ``grad_bias`` (with a bias), ``grad_offset`` and ``grad_mask``."""
+    _check_dcn_groups("modulated_deform_conv_backward", input, weight, offset, kernel_h, kernel_w, group,
+                      deformable_group)
+    with torch.enable_grad(), _Float32(input):
+        leaves = [_f32(t).detach().requires_grad_(True) for t in (input, weight, offset, mask)]
+        b: Optional[torch.Tensor] = _f32(bias).detach().requires_grad_(True) if with_bias else None
+        out = _deform_conv(leaves[0], leaves[1], b, leaves[2], leaves[3], (stride_h, stride_w), (pad_h, pad_w),
+                           (dilation_h, dilation_w))
+        grads = torch.autograd.grad(out, leaves + ([b] if b is not None else []), _f32(grad_output))
+    for buf, g in zip((grad_input, grad_weight, grad_offset, grad_mask), grads[:4]):
+        buf.copy_(g)
+    if with_bias:
+        grad_bias.copy_(grads[4])
+
+
+# ------------------------------------------------------------------------- not covered
 def _require(ok: bool, op: str, what: str) -> None:
     if not ok:
         raise NotCoveredError(_message(op, what))
 
 
-def _caller_layer() -> str:
-    """The mmcv op or layer class (or function) whose call reached the stand-in."""
-    frame = sys._getframe(2)
-    while frame is not None:
+def _callers() -> Tuple[Optional[str], Optional[str]]:
+    """(the mmcv op: its layer class or autograd Function, the model layer that called it)."""
+    mmcv_op = model_layer = None
+    frame = sys._getframe(1)
+    while frame is not None and model_layer is None:
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("mmcv.ops"):
-            owner = frame.f_locals.get("self")
-            cls = frame.f_locals.get("cls") or frame.f_locals.get("ctx")
-            if owner is not None and isinstance(owner, torch.nn.Module):
-                return f"{type(owner).__module__}.{type(owner).__qualname__}"
-            if cls is not None:
-                return f"{module} ({frame.f_code.co_name})"
-            return f"{module}.{frame.f_code.co_name}"
+        owner = frame.f_locals.get("self")
+        if module == "torch.nn.modules.module" and isinstance(owner, torch.nn.Module):  # a module's __call__
+            name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+            if type(owner).__module__.startswith("mmcv.ops"):
+                mmcv_op = name
+            elif mmcv_op is not None:
+                model_layer = name
+        elif module.startswith("mmcv.ops") and mmcv_op is None:
+            ctx = frame.f_locals.get("ctx")
+            if ctx is not None:  # inside an autograd Function: XBackward -> X
+                name = type(ctx).__name__
+                mmcv_op = f"{module}.{name[:-len('Backward')] if name.endswith('Backward') else name}"
+            else:
+                mmcv_op = f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
-    return "an unknown caller"
+    return mmcv_op, model_layer
 
 
 def _message(op: str, what: str = "") -> str:
     import mmcv
 
+    mmcv_op, model_layer = _callers()
+    called = f"called by {mmcv_op or 'an unknown caller'}"
+    if model_layer:
+        called += f" in {model_layer}"
     detail = f": {what}" if what else ""
-    return (f"mmcv op {op!r}{detail} is not covered on mmcv-lite (called by {_caller_layer()}). "
-            f"swin_backbone gives mmcv-lite {mmcv.__version__} the ops the Swin detectors and "
-            "segmentors use (docs/mmcv-lite.md); for this one install full mmcv with compiled ops "
-            "(pip uninstall mmcv-lite; then mmcv built for your torch, e.g. "
-            "`mim install 'mmcv>=2.0,<2.2'`)")
+    return (f"mmcv op {op!r}{detail} is not covered on mmcv-lite ({called}). swin_backbone gives "
+            f"mmcv-lite {mmcv.__version__} the ops the Swin detectors and segmentors use (docs/mmcv-lite.md); "
+            "for this one install full mmcv with compiled ops (pip uninstall mmcv-lite; then mmcv built for "
+            "your torch, e.g. `mim install 'mmcv>=2.0,<2.2'`)")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,154 @@
+"""Shared by the mmcv-lite tests: routing mmcv's layers to one ``_ext``, recording which ops they
+call, and pure-torch references written from mmcv's kernels (float64, no torchvision)."""
+import contextlib
+import importlib
+import math
+import sys
+from collections import defaultdict
+from typing import Dict, Iterator, Set
+
+import torch
+import torch.nn.functional as F
+
+
+def lite_ext():
+    from swin_backbone.mmcv_lite import ext
+
+    return ext
+
+
+def compiled_ext():
+    """mmcv's compiled ``_ext``, or ``None`` where this environment has mmcv-lite."""
+    import mmcv.ops  # noqa: F401  (loads mmcv._ext, compiled or the stand-in)
+
+    module = sys.modules.get("mmcv._ext")
+    if module is None:
+        try:
+            module = importlib.import_module("mmcv._ext")
+        except ImportError:
+            return None
+    return None if getattr(module, "IS_SWIN_BACKBONE_LITE", False) else module
+
+
+def _ops_modules():
+    import mmcv.ops  # noqa: F401
+
+    return [m for name, m in list(sys.modules.items()) if name.startswith("mmcv.ops.") and hasattr(m, "ext_module")]
+
+
+@contextlib.contextmanager
+def use_ext(ext) -> Iterator[None]:
+    """mmcv's layers and autograd Functions call ``ext`` (each ``mmcv.ops`` module binds its
+    ``ext_module`` at import; this rebinds it, as activation does for the whole process)."""
+    saved = [(m, m.ext_module) for m in _ops_modules()]
+    for m, _ in saved:
+        m.ext_module = ext
+    try:
+        yield
+    finally:
+        for m, old in saved:
+            m.ext_module = old
+
+
+class Recorder:
+    """A ``_ext`` that forwards to ``ext`` and records ``{op name: {device types}}``."""
+
+    def __init__(self, ext) -> None:
+        self._ext = ext
+        self.calls: Dict[str, Set[str]] = defaultdict(set)
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+
+        def recorded(*args, **kwargs):
+            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            self.calls[name].add(tensors[0].device.type if tensors else "?")
+            return fn(*args, **kwargs)
+
+        return recorded
+
+
+# ------------------------------------------------------------------------ references
+def ref_nms(boxes, scores, iou_threshold, offset=0):
+    """Greedy NMS as mmcv's CPU kernel: by descending score, drop boxes with IoU > threshold."""
+    b = boxes.double().cpu()
+    x1, y1, x2, y2 = b.unbind(1)
+    area = (x2 - x1 + offset) * (y2 - y1 + offset)
+    suppressed = torch.zeros(len(b), dtype=torch.bool)
+    keep = []
+    for i in scores.double().cpu().argsort(descending=True).tolist():
+        if suppressed[i]:
+            continue
+        keep.append(i)
+        w = (torch.min(x2[i], x2) - torch.max(x1[i], x1) + offset).clamp(min=0)
+        h = (torch.min(y2[i], y2) - torch.max(y1[i], y1) + offset).clamp(min=0)
+        inter = w * h
+        suppressed |= inter / (area[i] + area - inter) > iou_threshold
+    return torch.tensor(keep, dtype=torch.long)
+
+
+def _interp_matrix(coords, size):
+    """(len(coords), size): mmcv's bilinear_interpolate along one axis (zero beyond one pixel
+    outside, clamped to the border within it)."""
+    m = torch.zeros(len(coords), size, dtype=torch.float64)
+    for i, c in enumerate(coords):
+        if c < -1.0 or c > size:
+            continue
+        c = max(c, 0.0)
+        lo = int(math.floor(c))
+        if lo >= size - 1:
+            lo = hi = size - 1
+            c = float(lo)
+        else:
+            hi = lo + 1
+        frac = c - lo
+        m[i, lo] += 1 - frac
+        m[i, hi] += frac
+    return m
+
+
+def ref_roi_align(x, rois, out_hw, spatial_scale, sampling_ratio, aligned):
+    """mmcv's RoIAlign (average mode), roi by roi; differentiable w.r.t. ``x``."""
+    ph, pw = out_hw
+    offset = 0.5 if aligned else 0.0
+    outs = []
+    for r in rois.double().cpu().tolist():
+        b = int(r[0])
+        x1, y1, x2, y2 = (v * spatial_scale - offset for v in r[1:])
+        rw, rh = x2 - x1, y2 - y1
+        if not aligned:
+            rw, rh = max(rw, 1.0), max(rh, 1.0)
+        bh, bw = rh / ph, rw / pw
+        gh = sampling_ratio if sampling_ratio > 0 else math.ceil(rh / ph)
+        gw = sampling_ratio if sampling_ratio > 0 else math.ceil(rw / pw)
+        ys = [y1 + i * bh + (j + 0.5) * bh / gh for i in range(ph) for j in range(gh)]
+        xs = [x1 + i * bw + (j + 0.5) * bw / gw for i in range(pw) for j in range(gw)]
+        my, mx = _interp_matrix(ys, x.shape[2]).to(x.device), _interp_matrix(xs, x.shape[3]).to(x.device)
+        v = torch.einsum("yh,chw,xw->cyx", my, x[b].double(), mx)
+        outs.append(v.view(x.shape[1], ph, gh, pw, gw).mean((2, 4)))
+    return torch.stack(outs)
+
+
+def ref_modulated_deform_conv(x, offset, mask, weight, bias, stride, padding, dilation, groups, deform_groups):
+    """DCNv2 as mmcv's im2col kernel: per kernel tap, bilinear samples (zero outside) at the
+    tap's position plus its (dy, dx) offset, times the mask, then a grouped 1x1 contraction."""
+    n, c, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    ho, wo = offset.shape[-2:]
+    k = kh * kw
+    off = offset.view(n, deform_groups, k, 2, ho, wo)
+    m = mask.view(n, deform_groups, k, ho, wo)
+    base_y = (torch.arange(ho, device=x.device, dtype=x.dtype) * stride - padding).view(1, 1, ho, 1)
+    base_x = (torch.arange(wo, device=x.device, dtype=x.dtype) * stride - padding).view(1, 1, 1, wo)
+    xg = x.reshape(n * deform_groups, c // deform_groups, h, w)
+    cols = []
+    for t in range(k):
+        py = base_y + (t // kw) * dilation + off[:, :, t, 0]
+        px = base_x + (t % kw) * dilation + off[:, :, t, 1]
+        grid = torch.stack([px / (w - 1) * 2 - 1, py / (h - 1) * 2 - 1], -1).view(n * deform_groups, ho, wo, 2)
+        s = F.grid_sample(xg, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+        cols.append(s.view(n, deform_groups, c // deform_groups, ho, wo) * m[:, :, t].unsqueeze(2))
+    cols = torch.stack(cols, 3).view(n, groups, c // groups, k, ho, wo)
+    out = torch.einsum("ngckhw,gock->ngohw", cols, weight.view(groups, co // groups, c // groups, k))
+    out = out.reshape(n, co, ho, wo)
+    return out if bias is None else out + bias.view(1, -1, 1, 1)

@@ -1,0 +1,78 @@
+"""When the stand-in switches on: with mmcv-lite (or compiled ops hidden), never with compiled ops,
+one log line; and one warning where both the ``mmcv`` and ``mmcv-lite`` distributions are installed."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
+from swin_backbone import mmcv_lite
+
+from .common import compiled_ext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LITE_MODE = os.path.join(ROOT, "tests", "mmcv_lite", "lite_mode.py")
+LOG_LINE = "has no compiled ops (mmcv-lite)"
+PROBE = ("import sys, warnings; warnings.simplefilter('always')\n"
+         "import swin_backbone, mmcv.ops\n"
+         "from swin_backbone import mmcv_lite\n"
+         "mmcv_lite.activate()  # a second call changes nothing\n"
+         "print('ACTIVE', mmcv_lite.active(), type(sys.modules['mmcv._ext']).__name__,"
+         " getattr(sys.modules['mmcv._ext'], '__file__', ''))\n")
+
+
+def run(args, pythonpath_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [pythonpath_extra, ROOT, env.get("PYTHONPATH")] if p)
+    proc = subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def active_line(out):
+    return next(line for line in out.splitlines() if line.startswith("ACTIVE"))
+
+
+def test_stand_in_is_mmcvs_ext_on_mmcv_lite():
+    if compiled_ext() is not None:
+        pytest.skip("this environment has compiled mmcv (test_compiled_ops_are_never_replaced covers it)")
+    import mmcv
+
+    assert mmcv_lite.active() and mmcv_lite.compiled_ops_available() is False
+    assert sys.modules["mmcv._ext"] is mmcv_lite.ext and mmcv._ext is mmcv_lite.ext
+
+
+def test_compiled_ops_are_never_replaced():
+    if compiled_ext() is None:
+        pytest.skip("compiled mmcv is not installed here (mmcv-lite): runs on the torch 2.1 stack")
+    out = run(["-c", PROBE])
+    assert active_line(out).startswith("ACTIVE False module") and active_line(out).endswith(".so")
+    assert LOG_LINE not in out and not mmcv_lite.active()
+
+
+def test_hidden_compiled_ops_switch_it_on_with_one_log_line():
+    """What users of mmcv-lite get (on the torch 2.1 stack: its compiled ops hidden in a subprocess)."""
+    out = run([LITE_MODE, "-c", PROBE])
+    assert active_line(out) == "ACTIVE True module " + mmcv_lite.ext.__file__
+    assert out.count(LOG_LINE) == 1
+    assert "both 'mmcv' and 'mmcv-lite' are installed" not in out
+
+
+def _fake_distribution(tmp_path, name):
+    """A distribution's metadata directory, as pip writes it, on a directory for PYTHONPATH."""
+    info = tmp_path / f"{name.replace('-', '_')}-2.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 2.1.0\n")
+    return str(tmp_path)
+
+
+def test_both_distributions_installed_warn_once(tmp_path):
+    installed = mmcv_lite.installed_mmcv_distributions()
+    if not installed:
+        pytest.skip("neither mmcv nor mmcv-lite is installed here")
+    assert len(installed) == 1, installed
+    other = "mmcv" if installed == ["mmcv-lite"] else "mmcv-lite"
+    out = run([LITE_MODE, "-c", PROBE], pythonpath_extra=_fake_distribution(tmp_path, other))
+    assert out.count("both 'mmcv' and 'mmcv-lite' are installed") == 1
+    assert "pip uninstall" in out and active_line(out).startswith("ACTIVE True")
