@@ -34,7 +34,9 @@ class Switches:
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
-    save_memory: bool = True  #: training: selective activation checkpointing (qkv projection, MLP branch)
+    #: training: selective activation checkpointing (qkv projection, MLP branch). None: on the CPU
+    #: only, where it was measured to pay; on CUDA it doubles a step's time (docs/performance.md).
+    save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
 
@@ -216,7 +218,8 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
     return Plan(
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, stochastic=stochastic, attn_dropout=attn_dropout, attention=attention,
-        save_memory=plain and grad and s.save_memory and SAVE_MATMULS is not None, chunk_bytes=chunk_bytes,
+        save_memory=plain and grad and (cpu if s.save_memory is None else s.save_memory) and SAVE_MATMULS is not None,
+        chunk_bytes=chunk_bytes,
         may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic, mode=mode,
     )
 
