@@ -54,6 +54,14 @@ def activate() -> bool:
     _warn_if_both_installed()
     if compiled_ops_available() is not False:
         return active()
+    if importlib.util.find_spec("torchvision") is None:  # the -lite extras cannot pin it: it pins torch
+        import torch
+
+        warnings.warn("mmcv has no compiled ops (mmcv-lite) and torchvision is not installed, so swin_backbone "
+                      "cannot give mmcv its ops and mmdet / mmseg models will not import: install the torchvision "
+                      f"built for your torch {torch.__version__.split('+')[0]} "
+                      "(https://github.com/pytorch/vision#installation)", UserWarning, stacklevel=3)
+        return False
     import mmcv
 
     from . import ext

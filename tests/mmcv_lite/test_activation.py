@@ -76,3 +76,17 @@ def test_both_distributions_installed_warn_once(tmp_path):
     out = run([LITE_MODE, "-c", PROBE], pythonpath_extra=_fake_distribution(tmp_path, other))
     assert out.count("both 'mmcv' and 'mmcv-lite' are installed") == 1
     assert "pip uninstall" in out and active_line(out).startswith("ACTIVE True")
+
+
+def test_without_torchvision_it_stays_off_and_says_what_to_install():
+    """The -lite extras cannot name torchvision (an unpinned torchvision makes pip replace torch):
+    mmcv-lite without torchvision gets a warning naming the remedy, not an ImportError of ours."""
+    probe = ("import sys, warnings; warnings.simplefilter('always')\n"
+             "sys.modules['torchvision'] = None  # not installed\n"
+             "import swin_backbone\n"
+             "from swin_backbone import mmcv_lite\n"
+             "print('ACTIVE', mmcv_lite.active())\n")
+    out = run([LITE_MODE, "-c", probe])
+    assert active_line(out) == "ACTIVE False"
+    assert "torchvision is not installed" in out and "install the torchvision built for your torch" in out
+    assert LOG_LINE not in out
