@@ -1,38 +1,12 @@
 #!/usr/bin/env bash
 # Training on a SLURM cluster, as mmdet's / mmseg's tools/slurm_train.sh:
 #   [GPUS=16] [GPUS_PER_NODE=8] tools/slurm_train.sh PARTITION JOB_NAME CONFIG WORK_DIR [train.py args]
-# srun starts GPUS tasks, GPUS_PER_NODE per node; each runs tools/train.py --launcher slurm, which
-# takes its rank, world size and master address from the variables SLURM sets (mmengine's slurm
-# launcher; the first node of the job is the master, MASTER_PORT default 29500). WORK_DIR must be
-# on a file system every node shares (tools/train.py checks at start-up).
-# Environment: GPUS (default 8), GPUS_PER_NODE (default 8; 0: no --gres, CPU jobs), CPUS_PER_TASK
-# (default 5), SRUN_ARGS (more srun options), PYTHON (the interpreter, default python).
+# srun starts GPUS tasks, GPUS_PER_NODE per node, each running tools/train.py --launcher=slurm
+# (tools/slurm_run.sh: the environment variables it reads). WORK_DIR must be on a file system every
+# node shares (tools/train.py checks at start-up).
 set -euo pipefail
 if [ $# -lt 4 ]; then
     echo "usage: $0 PARTITION JOB_NAME CONFIG WORK_DIR [train.py args]" >&2
     exit 2
 fi
-PARTITION=$1
-JOB_NAME=$2
-CONFIG=$3
-WORK_DIR=$4
-GPUS=${GPUS:-8}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-CPUS_PER_TASK=${CPUS_PER_TASK:-5}
-SRUN_ARGS=${SRUN_ARGS:-""}
-PYTHON=${PYTHON:-python}
-GRES=()
-if [ "$GPUS_PER_NODE" -gt 0 ]; then GRES=(--gres="gpu:$GPUS_PER_NODE"); fi
-TASKS_PER_NODE=$GPUS_PER_NODE
-if [ "$TASKS_PER_NODE" -eq 0 ] || [ "$TASKS_PER_NODE" -gt "$GPUS" ]; then TASKS_PER_NODE=$GPUS; fi
-# shellcheck disable=SC2086  # SRUN_ARGS: several options
-PYTHONPATH="$(dirname "$0")/..${PYTHONPATH:+:$PYTHONPATH}" \
-srun -p "$PARTITION" \
-    --job-name="$JOB_NAME" \
-    "${GRES[@]}" \
-    --ntasks="$GPUS" \
-    --ntasks-per-node="$TASKS_PER_NODE" \
-    --cpus-per-task="$CPUS_PER_TASK" \
-    --kill-on-bad-exit=1 \
-    $SRUN_ARGS \
-    "$PYTHON" -u "$(dirname "$0")/train.py" "$CONFIG" --work-dir="$WORK_DIR" --launcher=slurm "${@:5}"
+exec "$(dirname "$0")/slurm_run.sh" "$1" "$2" train.py "$3" --work-dir="$4" --launcher=slurm "${@:5}"
