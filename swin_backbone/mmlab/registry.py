@@ -41,7 +41,9 @@ def register(module: type, name: str = "SwinBackbone") -> List[str]:
             registry = importlib.import_module(path).MODELS
         except ImportError:
             continue
-        if registry.get(name) is not module:
+        # module_dict, not get(): get() first imports the library's models (mmdet.models, ...),
+        # which need mmcv's ops: registering must not depend on them.
+        if registry.module_dict.get(name) is not module:
             registry.register_module(name=name, module=module, force=True)
         done.append(path.split(".")[0])
     return done
