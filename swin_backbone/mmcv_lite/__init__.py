@@ -105,9 +105,8 @@ def _warn_if_both_installed() -> None:
 
 
 def _log(message: str) -> None:
-    try:
-        from mmengine.logging import print_log
+    """One line on stderr, in mmengine's log format: it is said at import, and a library's import
+    must leave stdout to the program (mmengine's own logger writes to stdout)."""
+    import time
 
-        print_log(message, logger="current")
-    except ImportError:  # pragma: no cover - mmengine is a requirement
-        print(message, file=sys.stderr)
+    print(f"{time.strftime('%m/%d %H:%M:%S')} - mmengine - INFO - {message}", file=sys.stderr, flush=True)
