@@ -105,8 +105,6 @@ def _warn_if_both_installed() -> None:
 
 
 def _log(message: str) -> None:
-    """One line on stderr, in mmengine's log format: it is said at import, and a library's import
-    must leave stdout to the program (mmengine's own logger writes to stdout)."""
-    import time
-
-    print(f"{time.strftime('%m/%d %H:%M:%S')} - mmengine - INFO - {message}", file=sys.stderr, flush=True)
+    """One line on stderr: it is said at import, and a library's import must leave stdout to the
+    program (mmengine's logger writes to stdout)."""
+    print(message, file=sys.stderr, flush=True)
