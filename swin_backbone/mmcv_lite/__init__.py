@@ -105,6 +105,11 @@ def _warn_if_both_installed() -> None:
 
 
 def _log(message: str) -> None:
-    """One line on stderr: it is said at import, and a library's import must leave stdout to the
-    program (mmengine's logger writes to stdout)."""
-    print(message, file=sys.stderr, flush=True)
+    """One line through mmengine's logger (stdout, as every mmengine log line): stderr is kept for
+    the one-line errors of the console scripts."""
+    try:
+        from mmengine.logging import print_log
+
+        print_log(message, logger="current")
+    except ImportError:  # pragma: no cover - mmengine is a requirement
+        print(message)
