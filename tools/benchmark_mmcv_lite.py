@@ -43,7 +43,11 @@ def compiled_ext():
 
 @contextlib.contextmanager
 def bound_to(ext):
-    """mmcv's layers call ``ext`` (each mmcv.ops module binds ``ext_module`` at import)."""
+    """mmcv's layers and autograd Functions call ``ext`` (each mmcv.ops module binds its
+    ``ext_module`` at import; this rebinds it, as activation does for the whole process).
+    tests/mmcv_lite uses it too."""
+    import mmcv.ops  # noqa: F401  (every op module imported, so every binding is found)
+
     modules = [m for n, m in list(sys.modules.items()) if n.startswith("mmcv.ops.") and hasattr(m, "ext_module")]
     saved = [(m, m.ext_module) for m in modules]
     for m, _ in saved:

@@ -19,7 +19,7 @@ from typing import List, Optional
 #: The module mmcv's ``ext_loader.load_ext('_ext', ...)`` imports.
 EXT_NAME = "mmcv._ext"
 
-_state = {"checked": False, "active": False}
+_state = {"checked": False}
 
 
 def compiled_ops_available() -> Optional[bool]:

@@ -39,19 +39,10 @@ class NotCoveredError(RuntimeError):
     """An mmcv op that mmcv-lite plus swin_backbone does not provide."""
 
 
-class _Float32:
-    """Autocast off for the tensors' device: the ops below run in float32 whatever the caller's
+def _float32(tensor: torch.Tensor) -> torch.autocast:
+    """Autocast off for ``tensor``'s device: the ops below run in float32 whatever the caller's
     autocast region says (their float32 casts would otherwise be undone inside it)."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.device_type = tensors[0].device.type
-
-    def __enter__(self) -> None:
-        self._ctx = torch.autocast(device_type=self.device_type, enabled=False)
-        self._ctx.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self._ctx.__exit__(*exc)
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +53,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def nms(boxes, scores, iou_threshold, offset=0):
     """mmcv's NMS (``boxes`` (N, 4) x1y1x2y2, ``scores`` (N,)): indices kept, by descending
     score. ``offset=1`` (the legacy +1 box size) is torchvision's NMS on boxes one pixel larger."""
-    with _Float32(boxes):
+    with _float32(boxes):
         boxes = boxes.float()
         if offset:
             boxes = torch.cat([boxes[:, :2], boxes[:, 2:] + offset], dim=1)
@@ -75,7 +66,7 @@ def roi_align_forward(input, rois, output, argmax_y, argmax_x, aligned_height, a
     """``input`` (N, C, H, W), ``rois`` (K, 5) (batch index, x1, y1, x2, y2) -> ``output``
     (K, C, aligned_height, aligned_width), written in place. Average pooling only."""
     _require(pool_mode == 1, "roi_align_forward", "pool_mode='max' (only pool_mode='avg' is covered)")
-    with _Float32(input):
+    with _float32(input):
         out = torchvision.ops.roi_align(_f32(input), _f32(rois), (aligned_height, aligned_width),
                                         spatial_scale, sampling_ratio, aligned)
     output.copy_(out)
@@ -86,7 +77,7 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, aligne
     """Gradient of :func:`roi_align_forward` w.r.t. its input, written into ``grad_input``."""
     _require(pool_mode == 1, "roi_align_backward", "pool_mode='max' (only pool_mode='avg' is covered)")
     # RoIAlign is linear in its input: its vector-Jacobian product does not depend on the values.
-    with torch.enable_grad(), _Float32(grad_output):
+    with torch.enable_grad(), _float32(grad_output):
         x = torch.zeros(grad_input.shape, dtype=torch.float32, device=grad_input.device, requires_grad=True)
         out = torchvision.ops.roi_align(x, _f32(rois), (aligned_height, aligned_width), spatial_scale,
                                         sampling_ratio, aligned)
@@ -111,12 +102,12 @@ def _sigmoid_focal(input, target, weight, gamma, alpha):
 
 
 def sigmoid_focal_loss_forward(input, target, weight, output, gamma, alpha):
-    with _Float32(input):
+    with _float32(input):
         output.copy_(_sigmoid_focal(_f32(input), target, weight, gamma, alpha))
 
 
 def sigmoid_focal_loss_backward(input, target, weight, grad_input, gamma, alpha):
-    with torch.enable_grad(), _Float32(input):
+    with torch.enable_grad(), _float32(input):
         x = _f32(input).detach().requires_grad_(True)
         (g,) = torch.autograd.grad(_sigmoid_focal(x, target, weight, gamma, alpha).sum(), x)
     grad_input.copy_(g)
@@ -145,7 +136,7 @@ def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
     points, 2) in [0, 1], ``attention_weights`` (bs, queries, heads, levels, points) -> output
     (bs, queries, heads * dims), in ``value``'s dtype: mmcv's own PyTorch path (grid_sample)."""
     shapes = _levels(value_spatial_shapes, value_level_start_index)
-    with _Float32(value):
+    with _float32(value):
         out = _ms_deform_attn(_f32(value), shapes, _f32(sampling_locations), _f32(attention_weights))
     return out.to(value.dtype)
 
@@ -156,7 +147,7 @@ def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index
     """Gradients of :func:`ms_deform_attn_forward` (autograd through grid_sample), written into
     ``grad_value``, ``grad_sampling_loc`` and ``grad_attn_weight``."""
     shapes = _levels(value_spatial_shapes, value_level_start_index)
-    with torch.enable_grad(), _Float32(value):
+    with torch.enable_grad(), _float32(value):
         inputs = [_f32(t).detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
         out = _ms_deform_attn(inputs[0], shapes, inputs[1], inputs[2])
         grads = torch.autograd.grad(out, inputs, _f32(grad_output))
@@ -205,7 +196,7 @@ def modulated_deform_conv_forward(input, weight, bias, ones, offset, mask, outpu
     (torchvision's ``deform_conv2d`` with its mask; ``ones`` / ``columns`` are mmcv's unused buffers)."""
     _check_dcn_groups("modulated_deform_conv_forward", input, weight, offset, kernel_h, kernel_w, group,
                       deformable_group)
-    with _Float32(input):
+    with _float32(input):
         out = _deform_conv(_f32(input), _f32(weight), _f32(bias) if with_bias else None, _f32(offset), _f32(mask),
                            (stride_h, stride_w), (pad_h, pad_w), (dilation_h, dilation_w))
     output.copy_(out)
@@ -219,7 +210,7 @@ def modulated_deform_conv_backward(input, weight, bias, ones, offset, mask, colu
     ``grad_input``, ``grad_weight``, ``grad_bias`` (with a bias), ``grad_offset`` and ``grad_mask``."""
     _check_dcn_groups("modulated_deform_conv_backward", input, weight, offset, kernel_h, kernel_w, group,
                       deformable_group)
-    with torch.enable_grad(), _Float32(input):
+    with torch.enable_grad(), _float32(input):
         leaves = [_f32(t).detach().requires_grad_(True) for t in (input, weight, offset, mask)]
         b: Optional[torch.Tensor] = _f32(bias).detach().requires_grad_(True) if with_bias else None
         out = _deform_conv(leaves[0], leaves[1], b, leaves[2], leaves[3], (stride_h, stride_w), (pad_h, pad_w),

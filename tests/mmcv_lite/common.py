@@ -1,14 +1,15 @@
 """Shared by the mmcv-lite tests: routing mmcv's layers to one ``_ext``, recording which ops they
 call, and pure-torch references written from mmcv's kernels (float64, no torchvision)."""
-import contextlib
 import importlib
 import math
 import sys
 from collections import defaultdict
-from typing import Dict, Iterator, Set
+from typing import Dict, Set
 
 import torch
 import torch.nn.functional as F
+
+from tools.benchmark_mmcv_lite import bound_to as use_ext  # noqa: F401  (one copy: the tool's)
 
 
 def lite_ext():
@@ -28,26 +29,6 @@ def compiled_ext():
         except ImportError:
             return None
     return None if getattr(module, "IS_SWIN_BACKBONE_LITE", False) else module
-
-
-def _ops_modules():
-    import mmcv.ops  # noqa: F401
-
-    return [m for name, m in list(sys.modules.items()) if name.startswith("mmcv.ops.") and hasattr(m, "ext_module")]
-
-
-@contextlib.contextmanager
-def use_ext(ext) -> Iterator[None]:
-    """mmcv's layers and autograd Functions call ``ext`` (each ``mmcv.ops`` module binds its
-    ``ext_module`` at import; this rebinds it, as activation does for the whole process)."""
-    saved = [(m, m.ext_module) for m in _ops_modules()]
-    for m, _ in saved:
-        m.ext_module = ext
-    try:
-        yield
-    finally:
-        for m, old in saved:
-            m.ext_module = old
 
 
 class Recorder:
