@@ -11,23 +11,34 @@ safetensors     8-byte little-endian header length, a JSON header, raw tensor by
                 not installed and the installed torch reads safetensors itself
 =============== =====================================================================================
 
-Anything else (a directory, an empty, text or random file, a truncated download) is a
-:class:`~swin_backbone.checkpoint.CheckpointError` naming the file, what was expected
-and what was found, before torch's unpickler sees it.
+Anything else (a directory, a FIFO or device, an empty, text or random file, a truncated
+download) is a :class:`~swin_backbone.checkpoint.CheckpointError` naming the file, what was
+expected and what was found, before torch's unpickler sees it. A pickle that names code (any
+global off the weights-only allow-list, :mod:`.allowlist`) is refused with the global's name;
+nothing in it runs (docs/checkpoints.md, "Security model").
+
+Every file the package writes (converted checkpoints, downloads and their records, the tools'
+outputs) goes through :func:`atomic_path`: a reader sees the old file or the new one, never half.
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
+import io
 import json
 import os
+import pickletools
+import re
+import stat
 import struct
-import tempfile
+import uuid
+import zipfile
 from collections import OrderedDict
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 
-from ..torch_compat import load
+from ..torch_compat import allowed_globals, load
 from .base import CheckpointError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -82,10 +93,16 @@ def sniff(path: str) -> str:
     expected = expected_for(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"checkpoint {path!r}: no such file (expected {expected})")
-    if os.path.isdir(path):
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
         inside = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(path, n))]
         hint = f"; pass the weights file inside it, e.g. {os.path.join(path, inside[0])!r}" if inside else ""
         raise CheckpointError(f"checkpoint {path!r}: is a directory, expected a file: {expected}{hint}")
+    if not stat.S_ISREG(mode):  # never opened: a FIFO blocks, a device never ends
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) \
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file"
+        raise CheckpointError(f"checkpoint {path!r}: is {kind}, not a regular file (expected {expected}); "
+                              "pass the path of the checkpoint file itself")
     size = os.path.getsize(path)
     if size == 0:
         raise CheckpointError(f"checkpoint {path!r}: the file is empty (expected {expected})")
@@ -128,22 +145,97 @@ def _first_line(err: BaseException) -> str:
 
 
 def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device] = "cpu") -> object:
-    """``torch.load(weights_only=True)`` of a sniffed torch file; any failure is a
-    :class:`CheckpointError` naming the file (never a bare error from inside the unpickler)."""
-    from ..mmlab.compat import allow_mmengine_checkpoints
-
-    allow_mmengine_checkpoints()  # Runner checkpoints, without weights_only=False
+    """``torch.load(weights_only=True)`` of a sniffed torch file (the allow-list of :mod:`.allowlist`);
+    any failure is a :class:`CheckpointError` naming the file (never a bare error from inside
+    the unpickler), and a file that asks for code names the global it asked for."""
     try:
         return load(path, map_location=map_location)
     except Exception as err:  # the unpickler raises anything from IndexError to RuntimeError
-        what = "zip archive" if kind == "torch-zip" else "pickle stream"
-        hint = ("it holds objects other than tensors and plain data (weights_only refuses them)"
-                if "weights_only" in str(err) or "Weights only" in str(err)
-                else "the file is corrupt, truncated or not a checkpoint")
-        raise CheckpointError(
-            f"checkpoint {path!r}: expected {EXPECTED_ANY}; found a {what} that torch.load cannot read "
-            f"({type(err).__name__}: {_first_line(err)}); {hint}"
-        ) from err
+        raise CheckpointError(f"checkpoint {path!r}: {_why_unreadable(path, kind, err)}") from err
+
+
+#: What the message of a refused file says first (tests and callers match it).
+ASKS_FOR_CODE = "the file asks to run code"
+
+
+def _why_unreadable(path: str, kind: str, err: BaseException) -> str:
+    refused = _code_in(path, kind)
+    if refused:
+        return (f"{ASKS_FOR_CODE}: GLOBAL {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (not a data "
+                "class on the weights-only allow-list); it was refused, nothing in it ran. A checkpoint holds "
+                "tensors and plain data: load only files from sources you trust, and re-save this one's weights "
+                "with torch.save(model.state_dict()) where you trust it")
+    text = str(err)
+    if ASKS_FOR_CODE in text:  # the getattr stand-in (allowlist.history_buffer_statistic)
+        detail = text[text.index(ASKS_FOR_CODE):].splitlines()[0]
+        return f"{detail}; it was refused, nothing in it ran (load only files from sources you trust)"
+    what = "zip archive" if kind == "torch-zip" else "pickle stream"
+    hint = ("it holds objects other than tensors and plain data (weights_only refuses them)"
+            if "weights_only" in text or "Weights only" in text
+            else "the file is corrupt, truncated or not a checkpoint")
+    return (f"expected {EXPECTED_ANY}; found a {what} that torch.load cannot read "
+            f"({type(err).__name__}: {_first_line(err)}); {hint}")
+
+
+def _code_in(path: str, kind: str) -> List[str]:
+    """The globals the file's pickles name that weights-only loading does not allow (in order,
+    once each), read with ``pickletools`` (nothing is unpickled); [] where it cannot tell."""
+    allowed = allowed_globals()
+    found: List[str] = []
+    try:
+        for stream in _pickles(path, kind):
+            for name in pickle_globals(stream):
+                if name not in allowed and name not in found:
+                    found.append(name)
+    except Exception:  # a damaged file: what was found so far
+        pass
+    return found
+
+
+def _pickles(path: str, kind: str) -> Iterator[io.BufferedIOBase]:
+    if kind == "torch-zip":
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if name.endswith(".pkl"):
+                    yield io.BytesIO(z.read(name))
+    else:  # legacy: magic number, protocol, sys info, then the object (then raw storages)
+        with open(path, "rb") as f:
+            for _ in range(4):
+                yield f
+
+
+def pickle_globals(stream: io.BufferedIOBase) -> List[str]:
+    """``module.name`` of each global one pickle names (GLOBAL, INST, STACK_GLOBAL), protocol 2's
+    Python 2 names mapped as unpickling maps them; read with ``pickletools.genops`` (no object
+    is created). Stops at the pickle's STOP."""
+    import _compat_pickle
+
+    names: List[str] = []
+    strings: List[str] = []  # the strings pushed most recently (STACK_GLOBAL takes two)
+    memo: Dict[int, str] = {}
+    top: Optional[str] = None  # the string on top of the stack, if the last opcode pushed one
+    for op, arg, _ in pickletools.genops(stream):
+        pushed = None
+        if op.name in ("GLOBAL", "INST"):
+            module, name = arg.split(" ", 1)
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+            names.append(f"{module}.{name}")
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            names.append(f"{strings[-2]}.{strings[-1]}")
+        elif isinstance(arg, str) and ("UNICODE" in op.name or op.name.endswith("STRING")):
+            pushed = arg
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            index = arg if op.name != "MEMOIZE" else len(memo)
+            memo[index] = top if top is not None else ""
+            pushed = top
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            pushed = memo.get(arg) or None
+        if pushed is not None:
+            strings.append(pushed)
+        top = pushed
+    return names
 
 
 def read_safetensors(path: str, map_location: Union[str, torch.device] = "cpu") -> Dict[str, torch.Tensor]:
@@ -171,8 +263,9 @@ def read_safetensors(path: str, map_location: Union[str, torch.device] = "cpu") 
 
 
 def _check_safetensors_header(path: str) -> None:
-    """The header's length and JSON, checked before any tensor is read, so a truncated or
-    garbled file names itself (the library's own errors do not name the file)."""
+    """The header's length, JSON and entries (``{name: {dtype, shape, data_offsets}}``), checked
+    before any tensor is read, so a truncated or garbled file names itself (the library's own
+    errors do not name the file)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
@@ -184,17 +277,43 @@ def _check_safetensors_header(path: str) -> None:
         )
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(
             f"checkpoint {path!r}: expected a safetensors file; its header is not JSON ({_first_line(err)})"
         ) from err
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
+    problem = _header_problem(header)
+    if problem:
+        raise CheckpointError(f"checkpoint {path!r}: expected a safetensors file; its header is malformed: {problem} "
+                              "(a damaged file, or not written by safetensors)")
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
     if ends and 8 + length + max(ends) > size:
         raise CheckpointError(
             f"checkpoint {path!r}: expected a complete safetensors file; its tensors need "
             f"{8 + length + max(ends)} bytes but the file has {size} (truncated)"
         )
+
+
+def _header_problem(header: object) -> str:
+    """What is wrong with a parsed safetensors header, or ''."""
+    if not isinstance(header, dict):
+        return f"expected a JSON object, found {type(header).__name__}"
+    for key, entry in header.items():
+        if key == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                return "__metadata__ must map names to strings"
+            continue
+        if not isinstance(entry, dict):
+            return f"tensor {key[:60]!r}: expected an object, found {type(entry).__name__}"
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(entry.get("dtype"), str):
+            return f"tensor {key[:60]!r}: dtype must be a string"
+        if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 2 ** 63 for n in shape):
+            return f"tensor {key[:60]!r}: shape must be a list of sizes >= 0, found {str(shape)[:60]}"
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1] < 2 ** 63):
+            return f"tensor {key[:60]!r}: data_offsets must be [begin, end] with 0 <= begin <= end, found " \
+                   f"{str(offsets)[:60]}"
+    return ""
 
 
 def _safetensors_through_torch(path: str, map_location: Union[str, torch.device]) -> Dict[str, torch.Tensor]:
@@ -237,18 +356,54 @@ def _plain_tensors(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     return OrderedDict((k, v.detach().to("cpu").contiguous().clone()) for k, v in state.items())
 
 
+#: The temporary files of :func:`atomic_path`: ``.<name>.<32 hex digits>.tmp`` beside ``<name>``.
+TEMP_NAME = ".{name}.{token}.tmp"
+#: Longest file name the temporary name keeps whole (file systems allow 255 bytes).
+_MAX_TEMP_BASE = 200
+
+
+def temp_files_of(path: str) -> List[str]:
+    """The temporary files :func:`atomic_path` may have left for exactly ``path`` (a killed
+    writer's): never another file's (``x.pth`` does not match ``x.pth.tar``'s)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(TEMP_NAME.format(name=name[:_MAX_TEMP_BASE], token="@")).replace("@",
+                                                                                                  "[0-9a-f]{32}"))
+    try:
+        return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.fullmatch(n))
+    except OSError:
+        return []
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A fresh temporary name beside ``path`` (:data:`TEMP_NAME`) to write to; renamed onto ``path``
+    when the block ends without an error, removed otherwise. A reader (or a rerun after a
+    crash) sees the old file or the new one, never half of one; the file gets the mode a plain
+    ``open`` gives (the umask's). Creates ``path``'s folder where missing."""
+    folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, TEMP_NAME.format(name=name[:_MAX_TEMP_BASE], token=uuid.uuid4().hex))
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write(path: str, data: Union[bytes, str]) -> None:
+    """Write ``data`` (bytes, or text as UTF-8) to ``path`` whole or not at all (:func:`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
 def write_checkpoint(path: str, state: Mapping[str, torch.Tensor], meta: Optional[Mapping[str, object]] = None) -> None:
-    """Write ``state`` to ``path`` atomically (a temporary file in the same folder, then a rename:
-    a failure leaves no partial file).
+    """Write ``state`` to ``path`` atomically (:func:`atomic_path`: a failure leaves no partial file).
 
     ``*.safetensors``: the tensors, with ``meta`` as string metadata (JSON for non-strings);
     any other name: ``torch.save({'state_dict': state, 'meta': meta})``.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         if is_safetensors_name(path):
             from safetensors.torch import save_file
 
@@ -257,8 +412,3 @@ def write_checkpoint(path: str, state: Mapping[str, torch.Tensor], meta: Optiona
             save_file(_plain_tensors(state), tmp, metadata=metadata)
         else:
             torch.save({"state_dict": OrderedDict(state), "meta": dict(meta or {})}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

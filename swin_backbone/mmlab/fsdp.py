@@ -17,9 +17,12 @@ values only and loads in any fresh process::
     a clear error;
   - resuming on torch >= 2.1 (mmengine calls ``FSDP.optim_state_dict_to_load`` with torch 2.0's
     argument order);
-* :func:`allow_sharded_checkpoints`: FSDP's ``ShardedTensor`` classes allow-listed for
-  ``torch.load(weights_only=True)`` (torch >= 2.6's default; mmengine passes no argument), which
-  ``state_dict_cfg='local'`` shards hold.
+* :func:`sharded_safe_globals`: FSDP's ``ShardedTensor`` classes, which ``state_dict_cfg='local'``
+  shards hold, allowed for the strategy's own weights-only loads of shards only (scoped, never
+  process-wide: unpickling a ``ShardedTensor`` consults the process group).
+
+Every load here is weights-only on every torch (:mod:`swin_backbone.checkpoint`): a file through
+:func:`~swin_backbone.checkpoint.read_checkpoint`, a shard through ``torch_compat.load``.
 """
 from __future__ import annotations
 
@@ -53,21 +56,17 @@ def swin_block_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: i
                                         transformer_layer_cls={SwinBlock, SwinBlockV2})
 
 
-@functools.lru_cache(maxsize=None)
-def allow_sharded_checkpoints() -> None:
-    """Allow-list the classes of ``state_dict_cfg='local'`` shards (``ShardedTensor`` and its
-    metadata) for ``torch.load(weights_only=True)``; a no-op where torch has no allow-list."""
+def sharded_safe_globals() -> list:
+    """The classes of ``state_dict_cfg='local'`` shards (``ShardedTensor`` and its metadata), for
+    the weights-only loads of :meth:`SwinFSDPStrategy.load_checkpoint` (scoped to them)."""
     import torch.distributed._shard.metadata as shard_metadata
     import torch.distributed._shard.sharded_tensor as sharded
     import torch.distributed._shard.sharding_spec.chunk_sharding_spec as chunk_spec
     import torch.distributed.remote_device as remote_device
 
-    from ..torch_compat import add_safe_globals
-
-    add_safe_globals([
-        sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata,
-        sharded.TensorProperties, sharded.Shard, sharded.metadata.MEM_FORMAT_ENCODING,
-        shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec, remote_device._remote_device])
+    return [sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata,
+            sharded.TensorProperties, sharded.Shard, sharded.metadata.MEM_FORMAT_ENCODING,
+            shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec, remote_device._remote_device]
 
 
 def shard_count(folder: str) -> int:
@@ -116,7 +115,6 @@ class SwinFSDPStrategy(FSDPStrategy):
     """
 
     def __init__(self, **kwargs) -> None:
-        allow_sharded_checkpoints()
         super().__init__(**kwargs)
         self.min_checkpoint_match: Optional[float] = None
         self._loaded_shards = False  # the last load_checkpoint read a shard folder (its optimizer state is local)
@@ -155,7 +153,9 @@ class SwinFSDPStrategy(FSDPStrategy):
 
         Returns the checkpoint without its ``state_dict`` (optimizer, schedulers, meta)."""
         import torch.distributed as dist
-        from mmengine.runner.checkpoint import _load_checkpoint
+
+        from ..checkpoint import read_checkpoint
+        from ..torch_compat import load
 
         shards = osp.isdir(filename)
         path = filename
@@ -172,7 +172,10 @@ class SwinFSDPStrategy(FSDPStrategy):
             from mmengine.device import get_device
 
             map_location = get_device()
-        checkpoint = _load_checkpoint(path, map_location=map_location)
+        if shards:
+            checkpoint = load(path, map_location=map_location, safe_globals=sharded_safe_globals())
+        else:
+            checkpoint = read_checkpoint(path, map_location=map_location)
         if callback is not None:
             callback(checkpoint)
         if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
@@ -242,5 +245,5 @@ def global_norm_clipping(wrapper, root: nn.Module) -> None:
     wrapper._clip_grad = functools.partial(_clip_grad_global, wrapper)
 
 
-__all__: List[str] = ["SwinFSDPStrategy", "swin_block_wrap_policy", "allow_sharded_checkpoints", "check_shards",
+__all__: List[str] = ["SwinFSDPStrategy", "swin_block_wrap_policy", "sharded_safe_globals", "check_shards",
                       "shard_count", "global_norm_clipping"]

@@ -1,0 +1,92 @@
+"""What mmengine Runner checkpoints need from weights-only loading (torch 2.0 - 2.14, mmengine 0.10).
+
+torch >= 2.6 defaults ``torch.load`` to ``weights_only=True`` and mmengine 0.10.7 calls it without
+the argument, so every Runner checkpoint (message hub, optimizer, schedulers, numpy values) fails
+there in mmdet's and mmseg's own tools. :func:`allow_mmengine_checkpoints` (run by
+``import swin_backbone``) lets them load weights-only, process-wide, with data classes and one
+restricted stand-in, never ``weights_only=False`` (docs/checkpoints.md, "Security model").
+
+What a Runner checkpoint holds (``pickletools`` on what mmengine 0.10.7's Runner saves):
+
+================================================ ===========================================================
+``collections.OrderedDict`` / ``Counter``        state dicts; ``MultiStepLR``'s milestones (torch allows both)
+``_codecs.encode``                               how protocol 2 pickles ``bytes`` (torch allows it)
+``numpy`` ``ndarray`` / ``dtype`` / ``_reconstruct`` / ``scalar``, dtype classes
+                                                 ``HistoryBuffer``'s histories, numpy scalars in ``meta``
+``mmengine...HistoryBuffer``                     the message hub's logged scalars
+``builtins.getattr``                             ``getattr(HistoryBuffer, 'min')``: protocol 2 writes
+                                                 ``HistoryBuffer.min`` / ``max`` / ``current`` / ``mean``
+                                                 (its ``_statistics_methods``) so; served by
+                                                 :func:`history_buffer_statistic`, nothing else
+================================================ ===========================================================
+
+Plus ``MessageHub`` (older mmengine saved the hub itself), ``ConfigDict`` (configs in ``meta``) and
+``defaultdict``: data classes, whose unpickling sets attributes and items and calls nothing else.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import pickle
+from typing import Any, List
+
+#: ``HistoryBuffer``'s statistics methods: what a pickled ``getattr`` may resolve, and only on
+#: ``HistoryBuffer`` itself (a statistic registered with ``register_statistics`` is a module
+#: function, pickled by its own name: refused, like any other code).
+HISTORY_BUFFER_STATISTICS = ("min", "max", "current", "mean")
+
+
+class CodeInCheckpointError(pickle.UnpicklingError):
+    """A pickle asked for an object that is code (``getattr`` beyond :func:`history_buffer_statistic`)."""
+
+
+def history_buffer_statistic(obj: Any, name: str, *default: Any) -> Any:
+    """``builtins.getattr`` as mmengine checkpoints use it: ``HistoryBuffer.<statistic>``
+    (:data:`HISTORY_BUFFER_STATISTICS`) and nothing else. A ``getattr`` on anything else
+    (``getattr(getattr, '__self__')`` reaches ``builtins``, then ``exec``) raises
+    :class:`CodeInCheckpointError` without looking the attribute up."""
+    from mmengine.logging.history_buffer import HistoryBuffer
+
+    if obj is HistoryBuffer and isinstance(name, str) and name in HISTORY_BUFFER_STATISTICS and not default:
+        return getattr(HistoryBuffer, name)
+    what = "getattr" if obj is history_buffer_statistic else obj.__qualname__ if isinstance(obj, type) or (
+        callable(obj) and hasattr(obj, "__qualname__")) else f"a {type(obj).__qualname__}"
+    raise CodeInCheckpointError(
+        f"the file asks to run code: GLOBAL builtins.getattr({what}, {name!r}) (weights-only loading resolves "
+        f"getattr only for mmengine's HistoryBuffer.{'/'.join(HISTORY_BUFFER_STATISTICS)})")
+
+
+def mmengine_safe_globals() -> List[Any]:
+    """The allow-list entries of :func:`allow_mmengine_checkpoints` (classes and ``(object,
+    "module.name")`` pairs, :func:`swin_backbone.torch_compat.add_safe_globals`)."""
+    import numpy as np
+
+    entries: List[Any] = [collections.OrderedDict, collections.defaultdict, np.ndarray, np.dtype,
+                          (history_buffer_statistic, "builtins.getattr")]
+    # numpy's reconstructors under both module names (numpy 2 moved numpy.core to numpy._core;
+    # files written with either load with either): by name, nothing imported at load time.
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        entries += [(_reconstruct, f"{module}._reconstruct"), (scalar, f"{module}.scalar")]
+    # The dtype classes of numpy >= 1.25 (numpy.dtypes.Float64DType ...), pickled for dtypes' state.
+    entries += sorted({type(np.dtype(c)) for c in np.typecodes["All"] if c not in "MmV"} - {np.dtype},
+                      key=lambda t: t.__qualname__)
+    from mmengine.config.config import ConfigDict
+    from mmengine.logging.history_buffer import HistoryBuffer
+    from mmengine.logging.message_hub import MessageHub
+
+    return entries + [HistoryBuffer, MessageHub, ConfigDict]
+
+
+@functools.lru_cache(maxsize=None)
+def allow_mmengine_checkpoints() -> None:
+    """Let weights-only loading read mmengine Runner checkpoints, process-wide: swin_backbone's
+    loads on every torch; every library's ``torch.load(weights_only=True)`` (mmengine's
+    ``--resume``, ``tools/test.py``, ``init_model``) on torch >= 2.5. Run by ``import
+    swin_backbone``; safe for any library's loads (module docstring, docs/checkpoints.md)."""
+    from ..torch_compat import add_safe_globals
+
+    add_safe_globals(mmengine_safe_globals())
