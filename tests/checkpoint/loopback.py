@@ -1,6 +1,6 @@
 """A real HTTP server on 127.0.0.1 for the checkpoint-URL tests: serves bytes by path, counts
 the requests per path, answers 404 for unknown paths, and can cut a response off part way, stall
-in the middle of one, answer an error status first or answer late."""
+in the middle of one, answer an error status first, answer late, trickle or redirect."""
 from __future__ import annotations
 
 import collections
@@ -17,7 +17,8 @@ class Loopback:
     half of it and closes the connection; ``stall``: the same, but it then sends nothing more
     until the server closes; ``fail``: path -> HTTP statuses to answer first, one per request
     (with ``Retry-After: 0``); ``delay``: path -> seconds to wait before answering;
-    ``requests``: path -> GET count."""
+    ``trickle``: path -> seconds between single bytes of the body; ``redirect``: path -> the
+    ``Location`` of a 302 answer; ``requests``: path -> GET count."""
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
@@ -25,6 +26,8 @@ class Loopback:
         self.stall: Set[str] = set()
         self.fail: Dict[str, List[int]] = {}
         self.delay: Dict[str, float] = {}
+        self.trickle: Dict[str, float] = {}
+        self.redirect: Dict[str, str] = {}
         self.requests: Dict[str, int] = collections.Counter()
         self.closing = threading.Event()
         server = self
@@ -42,6 +45,12 @@ class Loopback:
                 path = self.path  # the query string included: ``/uc?id=A`` and ``/uc?id=B`` are two files
                 server.requests[path] += 1
                 time.sleep(server.delay.get(path, 0.0))
+                if path in server.redirect:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirect[path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 body = server.files.get(path)
                 if body is None:
                     self.send_error(404, "Not Found")
@@ -61,6 +70,14 @@ class Loopback:
                     self.wfile.write(body[: len(body) // 2])
                     self.wfile.flush()
                     server.closing.wait()
+                    self.close_connection = True
+                    return
+                if path in server.trickle:
+                    for i in range(len(body)):
+                        if server.closing.wait(server.trickle[path]):
+                            break
+                        self.wfile.write(body[i:i + 1])
+                        self.wfile.flush()
                     self.close_connection = True
                     return
                 if path in server.cut:

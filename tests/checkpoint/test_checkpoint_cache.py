@@ -189,7 +189,7 @@ def test_a_stalled_server_ends_in_an_error_naming_the_url(server, torch_home, mo
         load_checkpoint(_model(), url, logger=None)
     assert time.monotonic() - start < 2.5  # two tries of 0.3 s, not the server's stall
     assert server.requests["/stall/swin_stall.pth"] == 2 and _checkpoints() == []
-    assert not [f for f in os.listdir(cache_dir()) if f.endswith((".download", ".partial"))]
+    assert not [f for f in os.listdir(cache_dir()) if f.endswith((".tmp", ".partial"))]
 
 
 def test_a_503_is_retried_and_a_lasting_one_names_the_url(server, torch_home, monkeypatch):
@@ -258,17 +258,22 @@ def test_an_unwritable_cache_is_a_clear_error_and_a_hit_writes_nothing(server, t
     assert not os.path.exists(cached_file(url) + ".lock") and server.total() == 1
 
 
-def test_stale_staging_files_are_removed(server, torch_home):
+def test_stale_staging_files_are_removed_and_only_this_files(server, torch_home):
     url = server.serve("/st/swin_stale.pth", _official(_random_model(10)))
     os.makedirs(cache_dir())
     path = cached_file(url)
-    ours_dead = path + ".0123abcd.download"  # a killed download of ours (only the lock's holder writes these)
-    torch_dead, torch_live = path + ".dead.partial", path + ".live.partial"  # torch's / mmengine's
-    for f in (ours_dead, torch_dead, torch_live):
+    folder, name = os.path.split(path)
+    ours_dead = os.path.join(folder, f".{name}.{'0' * 32}.tmp")  # a killed download of ours (the lock's holder's)
+    torch_dead, torch_live = path + "." + "a" * 32 + ".partial", path + "." + "b" * 32 + ".partial"  # torch's
+    # swin_stale.pth.tar downloads under its own lock: its staging files are not this download's
+    other_ours, other_torch = os.path.join(folder, f".{name}.tar.{'1' * 32}.tmp"), path + ".tar." + "c" * 32 + ".partial"
+    for f in (ours_dead, torch_dead, torch_live, other_ours, other_torch):
         open(f, "wb").close()
-    os.utime(torch_dead, (time.time() - 7200, time.time() - 7200))
+    for f in (torch_dead, other_torch):
+        os.utime(f, (time.time() - 7200, time.time() - 7200))
     _loaded(url)
     assert not os.path.exists(ours_dead) and not os.path.exists(torch_dead) and os.path.exists(torch_live)
+    assert os.path.exists(other_ours) and os.path.exists(other_torch)
 
 
 # ---------------------------------------------------------------- init_cfg prefix=
