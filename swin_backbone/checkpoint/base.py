@@ -4,9 +4,10 @@ Each format module registers its layouts with :func:`register_format`: Swin V1 i
 :mod:`.formats`, Swin V2 in :mod:`.formats_v2`, Hugging Face transformers in
 :mod:`.formats_hf`; :mod:`.detect` imports all three and tells the formats apart. Imports
 inside ``checkpoint/`` go one way, function-level imports included (tests/checkpoint/
-test_checkpoint_cache.py checks it): ``base`` <- ``formats`` <- ``formats_v2`` <- ``formats_hf``
-<- ``detect``; ``base`` <- ``files`` (local files) <- ``remote`` (URLs and other references);
-``detect``, ``files``, ``remote`` and ``resize`` (which needs nothing) <- ``loading`` <- ``hooks``.
+test_checkpoint_cache.py checks it): ``base`` and ``resize`` (which needs nothing) <- ``formats``
+<- ``formats_v2`` <- ``formats_hf`` <- ``detect``; ``base`` <- ``files`` (local files) <- ``remote``
+(URLs and other references); ``detect``, ``files``, ``remote`` and ``resize`` <- ``loading`` <-
+``hooks``; ``allowlist`` (what weights-only loading accepts) needs nothing of them.
 """
 from __future__ import annotations
 
@@ -88,13 +89,19 @@ def _rename(state: StateDict, rules: List[Rule], drop: Callable[[str], str]) -> 
         if reason:
             skipped[key] = reason
             continue
-        new = key
-        for pattern, repl in rules:
-            new = re.sub(pattern, repl, new)
+        new = rewrite_key(key, rules)
         out[new] = value
         if new != key:
             notes[new] = f"renamed from {key}"
     return out, notes, skipped
+
+
+def rewrite_key(key: str, rules: Iterable[Rule]) -> str:
+    """``key`` with each ``(pattern, replacement)`` of ``rules`` applied in order (``re.sub``):
+    the one way keys are rewritten, to ours (:func:`_rename`) and from ours."""
+    for pattern, repl in rules:
+        key = re.sub(pattern, repl, key)
+    return key
 
 
 def _drop_common(key: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from . import formats  # noqa: F401  (registers the Swin V1 layouts)
 from .base import FORMAT_NAMES, CheckpointError, StateDict, describe_keys, prefixed
 from .formats_hf import hf_root
-from .formats_v2 import is_v2, v2_format
+from .formats_v2 import infer_v2_arch, is_v2, v2_format
 
 #: Every format name: the V1 layouts (:mod:`.formats`), their Swin V2 variants
 #: (:mod:`.formats_v2`), then Hugging Face transformers' (:mod:`.formats_hf`).
@@ -185,3 +185,25 @@ def describe_unknown(keys: Iterable[str]) -> str:
             break
     return (f"not a Swin Transformer checkpoint of any known format ({KNOWN_FORMATS}){looks}; "
             f"keys seen: {describe_keys(keys)}")
+
+
+def infer_arch(checkpoint: Mapping, source: str = "checkpoint") -> dict:
+    """SwinBackbone (or, with ``swin_version=2``, SwinV2Backbone) keyword arguments that match a
+    checkpoint's tensors: unwrapped, detected, converted to ours, then read by
+    :func:`.formats.infer_v1_arch` / :func:`.formats_v2.infer_v2_arch`.
+
+    Raises:
+        CheckpointError: not a Swin checkpoint, or a tensor the architecture is read from is
+            missing (the message names ``source`` and the key).
+    """
+    from .base import swin_version, to_ours
+    from .formats import infer_v1_arch
+
+    raw, _ = unwrap_state_dict(checkpoint, source)
+    fmt = detect_format(raw)
+    if fmt == "unknown":
+        raise CheckpointError(f"{source}: {describe_unknown(raw)}")
+    state, _, _ = to_ours(raw, fmt)
+    if swin_version(fmt) == 2:
+        return infer_v2_arch(raw, state, source)
+    return infer_v1_arch(state, source)

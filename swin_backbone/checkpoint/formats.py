@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import Dict, List
 
 import torch
 
 from .base import FROM_OURS, CheckpointError, to_ours  # noqa: F401  (importable from here, as before)
-from .base import Converted, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename, register_format
+from .base import Converted, Rule, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename, register_format
+from .base import rewrite_key, stage_depths, stage_tensor
+from .resize import table_window
 
 V1_FORMATS = ("ours", "official", "mmdet", "timm", "torchvision")
 
@@ -92,15 +95,26 @@ def torchvision_to_ours(state: StateDict) -> Converted:
     return _rename(state, rules, _drop_common)  # type: ignore[arg-type]
 
 
+#: OpenMMLab's module names (mmdet / mmseg / mmpretrain, V1 and V2) -> ours, and back.
+MMLAB_TO_OURS: List[Rule] = [
+    (r"^patch_embed\.projection\.", "patch_embed.proj."),
+    (r"\.attn\.w_msa\.", ".attn."),
+    (r"\.ffn\.layers\.0\.0\.", ".mlp.fc1."),
+    (r"\.ffn\.layers\.1\.", ".mlp.fc2."),
+]
+OURS_TO_MMLAB: List[Rule] = [
+    (r"^patch_embed\.proj\.", "patch_embed.projection."),
+    (r"\.attn\.(qkv|proj|relative_position_bias_table|q_bias|v_bias|logit_scale|cpb_mlp)", r".attn.w_msa.\1"),
+    (r"\.mlp\.fc1\.", ".ffn.layers.0.0."),
+    (r"\.mlp\.fc2\.", ".ffn.layers.1."),
+]
+#: Our ``stages.{i}`` -> the official / timm ``layers.{i}``.
+STAGES_TO_LAYERS: List[Rule] = [(r"^stages\.", "layers.")]
+
+
 def mmdet_to_ours(state: StateDict) -> Converted:
     n = _num_stages(state, r"^stages\.(\d+)\.")
-    rules = [
-        (r"^patch_embed\.projection\.", "patch_embed.proj."),
-        (r"\.attn\.w_msa\.", ".attn."),
-        (r"\.ffn\.layers\.0\.0\.", ".mlp.fc1."),
-        (r"\.ffn\.layers\.1\.", ".mlp.fc2."),
-        _final_norm_rule(n),  # mmcls 0.x / mmpretrain state-dict version < 2
-    ]
+    rules = MMLAB_TO_OURS + [_final_norm_rule(n)]  # (norm: mmcls 0.x / mmpretrain state-dict version < 2)
     out, notes, skipped = _rename(state, rules, _drop_common)
     for key in [k for k in notes if notes[k].startswith("renamed from norm.")]:
         notes[key] += " (mmcls / mmpretrain state-dict version < 2: the last stage's norm)"
@@ -121,7 +135,7 @@ def ours_to_official(state: StateDict) -> StateDict:
 
     Absolute position embeddings stay ``(1, C, Gh, Gw)`` as in the official detection repo.
     """
-    return OrderedDict((re.sub(r"^stages\.", "layers.", k), v) for k, v in state.items())
+    return OrderedDict((rewrite_key(k, STAGES_TO_LAYERS), v) for k, v in state.items())
 
 
 def ours_to_mmdet(state: StateDict) -> StateDict:
@@ -129,17 +143,9 @@ def ours_to_mmdet(state: StateDict) -> StateDict:
 
     The absolute position embedding becomes mmdet's ``(1, Gh * Gw, C)``.
     """
-    rules = [
-        (r"^patch_embed\.proj\.", "patch_embed.projection."),
-        (r"\.attn\.(qkv|proj|relative_position_bias_table)", r".attn.w_msa.\1"),
-        (r"\.mlp\.fc1\.", ".ffn.layers.0.0."),
-        (r"\.mlp\.fc2\.", ".ffn.layers.1."),
-    ]
     out: StateDict = OrderedDict()
     for key, value in state.items():
-        new = key
-        for pattern, repl in rules:
-            new = re.sub(pattern, repl, new)
+        new = rewrite_key(key, OURS_TO_MMLAB)
         if _MERGE_CHANNELS.search(key):
             value = official_to_unfold(value)
         if key == "absolute_pos_embed" and value.dim() == 4:
@@ -154,3 +160,34 @@ register_format("official", official_to_ours, ours_to_official)
 register_format("mmdet", mmdet_to_ours, ours_to_mmdet)
 register_format("timm", timm_to_ours)
 register_format("torchvision", torchvision_to_ours)
+
+
+# ---------------------------------------------------------------- architecture from the tensors
+def infer_v1_arch(state: StateDict, source: str = "checkpoint") -> Dict[str, object]:
+    """:class:`~swin_backbone.SwinBackbone` keyword arguments that match a V1 checkpoint
+    (``state``: converted to ours): embed_dims, depths, heads, window, patch size, input
+    channels, absolute position embedding and output norms, from the tensors' shapes. Raises
+    :class:`CheckpointError` (naming ``source`` and the key) when a tensor they are read from
+    is missing (Swin V2: :func:`.formats_v2.infer_v2_arch`)."""
+    proj = state.get("patch_embed.proj.weight")
+    if proj is None:
+        raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")
+    depths = stage_depths(state, source)
+    tables = [stage_tensor(state, i, "attn.relative_position_bias_table", source) for i in range(len(depths))]
+    kwargs = dict(
+        arch=None,
+        embed_dims=int(proj.shape[0]),
+        depths=tuple(depths),
+        num_heads=tuple(int(t.shape[1]) for t in tables),
+        in_channels=int(proj.shape[1]),
+        patch_size=int(proj.shape[-1]),
+        window_size=table_window(tables[0].shape[0])[0] if tables else 7,
+        qkv_bias=any(k.endswith(".attn.qkv.bias") for k in state),
+        out_indices=tuple(i for i in range(len(depths)) if f"norm{i}.weight" in state) or (len(depths) - 1,),
+        use_abs_pos_embed="absolute_pos_embed" in state,
+    )
+    if kwargs["use_abs_pos_embed"]:
+        pos = state["absolute_pos_embed"]
+        grid = pos.shape[-2:] if pos.dim() == 4 else (int(pos.shape[1] ** 0.5),) * 2
+        kwargs["pretrain_img_size"] = (int(grid[0]) * kwargs["patch_size"], int(grid[1]) * kwargs["patch_size"])
+    return kwargs

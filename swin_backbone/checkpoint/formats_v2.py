@@ -33,8 +33,9 @@ import torch
 
 from .base import V2_FROM_OURS, swin_version  # noqa: F401  (importable from here, as before)
 from .base import CheckpointError, Converted, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename
-from .base import register_format, stage_depths, stage_tensor
-from .formats import official_to_unfold, timm_to_ours, torchvision_to_ours, unfold_to_official
+from .base import register_format, rewrite_key, stage_depths, stage_tensor
+from .formats import MMLAB_TO_OURS, OURS_TO_MMLAB, STAGES_TO_LAYERS, official_to_unfold, timm_to_ours
+from .formats import torchvision_to_ours, unfold_to_official
 
 V2_FORMATS = ("ours-v2", "official-v2", "mmpretrain-v2", "timm-v2", "torchvision-v2")
 
@@ -91,14 +92,8 @@ def torchvision_v2_to_ours(state: StateDict) -> Converted:
 
 
 def mmpretrain_v2_to_ours(state: StateDict) -> Converted:
-    rules = [
-        (r"^patch_embed\.projection\.", "patch_embed.proj."),
-        # merging at the START of stage i; ours at the end of stage i - 1
-        (r"^stages\.(\d+)\.downsample\.", lambda m: f"stages.{int(m.group(1)) - 1}.downsample."),
-        (r"\.attn\.w_msa\.", ".attn."),
-        (r"\.ffn\.layers\.0\.0\.", ".mlp.fc1."),
-        (r"\.ffn\.layers\.1\.", ".mlp.fc2."),
-    ]
+    # merging at the START of stage i; ours at the end of stage i - 1
+    rules = [(r"^stages\.(\d+)\.downsample\.", lambda m: f"stages.{int(m.group(1)) - 1}.downsample.")] + MMLAB_TO_OURS
     out, notes, skipped = _rename(state, rules, _drop_common)  # type: ignore[arg-type]
     for key in list(out):
         if re.search(r"\.downsample\.reduction\.weight$", key):
@@ -133,7 +128,7 @@ def ours_v2_to_official(state: StateDict) -> StateDict:
     for key, value in state.items():
         key = _classification_norm(state, key)
         if key:
-            out[re.sub(r"^stages\.", "layers.", key)] = value
+            out[rewrite_key(key, STAGES_TO_LAYERS)] = value
     return out
 
 
@@ -144,9 +139,25 @@ def ours_v2_to_timm(state: StateDict) -> StateDict:
         key = _classification_norm(state, key)
         if not key:
             continue
-        key = re.sub(r"^stages\.(\d+)\.downsample\.", lambda m: f"layers.{int(m.group(1)) + 1}.downsample.", key)
-        out[re.sub(r"^stages\.", "layers.", key)] = value
+        out[rewrite_key(key, _TO_TIMM)] = value
     return out
+
+
+#: ours -> timm V2: merging at the start of stage i + 1, ``layers.{i}``.
+_TO_TIMM = [(r"^stages\.(\d+)\.downsample\.", lambda m: f"layers.{int(m.group(1)) + 1}.downsample.")] + \
+    STAGES_TO_LAYERS
+#: ours -> torchvision: ``features.{k}`` interleaves the patch embedding, stages and mergings.
+_TO_TORCHVISION = [
+    (r"^patch_embed\.proj\.", "features.0.0."),
+    (r"^patch_embed\.norm\.", "features.0.2."),
+    (r"^stages\.(\d+)\.blocks\.", lambda m: f"features.{2 * int(m.group(1)) + 1}."),
+    (r"^stages\.(\d+)\.downsample\.", lambda m: f"features.{2 * int(m.group(1)) + 2}."),
+    (r"\.mlp\.fc1\.", ".mlp.0."),
+    (r"\.mlp\.fc2\.", ".mlp.3."),
+]
+#: ours -> mmpretrain V2: merging at the start of stage i + 1, OpenMMLab's module names.
+_TO_MMPRETRAIN = [(r"^stages\.(\d+)\.downsample\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.")] + \
+    OURS_TO_MMLAB
 
 
 def ours_v2_to_torchvision(state: StateDict) -> StateDict:
@@ -163,12 +174,7 @@ def ours_v2_to_torchvision(state: StateDict) -> StateDict:
                 continue
             value = torch.cat((value, torch.zeros_like(value), state[base + "v_bias"]))
             key = base + "qkv.bias"
-        key = re.sub(r"^patch_embed\.proj\.", "features.0.0.", key)
-        key = re.sub(r"^patch_embed\.norm\.", "features.0.2.", key)
-        key = re.sub(r"^stages\.(\d+)\.blocks\.", lambda m: f"features.{2 * int(m.group(1)) + 1}.", key)
-        key = re.sub(r"^stages\.(\d+)\.downsample\.", lambda m: f"features.{2 * int(m.group(1)) + 2}.", key)
-        key = key.replace(".mlp.fc1.", ".mlp.0.").replace(".mlp.fc2.", ".mlp.3.")
-        out[key] = value
+        out[rewrite_key(key, _TO_TORCHVISION)] = value
     return out
 
 
@@ -179,11 +185,7 @@ def ours_v2_to_mmpretrain(state: StateDict) -> StateDict:
     for key, value in state.items():
         if re.search(r"\.downsample\.reduction\.weight$", key):
             value = official_to_unfold(value)
-        key = re.sub(r"^patch_embed\.proj\.", "patch_embed.projection.", key)
-        key = re.sub(r"^stages\.(\d+)\.downsample\.", lambda m: f"stages.{int(m.group(1)) + 1}.downsample.", key)
-        key = re.sub(r"\.attn\.", ".attn.w_msa.", key)
-        key = key.replace(".mlp.fc1.", ".ffn.layers.0.0.").replace(".mlp.fc2.", ".ffn.layers.1.")
-        out[key] = value
+        out[rewrite_key(key, _TO_MMPRETRAIN)] = value
     return out
 
 

@@ -14,8 +14,8 @@ through a temporary file, so a failure leaves no partial output.
 
 Exit status: 0 converted, 1 the conversion failed (one line on stderr says why), 2 usage error.
 
-The conversion itself is :func:`convert_file` (with :func:`infer_arch`), usable without the
-command line.
+The conversion itself is :func:`convert_file` (with
+:func:`~swin_backbone.checkpoint.detect.infer_arch`), usable without the command line.
 """
 from __future__ import annotations
 
@@ -34,54 +34,10 @@ from ..checkpoint import (
     unwrap_state_dict,
     write_checkpoint,
 )
-from ..checkpoint.base import FROM_OURS, V2_FROM_OURS, stage_depths, stage_tensor, swin_version
-from ..checkpoint.detect import describe_unknown
-from ..checkpoint.formats_v2 import infer_v2_arch
-from ..checkpoint.resize import table_window
+from ..checkpoint.base import FROM_OURS, V2_FROM_OURS, swin_version
+from ..checkpoint.detect import infer_arch
 from ..model.backbone import SwinBackbone
 from ..model.v2 import SwinV2Backbone
-
-
-def infer_arch(checkpoint: Mapping, source: str = "checkpoint") -> dict:
-    """SwinBackbone keyword arguments that match a checkpoint's tensors.
-
-    Reads embed_dims, depths, heads, window, patch size, input channels, absolute position
-    embedding and output norms from the shapes in the (converted) state dict; V2 checkpoints
-    get :func:`~swin_backbone.checkpoint.formats_v2.infer_v2_arch`'s (with ``swin_version=2``).
-
-    Raises:
-        CheckpointError: not a Swin checkpoint, or a tensor the architecture is read from is
-            missing (the message names ``source`` and the key).
-    """
-    raw, _ = unwrap_state_dict(checkpoint, source)
-    fmt = detect_format(raw)
-    if fmt == "unknown":
-        raise CheckpointError(f"{source}: {describe_unknown(raw)}")
-    state, _, _ = to_ours(raw, fmt)
-    if swin_version(fmt) == 2:
-        return infer_v2_arch(raw, state, source)
-    proj = state.get("patch_embed.proj.weight")
-    if proj is None:
-        raise CheckpointError(f"{source}: no patch_embed.proj weight; cannot infer the architecture")
-    depths = stage_depths(state, source)
-    tables = [stage_tensor(state, i, "attn.relative_position_bias_table", source) for i in range(len(depths))]
-    kwargs = dict(
-        arch=None,
-        embed_dims=int(proj.shape[0]),
-        depths=tuple(depths),
-        num_heads=tuple(int(t.shape[1]) for t in tables),
-        in_channels=int(proj.shape[1]),
-        patch_size=int(proj.shape[-1]),
-        window_size=table_window(tables[0].shape[0])[0] if tables else 7,
-        qkv_bias=any(k.endswith(".attn.qkv.bias") for k in state),
-        out_indices=tuple(i for i in range(len(depths)) if f"norm{i}.weight" in state) or (len(depths) - 1,),
-        use_abs_pos_embed="absolute_pos_embed" in state,
-    )
-    if kwargs["use_abs_pos_embed"]:
-        pos = state["absolute_pos_embed"]
-        grid = pos.shape[-2:] if pos.dim() == 4 else (int(pos.shape[1] ** 0.5),) * 2
-        kwargs["pretrain_img_size"] = (int(grid[0]) * kwargs["patch_size"], int(grid[1]) * kwargs["patch_size"])
-    return kwargs
 
 
 def check_paths(src: str, dst: str) -> None:
