@@ -59,10 +59,13 @@ def history_buffer_statistic(obj: Any, name: str, *default: Any) -> Any:
 def mmengine_safe_globals() -> List[Any]:
     """The allow-list entries of :func:`allow_mmengine_checkpoints` (classes and ``(object,
     "module.name")`` pairs, :func:`swin_backbone.torch_compat.add_safe_globals`)."""
+    import _codecs
+
     import numpy as np
 
-    entries: List[Any] = [collections.OrderedDict, collections.defaultdict, np.ndarray, np.dtype,
-                          (history_buffer_statistic, "builtins.getattr")]
+    # OrderedDict, Counter and _codecs.encode are on torch's own list since 2.x; not on 2.0 / 2.1's.
+    entries: List[Any] = [collections.OrderedDict, collections.Counter, collections.defaultdict, _codecs.encode,
+                          np.ndarray, np.dtype, (history_buffer_statistic, "builtins.getattr")]
     # numpy's reconstructors under both module names (numpy 2 moved numpy.core to numpy._core;
     # files written with either load with either): by name, nothing imported at load time.
     try:

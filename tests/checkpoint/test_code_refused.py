@@ -262,8 +262,8 @@ def test_the_process_wide_list_holds_data_classes_and_the_stand_in_only():
     assert not [o for o in objects if any(o is f for f in forbidden)]
     assert ("builtins.getattr", history_buffer_statistic) in [(e[1], e[0]) for e in entries if isinstance(e, tuple)]
     functions = [o for o in objects if not isinstance(o, type)]
-    assert sorted(f.__name__ for f in functions) == ["_reconstruct", "_reconstruct", "history_buffer_statistic",
-                                                      "scalar", "scalar"]
+    assert sorted(f.__name__ for f in functions) == ["_reconstruct", "_reconstruct", "encode",
+                                                      "history_buffer_statistic", "scalar", "scalar"]
     if torch_compat.HAS_SAFE_GLOBALS:
         registered = torch.serialization.get_safe_globals()
         assert not [g for g in registered if any((g[0] if isinstance(g, tuple) else g) is f for f in forbidden)]
