@@ -94,11 +94,6 @@ def is_compiling() -> bool:
     return bool(fn is not None and fn())
 
 
-#: ``torch.library.custom_op`` (torch >= 2.4): the fused Triton kernel can sit inside
-#: ``torch.compile`` graphs as an opaque operator. Without it compiled graphs use plain attention.
-HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
-
-
 @functools.lru_cache(maxsize=None)
 def compile_unsupported_reason() -> Optional[str]:
     """``None`` where ``torch.compile`` can trace on this Python, else why not (torch 2.0 refuses
@@ -173,14 +168,6 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- TF32
-
-
-def matmul_allows_tf32() -> bool:
-    """torch's fp32 CUDA matmul setting. Read through ``fp32_precision`` where torch has it
-    (torch >= 2.9: reading ``allow_tf32`` raises once a program has set the newer API)."""
-    if has_fp32_precision(torch.backends.cuda.matmul):
-        return torch.backends.cuda.matmul.fp32_precision == "tf32"
-    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def has_fp32_precision(backend: Any) -> bool:

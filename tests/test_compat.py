@@ -69,12 +69,12 @@ def test_setup_cfg_declares_the_floors():
     # Nothing pins torch's companions: pip must never have a reason to replace a user's torch.
     for line in requires:
         name = line.split(";")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0].strip().lower()
-        if name in ("torch", "torchvision", "triton", "numpy"):
+        if name in ("torch", "torchvision", "numpy"):
             assert "<" not in line and "==" not in line, line
     for extra, body in cfg["options.extras_require"].items():
         for line in body.strip().splitlines():
             name = line.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip().lower()
-            if name in ("torch", "triton", "numpy"):
+            if name in ("torch", "numpy"):
                 assert not any(op in line.split(";")[0] for op in ("<", "==", ">")), (extra, line)
 
 
@@ -112,11 +112,11 @@ def _expected_missing():
     version = torch_compat.torch_version()
     py = sys.version_info[:2]
     if version == (2, 0):
-        missing = {"sdpa_scale", "custom_op", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa",
+        missing = {"sdpa_scale", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa",
                    "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 11) else set())
     if version == (2, 1):
-        missing = {"custom_op", "export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa", "compile_one_graph"}
+        missing = {"export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa", "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 12) else set())
     if version >= (2, 6):
         return set()
@@ -128,7 +128,6 @@ def test_feature_table_matches_the_installed_torch():
     missing = {name for name in FEATURES if not has_feature(name)}
     if expected is None:
         pytest.skip(f"no expectations written for torch {torch.__version__}")
-    expected &= set(FEATURES)  # (features go with what needed them: custom_op went with the Triton kernel)
     assert missing == expected, f"torch {torch.__version__}: missing {sorted(missing)}"
     for name in missing:
         reason = missing_reason(name)
