@@ -600,7 +600,8 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
 
     folder = os.path.dirname(staging)
     size = 0
-    with _writable(where, url, folder, open, staging, "wb") as f:
+    f = _writable(where, url, folder, open, staging, "wb")
+    try:
         try:
             opener = build_opener(redirects)
             response = opener.open(Request(url, headers={"User-Agent": "swin-backbone (torch.hub)"}),
@@ -672,6 +673,11 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
             f.flush()
         except OSError as err:
             raise _unwritable(where, url, folder, err, size) from None
+    finally:
+        try:
+            f.close()
+        except OSError:  # (a failed write's buffered rest: the write's own error is the one raised)
+            pass
     if expected is not None and size != expected:
         raise _Transient(f"the connection closed after {size} of {expected} bytes (cut off)")
     return headers, size, digest.hexdigest()
