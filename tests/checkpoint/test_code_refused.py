@@ -78,6 +78,11 @@ CORPUS = {
     "torch.load": (torch.load, lambda m, t: (_npy_with_pickle(t, m),)),
     "torch.hub.load": (torch.hub.load, lambda m, t: (str(t), "evil")),
     "torch.jit.load": (torch.jit.load, lambda m, t: (str(t / "x.pt"),)),
+    # torch's rebuild internals: one that unpickles without weights_only, one allowed rebuild handed code
+    "torch.storage._load_from_bytes": (torch.storage._load_from_bytes,
+                                       lambda m, t: (pickle.dumps(_Call(os.system, f"touch {m}")),)),
+    "_rebuild_from_type_v2+os.system": (torch._tensor._rebuild_from_type_v2,
+                                        lambda m, t: (os.system, torch.Tensor, (f"touch {m}",), {}), os.system),
 }
 
 
@@ -132,12 +137,13 @@ def reader(request, monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(CORPUS))
 def test_corpus_is_refused_naming_the_global(tmp_path, reader, case):
-    target, args = CORPUS[case]
+    target, args, named = (CORPUS[case] + (None,))[:3]
+    named = named or target
     marker = tmp_path / "ran"
     for how in ("alone", "state_dict", "history_buffer", "numpy"):
         path = tmp_path / f"{case}-{how}.pth"
         torch.save(_inside(_Call(target, *args(marker, tmp_path)), how), path)
-        name = _named_in(path, target.__qualname__)
+        name = _named_in(path, named.__qualname__)
         _refused(path, name, marker)
         if reader == "torch":  # any library's weights-only torch.load in this process refuses it too
             with pytest.raises(pickle.UnpicklingError):
