@@ -15,7 +15,7 @@ from swin_backbone.tools.benchmarking.ablation import ABLATIONS, V2_ABLATIONS
 
 def _run(tmp_path, *extra):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "tools/benchmark.py", "--iters", "2", "--warmup", "1", "--eval-size", "64", "96",
+    cmd = [sys.executable, "tools/analysis_tools/benchmark.py", "--iters", "2", "--warmup", "1", "--eval-size", "64", "96",
            "--train-size", "64", "--json", str(out), "--device", "cpu", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
