@@ -15,8 +15,7 @@ import torch
 from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
-from swin_backbone.tools.extraction.inputs import find_images
-from swin_backbone.tools.extraction.loading import default_workers
+from swin_backbone.tools.extraction import default_workers, find_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
