@@ -13,7 +13,7 @@ from swin_backbone import SwinBackbone
 from swin_backbone.features import IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, extract_features, pca_rgb
 from tools import extract_features as tool
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 
 @pytest.fixture(scope="module")
