@@ -17,9 +17,8 @@ from PIL import Image
 from swin_backbone.tools import extract_features as tool
 from swin_backbone.tools.extraction import default_workers, find_images
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ..helpers import EXTRACT_ARGS as SMALL
-from ..helpers import assert_same_features, features, pooled, write_images
+from ..helpers import ROOT, assert_same_features, features, pooled, write_images
 
 
 @pytest.fixture(scope="module")
