@@ -67,7 +67,7 @@ demo: setup
 	$(PY) tools/demo.py
 
 bench: setup
-	$(PY) tools/benchmark.py $(BENCH_ARGS)
+	$(PY) tools/analysis_tools/benchmark.py $(BENCH_ARGS)
 
 clean-data:
 	rm -rf data/toy_coco data/toy_ade work_dirs/demo*

@@ -291,7 +291,7 @@ def check_image(name: str, image: object) -> None:
 
     if isinstance(image, (str, bytes)) or type(image).__module__.startswith("PIL."):
         fail(name, "an (H, W, 3) uint8 RGB array or a (3, H, W) tensor (read files with "
-             "swin_backbone.images.read_rgb(path))", type(image).__name__)
+             "swin_backbone.tools.extraction.read_rgb(path))", type(image).__name__)
     if isinstance(image, np.ndarray):
         if image.ndim == 3 and image.shape[0] in (1, 3) and image.shape[2] not in (3, 4):
             fail(name, "an (H, W, 3) array (channels last; for a (3, H, W) array pass "

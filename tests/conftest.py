@@ -47,11 +47,19 @@ def chunk_budget(request):
     return {"whole": 0, "default": cpu_chunk_bytes(), "tiny": 3 * 32 * 8}[request.param]
 
 
-def small_arch(**kw):
-    """A fast Swin config for tests: real structure, fewer channels and blocks."""
-    cfg = dict(arch=None, embed_dims=32, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16), drop_path_rate=0.0)
-    cfg.update(kw)
-    return cfg
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    """The toy COCO / ADE data set of tools/make_toy_data.py (8 training, 4 validation images):
+    its folder, for the configs under configs/toy (``TOY_DATA_ROOT``)."""
+    import subprocess
+    import sys
+
+    from .helpers import ROOT
+
+    root = tmp_path_factory.mktemp("toy")
+    subprocess.run([sys.executable, "tools/make_toy_data.py", "--out", str(root), "--num-train", "8",
+                    "--num-val", "4", "--seed", "3"], check=True, cwd=ROOT)
+    return str(root)
 
 
 # ---------------------------------------------------------------------------- old stacks

@@ -32,22 +32,34 @@ mean nothing: that takes ``--random-weights`` (and is flagged in ``index.json``)
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
+import hashlib
+import io
+import json
 import math
 import os
+import re
+import signal
 import sys
+import threading
+import time
 import traceback
-from typing import Optional, Sequence
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..checkpoint.remote import is_reference
-from ..features import DTYPES, arch_names, default_window_size, split_arch
-from ..images import READERS
-from .common import one_line
-from .extraction.distributed import init_distributed
-from .extraction.loading import ImageJobs  # noqa: F401  (as before the split: the decoding dataset)
-from .extraction.orchestration import RankFailed, run
-from .extraction.outputs import OutputPlan  # noqa: F401  (as before the split: one image's files)
-from .job import in_job, leave_job
+import torch
+from torch.utils.data import DataLoader
+
+from ..checkpoint.remote import fetch, is_reference, resolve
+from ..features import DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size, mean_pool
+from ..features import split_arch
+from .common import atomic_write, one_line
+from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
+                         default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
+from .job import DistContext, Progress, in_job, init_distributed, leave_job
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -88,9 +100,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--attention", choices=("auto", "sdpa", "triton"),
-                   help="the attention kernel on CUDA (default: the backbone's, 'auto': measured on this GPU; "
-                        "SWIN_BACKBONE_ATTENTION overrides it)")
+    p.add_argument("--attention", choices=("auto", "sdpa"),
+                   help="the attention kernel (default: the backbone's; 'auto' = 'sdpa'; SWIN_BACKBONE_ATTENTION "
+                        "overrides it)")
     p.add_argument("--format", choices=("npz", "npy", "pt"), default="npz")
     p.add_argument("--png", action="store_true", help="also write a PCA visualisation per stage")
     p.add_argument("--pool", choices=("avg",), help="also write one mean-pooled vector per image and stage "
@@ -254,6 +266,388 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 def _one_line(err: BaseException) -> str:
     text = one_line(err) or type(err).__name__
     return text if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {text}"
+
+
+# -------------------------------------------------------------------------------- one run
+RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-weights), so these features come "
+                          "from an untrained backbone and mean nothing for retrieval, probing or visualisation")
+
+
+class RankFailed(RuntimeError):
+    """A rank stopped on an error; its message (already printed) says why and how to finish."""
+
+
+class Terminated(Exception):
+    """SIGTERM (torchrun stopping the job because another rank failed, or a scheduler)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"terminated by signal {signum}")
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def run(args: argparse.Namespace, ctx: DistContext) -> dict:
+    """Extract this rank's share; on rank 0, merge and return the job's summary (other ranks:
+    their own state)."""
+    wall_start = time.perf_counter()
+    paths, root = find_images(args.input, exclude=args.out_dir)
+    if not paths:
+        raise SystemExit(f"input {args.input!r}: no images found (files ending in {', '.join(IMAGE_EXTS)}"
+                         + (f"; {args.out_dir!r} is OUT_DIR, not searched" if inside(args.out_dir, args.input) else "")
+                         + ")")
+    try:
+        names = output_names(paths, root)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    if args.workers is None:
+        args.workers = default_workers(ctx.local_world_size, args.device)
+    preprocessing(args)
+    extractor = build_extractor(args, rank_device(args, ctx))
+    probe = extractor.run_batch([torch.zeros(3, 64, 64)])[0]
+    channels = OrderedDict((s, f.shape[0]) for s, f in probe.items())
+    plan = OutputPlan(args.out_dir, root, args.format, channels, maps=not args.no_maps, png=args.png, names=names)
+    weights = dict(checkpoint=args.checkpoint, random=bool(args.random_weights),
+                   seed=args.seed if args.random_weights else None)
+    warnings = [RANDOM_WEIGHTS_WARNING] if args.random_weights else []
+    if ctx.rank == 0:
+        for w in warnings:
+            print(f"WARNING: {w}", file=sys.stderr, flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    check_settings(args, ctx, feature_settings(args, channels))
+
+    state = RankState(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
+    pooled = done_pooled = None
+    if args.pool:
+        pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels)
+        done_pooled = set() if args.overwrite else pooled.load_existing({plan.key(p) for p in state.assigned})
+    ctx.barrier()  # every rank has read the old pooled files before any are replaced
+
+    progress = Progress(ctx, len(state.assigned), len(paths), enabled=not args.no_progress)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
+    try:
+        extract_share(args, extractor, plan, state, pooled, done_pooled, progress)
+        progress.follow_others(args.dist_timeout * 60)
+    except BaseException as err:
+        message = _record_stop(args, ctx, state, pooled, err)
+        if isinstance(err, Exception) and not isinstance(err, Terminated):
+            raise RankFailed(message) from err
+        raise
+    finally:
+        progress.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+    state.status = "complete"
+    if pooled is not None:
+        shard = pooled.write_shard([plan.key(state.assigned[i]) for i in sorted(state.rows)])
+        state.pooled_file = os.path.relpath(shard, args.out_dir).replace(os.sep, "/")
+    info = state.to_json()
+    atomic_write(state.path(args.out_dir), json.dumps(info, indent=1).encode())
+    if ctx.world_size > 1:
+        print(f"rank {ctx.rank}: {info['new']} new images in {info['seconds']:.1f} s "
+              f"({info['images_per_second']:.2f} img/s), {info['resumed']} already complete, "
+              f"{len(info['failed'])} skipped", file=sys.stderr, flush=True)
+    gathered = ctx.gather(info)  # waits for every rank
+    if ctx.rank != 0 or gathered is None:
+        return info
+
+    return _finish_job(args, ctx, gathered, paths, time.perf_counter() - wall_start, weights, warnings)
+
+
+def _record_stop(args: argparse.Namespace, ctx: DistContext, state: RankState, pooled: Optional[PooledStore],
+                 err: BaseException) -> str:
+    """A rank stopped by ``err`` (an error, Ctrl-C, SIGTERM): keep its pooled vectors, write its
+    record with what is pending, and say so on stderr; the message."""
+    state.status = "interrupted" if isinstance(err, (KeyboardInterrupt, Terminated)) else "failed"
+    state.error = f"{type(err).__name__}: {err}"
+    if pooled is not None:
+        pooled.flush()
+    info = state.to_json()
+    info["traceback"] = traceback.format_exc()
+    atomic_write(state.path(args.out_dir), json.dumps(info, indent=1).encode())
+    message = (f"rank {ctx.rank} of {ctx.world_size} {state.status}"
+               + (f" on {', '.join(state.in_flight)}" if state.in_flight else "")
+               + f": {state.error}; {len(info['pending'])} of its {len(state.assigned)} images are not done "
+               f"(listed under 'pending' in {state.path(args.out_dir)}); run the same command again to finish them")
+    print(message, file=sys.stderr, flush=True)
+    return message
+
+
+def _finish_job(args: argparse.Namespace, ctx: DistContext, gathered: List[dict], paths: List[str], wall: float,
+                weights: dict, warnings: List[str]) -> dict:
+    """Rank 0, every rank done: the index, older runs' shards and rank records removed, the
+    summary printed; the summary."""
+    summary = write_index(args, gathered, paths, wall, weights, warnings)
+    PooledStore.remove_stale(args.out_dir, ctx.world_size)
+    RankState.remove_stale(args.out_dir, ctx.world_size)
+    for item in summary["failed"]:
+        print(f"skipped {item['image']}: {item['error']}", file=sys.stderr)
+    for note in summary["notes"]:
+        print(f"warning: {note}", file=sys.stderr)
+    for w in warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
+    print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
+          f"{ctx.world_size} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
+          f"{len(summary['failed'])} skipped, images read with {summary['reader']}", flush=True)
+    print(f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
+    return summary
+
+
+# ------------------------------------------------------ what decides the features' values
+SETTINGS_FILE = "settings.json"
+
+
+def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
+    """What decides the features' values: a rerun into the same OUT_DIR must match it."""
+    ckpt = None
+    if args.checkpoint:
+        path, name = args.checkpoint, os.path.basename(args.checkpoint)
+        if is_reference(args.checkpoint):  # a URL: its cached file (downloaded once), named by the URL
+            path, name = (fetch(args.checkpoint)[0] if resolve(args.checkpoint)[0] != "mmengine" else None), path
+        digest = hashlib.sha256()
+        if path is not None:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 23), b""):
+                    digest.update(chunk)
+        ckpt = dict(file=name, sha256=digest.hexdigest() if path is not None else None)
+    model = dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
+                 window_size=args.window_size)
+    if args.pretrained_window_sizes is not None:  # (V2 only; absent otherwise, as before V2 existed)
+        model["pretrained_window_sizes"] = args.pretrained_window_sizes
+    return dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
+                checkpoint=ckpt, random_weights_seed=args.seed if args.random_weights else None,
+                stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=list(args.mean),
+                std=list(args.std), dtype=args.dtype, reader=args.reader)
+
+
+def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -> None:
+    """Refuse an OUT_DIR that holds features made with other ``settings`` (unless ``--overwrite``),
+    then (rank 0) record these."""
+    path = os.path.join(args.out_dir, SETTINGS_FILE)
+    if not args.overwrite and os.path.isfile(path):
+        with open(path) as f:
+            previous = json.load(f)
+        current = json.loads(json.dumps(settings))  # (as it would read back: lists for tuples)
+        if previous != current:
+            diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+            raise SystemExit(f"out_dir {args.out_dir!r}: holds features made with other settings ({', '.join(diff)} "
+                             f"differ, see {path}); pass --overwrite to redo everything, or use another OUT_DIR")
+    ctx.barrier()  # every rank has compared before rank 0 replaces the file
+    if ctx.rank == 0:
+        atomic_write(path, json.dumps(settings, indent=1).encode())
+
+
+def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
+    common = dict(stages=args.stages, mean=args.mean, std=args.std, resize=args.resize,
+                  batch_size=args.batch_size, device=device, dtype=args.dtype, seed=args.seed)
+    if args.config:
+        return FeatureExtractor.from_config(args.config, args.checkpoint, attention=args.attention, **common)
+    if args.attention is not None:
+        common["attention"] = args.attention
+    return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
+                                      embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
+                                      pretrained_window_sizes=args.pretrained_window_sizes, **common)
+
+
+def rank_device(args: argparse.Namespace, ctx: DistContext) -> str:
+    """The device this rank runs on: under torchrun with CUDA, cuda:LOCAL_RANK (made current)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and ctx.world_size > 1:
+        if device.index is not None:
+            raise SystemExit(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
+                             "pass --device cuda")
+        torch.cuda.set_device(ctx.local_rank)
+        return f"cuda:{ctx.local_rank}"
+    return args.device
+
+
+def reader_label(args: argparse.Namespace) -> str:
+    """How images were decoded, for the summary: mmcv's loader settings, or the Pillow fallback."""
+    if args.reader == "mmcv":
+        return f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
+    return "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)"
+
+
+def preprocessing(args: argparse.Namespace) -> None:
+    """Decoder, loader settings and mean / std: with ``--config``, its test pipeline's
+    ``LoadImageFromFile`` and its data preprocessor's (unless --mean / --std are given)."""
+    args.reader = resolve_reader(args.reader)
+    args.loader = LoaderSettings()
+    if args.config:
+        from mmengine.config import Config
+
+        cfg = Config.fromfile(args.config)
+        args.loader = loader_settings(cfg)
+        preprocessor = (cfg.get("model") or {}).get("data_preprocessor") or {}
+        if args.mean is None and preprocessor.get("mean") is not None:
+            args.mean = [float(v) for v in preprocessor["mean"]]
+        if args.std is None and preprocessor.get("std") is not None:
+            args.std = [float(v) for v in preprocessor["std"]]
+    args.mean = list(IMAGENET_MEAN) if args.mean is None else args.mean
+    args.std = list(IMAGENET_STD) if args.std is None else args.std
+
+
+# ----------------------------------------------------------------------- one rank's share
+RANKS_DIR = "ranks"
+
+
+@dataclass
+class RankState:
+    """What one rank did: written to ``ranks/rank-RRRRR-of-WWWWW.json`` when it stops, whatever the reason."""
+
+    rank: int
+    world_size: int
+    assigned: List[str]
+    status: str = "running"
+    error: Optional[str] = None
+    new: int = 0
+    resumed: int = 0
+    seconds: float = 0.0
+    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> rows
+    failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
+    notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
+    in_flight: List[str] = field(default_factory=list)
+    pooled_file: Optional[str] = None
+
+    def to_json(self) -> dict:
+        done = sorted(self.rows)
+        finished = set(done) | set(self.failed)
+        return dict(rank=self.rank, world_size=self.world_size, status=self.status, error=self.error,
+                    assigned=len(self.assigned), images=len(done), new=self.new, resumed=self.resumed,
+                    seconds=round(self.seconds, 3), images_per_second=round(self.new / max(self.seconds, 1e-9), 3),
+                    failed=[dict(image=self.assigned[i], error=e) for i, e in sorted(self.failed.items())],
+                    in_flight=self.in_flight, pending=[p for i, p in enumerate(self.assigned) if i not in finished],
+                    pooled_file=self.pooled_file, notes=self.notes, features=[r for i in done for r in self.rows[i]])
+
+    def path(self, out_dir: str) -> str:
+        return os.path.join(out_dir, RANKS_DIR, f"rank-{self.rank:05d}-of-{self.world_size:05d}.json")
+
+    @staticmethod
+    def remove_stale(out_dir: str, world_size: int) -> None:
+        """Rank 0, after every rank wrote its record: delete the records of runs with another world size."""
+        ranks_dir = os.path.join(out_dir, RANKS_DIR)
+        for name in os.listdir(ranks_dir):
+            if re.fullmatch(r"rank-\d{5}-of-\d{5}\.json", name) and not name.endswith(f"-of-{world_size:05d}.json"):
+                os.remove(os.path.join(ranks_dir, name))
+
+
+class _InlineExecutor:
+    """``ThreadPoolExecutor``'s ``submit`` without threads: runs the call now."""
+
+    def __enter__(self) -> "_InlineExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as err:
+            fut.set_exception(err)
+        return fut
+
+
+def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, state: RankState,
+                  pooled: Optional[PooledStore], done_pooled: Optional[Set[str]], progress: Progress) -> None:
+    """The rank's loop: workers decode, images are batched (mixed sizes where the backbone takes
+    per-image valid sizes, else by size), a writer thread writes."""
+    cuda = extractor.device.type == "cuda"
+    jobs = ImageJobs(state.assigned, plan, tuple(args.resize) if args.resize else None,
+                     skip_complete=not args.overwrite, pooled=done_pooled, reader=args.reader, loader=args.loader)
+    loader = DataLoader(jobs, batch_size=None, shuffle=False, num_workers=args.workers, collate_fn=as_is,
+                        pin_memory=cuda, prefetch_factor=max(2, args.batch_size) if args.workers else None)
+    buckets: "OrderedDict[Optional[Tuple[int, int]], List[dict]]" = OrderedDict()
+    max_held = 8 * args.batch_size  # decoded images waiting for same-size partners, at most
+    writes: Deque[Tuple[int, Future]] = deque()
+
+    def reap(keep: int) -> None:
+        while writes and (len(writes) > keep or writes[0][1].done()):
+            i, fut = writes.popleft()
+            try:
+                state.rows[i] = fut.result()
+            except Exception as err:
+                state.in_flight = [state.assigned[i]]  # the image the failure is about
+                raise RuntimeError(f"writing its outputs: {type(err).__name__}: {err}") from err
+            state.new += 1
+            progress.update(1)
+
+    def run(batch: List[dict]) -> None:
+        state.in_flight = [state.assigned[it["i"]] for it in batch]
+        feats = extractor.run_batch([it["image"] for it in batch])
+        for it, feat in zip(batch, feats):
+            path = state.assigned[it["i"]]
+            if pooled is not None:
+                pooled.add(plan.key(path), mean_pool(feat))
+            writes.append((it["i"], writer.submit(plan.write, path, feat, it["shown"])))
+        reap(keep=2 * args.batch_size)
+
+    start = time.perf_counter()
+    # On CUDA two threads write while the GPU computes; on the CPU the forward already uses
+    # every core, and extra threads there stall its OpenMP regions, so writes happen inline.
+    with (ThreadPoolExecutor(max_workers=2, thread_name_prefix="write") if cuda else _InlineExecutor()) as writer:
+        try:
+            for item in loader:
+                if item["status"] == "done":
+                    state.rows[item["i"]] = item["rows"]
+                    state.resumed += 1
+                    progress.update(1)
+                elif item["status"] == "failed":
+                    state.failed[item["i"]] = item["error"]
+                    progress.update(1)
+                else:
+                    if item.get("note"):
+                        state.notes.append(item["note"])
+                    # One bucket where the backbone batches mixed sizes exactly, else one per size.
+                    size = None if extractor.mixed_sizes else tuple(item["image"].shape[-2:])
+                    buckets.setdefault(size, []).append(item)
+                    if len(buckets[size]) >= args.batch_size:
+                        run(buckets.pop(size))
+                    elif sum(map(len, buckets.values())) >= max_held:
+                        run(buckets.pop(next(iter(buckets))))  # the oldest size waits no longer
+            while buckets:
+                run(buckets.pop(next(iter(buckets))))
+            reap(keep=0)
+        finally:
+            state.seconds = time.perf_counter() - start
+            for _, fut in writes:
+                fut.cancel()
+    state.in_flight = []
+
+
+# ------------------------------------------------------------------------- rank 0's index
+INDEX_FIELDS = ["image", "stage", "shape", "dtype", "file", "key"]
+
+
+def write_index(args: argparse.Namespace, states: List[dict], paths: List[str], wall: float, weights: dict,
+                warnings: List[str]) -> dict:
+    """Rank 0: the index of the whole job, from every rank's state, and the summary."""
+    order = {p: i for i, p in enumerate(paths)}
+    rows = sorted((r for s in states for r in s["features"]), key=lambda r: (order[r["image"]], r["stage"], r["file"]))
+    failed = sorted((f for s in states for f in s["failed"]), key=lambda f: order[f["image"]])
+    new, resumed = sum(s["new"] for s in states), sum(s["resumed"] for s in states)
+    images = sum(s["images"] for s in states)
+    ranks = [dict({k: s[k] for k in ("rank", "assigned", "images", "new", "resumed", "seconds", "images_per_second")},
+                  failed=len(s["failed"])) for s in states]  # (not ``|``: Python 3.8 has no dict union)
+    pooled = [dict(file=s["pooled_file"], images=s["images"], rank=s["rank"]) for s in states if s["pooled_file"]]
+    notes = [n for s in states for n in s.get("notes", [])]
+    summary = dict(images=images, new=new, resumed=resumed, failed=failed, notes=notes, reader=reader_label(args),
+                   seconds=round(wall, 3),
+                   images_per_second=round(new / max(wall, 1e-9), 3), world_size=len(states), workers=args.workers,
+                   batch_size=args.batch_size, weights=weights, warnings=warnings, pooled=pooled, ranks=ranks,
+                   features=rows)
+    atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1).encode())
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=INDEX_FIELDS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(dict(row, shape="x".join(map(str, row["shape"]))))
+    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue().encode())
+    return summary
 
 
 if __name__ == "__main__":

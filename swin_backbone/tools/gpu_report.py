@@ -1,245 +1,161 @@
-"""The GPU report of ``swin-benchmark --device cuda --report``: what a user pastes into a bug
-report, and what any of us runs first on a GPU.
+"""The prepared GPU run: the benchmark's main rows on one GPU within minutes, as JSON and as the
+table of docs/performance.md, with the card they ran on.
 
-It lists the machine (GPU, compute capability, driver, torch / CUDA / cuDNN / triton versions,
-whether the fused Triton kernel's gate admits it), then, at the attention shapes of Swin-T and
-Swin-B stages on an 800 x 1344 image, per dtype, forward-only and training, checks both window
-attention kernels against the float64 reference algorithm and times them: the fused Triton
-kernel (after :func:`~swin_backbone.ops.triton_attention.verify_once`) and SDPA (the default:
-windows partitioned, the per-window bias handed to the memory-efficient kernel, reversed).
-The table is Markdown, to paste. Nothing here decides anything for the backbone.
+    python -m swin_backbone.tools.gpu_report --json gpu.json --markdown gpu.md
+    python -m swin_backbone.tools.gpu_report --device cpu --size 64 96 --padded-size 40 64 --iters 1   # a smoke run
+
+In this order (ours, mmdet, timm and torchvision where installed; Swin-T, the same weights for
+ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --device cuda`` runs it:
+
+1. eval bf16 at 1 and 8 images, training fwd+bwd bf16 at 2 images;
+2. peak training memory bf16 at 2 images (a fresh process per model);
+3. the padded detection batch (``--padded-size``: an 800x1333 landscape beside a 1333x800
+   portrait, 41% padding), eval and training bf16: mmdet, ours with ``valid_sizes``, ours
+   without;
+4. ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of ours and mmdet (minutes of
+   compiling: last, and skipped with a note once ``--budget`` is spent).
+
+The JSON and the Markdown are rewritten after every row, so a run cut short keeps the rows it
+finished. On the CPU (``--device cpu``) every row runs the same code at whatever size is given.
 """
 from __future__ import annotations
 
-import platform
-import statistics
+import argparse
+import os
+import sys
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from ..model.presets import ARCH_SETTINGS
-from ..ops import triton_attention as ta
-from ..ops.windows import output_size, padded_size, relative_position_index, window_attention_mask
-from ..torch_compat import scaled_dot_product_attention
+from . import benchmark
+from . import benchmarking as B
+from .common import atomic_write, one_line
 
-#: The architectures and input of the report's attention rows.
-REPORT_ARCHES = ("tiny", "base")
-REPORT_SIZE = (800, 1344)
-REPORT_BATCH = 2
-WINDOW = 7
-#: Timed repetitions per kernel and row (the median is reported), after one warm-up.
-REPEAT = 10
-
-Outputs = Tuple[torch.Tensor, ...]
+#: The timed rows of (1), as :data:`~swin_backbone.tools.benchmark.CUDA_ROWS`.
+ROWS = [("eval", 1, torch.bfloat16, None), ("eval", 8, torch.bfloat16, None), ("train", 2, torch.bfloat16, None)]
+#: The columns of the table, in docs/performance.md's order: model -> its name there.
+COLUMNS = {"mmdet": "mmdet", "timm": "timm", "torchvision": "torchvision", "ours": "SwinBackbone"}
 
 
-def _driver_version() -> Optional[str]:
-    try:
-        import ctypes
-
-        version = ctypes.c_int()
-        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
-        return str(version.value)
-    except (OSError, AttributeError):
-        return None
-
-
-def environment() -> Dict[str, object]:
-    """The machine and the versions that decide which kernels work."""
-    from .. import __version__
-
-    info: Dict[str, object] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "triton": getattr(ta.triton, "__version__", None),
-        "swin_backbone": __version__,
-        "driver": _driver_version(),
-    }
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
-        gate = ta.static_reason(torch.float16, torch.device("cuda", index), WINDOW, 1, 32)
-        info["triton_kernel"] = "allowed" if gate is None else f"declined: {gate}"
-    return info
+def label(key: str, row: dict) -> str:
+    """A row's name in the table, from its key (``compiled_train_bf16_2x3x800x1344`` ->
+    ``torch.compile train fwd+bwd bf16 2x3x800x1344``)."""
+    words = key.replace("compiled", "torch.compile").replace("train", "train fwd+bwd").split("_")
+    if "padding" in row:
+        (h, w), (h2, w2) = row["sizes"]
+        words.append(f"(images {h}x{w} + {h2}x{w2}, {100 * row['padding']:.0f}% padding)")
+    return " ".join(words)
 
 
-def attention_shapes(arches: Sequence[str] = REPORT_ARCHES, size: Tuple[int, int] = REPORT_SIZE,
-                     patch_size: int = 4) -> List[Dict[str, int]]:
-    """Per architecture and stage: the token map, heads and head dim of its attention."""
-    rows = []
-    for arch in arches:
-        preset = ARCH_SETTINGS[arch]
-        maps = output_size(size[0], size[1], patch_size, len(preset["depths"]))
-        for i, (h, w) in enumerate(maps):
-            channels = preset["embed_dims"] * 2**i
-            heads = preset["num_heads"][i]
-            rows.append(dict(arch=arch, stage=i, height=h, width=w, num_heads=heads, head_dim=channels // heads))
-    return rows
-
-
-def dtypes_for(device: torch.device) -> List[torch.dtype]:
-    """fp32, fp16, and bf16 where the GPU computes it natively (compute capability >= 8.0;
-    ``torch.cuda.is_bf16_supported()`` is also true where it is emulated)."""
-    dtypes = [torch.float32, torch.float16]
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        dtypes.append(torch.bfloat16)
-    return dtypes
-
-
-def sdpa_window_attention(qkv: torch.Tensor, table: torch.Tensor, height: int, width: int, window: int, shift: int,
-                          table_window: int, num_heads: int, scale: float) -> torch.Tensor:
-    """Window attention through SDPA, as the backbone's default path computes it: ``(B, H * W, 3C)``
-    row-major qkv -> ``(B, H * W, C)``.
-
-    Pad, shift and partition qkv; windows into SDPA's head dimension ``(B, nW * nH, N, d)`` so
-    that one per-window bias (relative position bias + region mask, 8-aligned rows, the
-    query's dtype: the memory-efficient kernel's conditions, which also give the bias its
-    gradient) broadcasts over the batch; reverse."""
-    batch, _, three_c = qkv.shape
-    channels, n = three_c // 3, window * window
-    head_dim = channels // num_heads
-    hp, wp = padded_size(height, window), padded_size(width, window)
-    x = F.pad(qkv.view(batch, height, width, three_c), (0, 0, 0, wp - width, 0, hp - height))
-    x = torch.roll(x, (-shift, -shift), (1, 2)) if shift else x
-    rows, cols = hp // window, wp // window
-    x = x.view(batch, rows, window, cols, window, 3, num_heads, head_dim)
-    q, k, v = x.permute(5, 0, 1, 3, 6, 2, 4, 7).reshape(3, batch, rows * cols * num_heads, n, head_dim).unbind(0)
-    bias = table[relative_position_index(window, table_window, qkv.device)].view(n, n, num_heads).permute(2, 0, 1)
-    pad = -n % 8
-    mask = window_attention_mask(height, width, window, shift, True, qkv.device, qkv.dtype)
-    mask = torch.zeros(rows * cols, n, n, device=qkv.device, dtype=qkv.dtype) if mask is None else mask
-    attn_bias = (F.pad(mask, (0, pad))[:, None] + F.pad(bias.to(qkv.dtype), (0, pad))).narrow(-1, 0, n)
-    out = scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.reshape(1, -1, n, n), scale=scale)
-    out = out.view(batch, rows, cols, num_heads, window, window, head_dim).permute(0, 1, 4, 2, 5, 3, 6)
-    out = out.reshape(batch, hp, wp, channels)
-    out = torch.roll(out, (shift, shift), (1, 2)) if shift else out
-    return out[:, :height, :width].reshape(batch, height * width, channels)
-
-
-def _timer(device: torch.device, repeat: int) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of ``fn`` over ``repeat`` runs after one warm-up, on ``device``."""
-    def cuda(fn: Callable[[], object]) -> float:
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device)
-            fn()
-            times = []
-            for _ in range(repeat):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                fn()
-                end.record(stream)
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    def cpu(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return cuda if device.type == "cuda" else cpu
-
-
-def _run(kernel: Callable[..., torch.Tensor], qkv: torch.Tensor, table: torch.Tensor, grad_out: torch.Tensor,
-         args: tuple, training: bool) -> Outputs:
-    """The output and, in training, the gradients of qkv and the table for ``grad_out``."""
-    if not training:
-        with torch.no_grad():
-            return (kernel(qkv, table, *args),)
-    qkv, table = qkv.detach().requires_grad_(), table.detach().requires_grad_()
-    out = kernel(qkv, table, *args)
-    return (out.detach(),) + torch.autograd.grad(out, (qkv, table), grad_out)
-
-
-def _relative_error(got: Outputs, expected: Outputs) -> float:
-    """Largest error over the outputs, each relative to its reference's largest magnitude."""
-    errors = [float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, expected)]
-    return max(errors)
-
-
-def kernel_rows(
-    device: torch.device,
-    shapes: Iterable[Dict[str, int]],
-    dtypes: Sequence[torch.dtype],
-    batch: int = REPORT_BATCH,
-    window: int = WINDOW,
-    repeat: int = REPEAT,
-) -> List[Dict[str, object]]:
-    """Per shape, dtype and mode: each kernel's largest relative error against the float64
-    reference (output, and in training the gradients of qkv and the table) and its time (ms,
-    median), or why it did not run."""
-    rows = []
-    timer = _timer(device, repeat)
-    for shape in shapes:
-        h, w, heads, head_dim = shape["height"], shape["width"], shape["num_heads"], shape["head_dim"]
-        channels, shift = heads * head_dim, window // 2 if min(h, w) > window else 0
-        args = (h, w, window, shift, window, heads, head_dim ** -0.5)
-        for dtype in dtypes:
-            name = "tf32" if ta._input_precision(dtype, device) == "tf32" else ta._DTYPES[dtype]
-            generator = torch.Generator(device=device).manual_seed(0)
-            qkv = torch.randn(batch, h * w, 3 * channels, generator=generator, device=device).to(dtype)
-            table = torch.randn((2 * window - 1) ** 2, heads, generator=generator, device=device) * 0.5
-            grad_out = torch.randn(batch, h * w, channels, generator=generator, device=device).to(dtype)
-            for training in (False, True):
-                with torch.enable_grad() if training else torch.no_grad():
-                    expected = _run(ta.reference_attention, qkv.double(), table.double(), grad_out.double(), args,
-                                    training)
-                errors: Dict[str, float] = {}
-                times: Dict[str, float] = {}
-                rejected: Dict[str, str] = {}
-                reason = ta.static_reason(dtype, device, window, heads, head_dim, height=h, width=w)
-                if reason is None:
-                    try:
-                        ta.verify_once(device, dtype)
-                    except RuntimeError as error:
-                        reason = str(error)
-                if reason is not None:
-                    rejected["triton"] = reason
-                for kernel_name, kernel in (("triton", ta.triton_window_attention), ("sdpa", sdpa_window_attention)):
-                    if kernel_name in rejected:
-                        continue
-                    errors[kernel_name] = _relative_error(_run(kernel, qkv, table, grad_out, args, training), expected)
-                    times[kernel_name] = timer(lambda: _run(kernel, qkv, table, grad_out, args, training))
-                del expected
-                rows.append(dict(shape, window=window, batch=batch, dtype=name, mode="train" if training else "eval",
-                                 times_ms=times, errors=errors, rejected=rejected))
-    return rows
-
-
-def format_rows(rows: Sequence[Dict[str, object]]) -> List[str]:
-    """A Markdown table: one line per row, both kernels' times and errors, and the speed-up."""
-    lines = ["| arch | stage | batch x map | window | heads x dim | dtype | mode | triton ms | sdpa ms | "
-             "sdpa / triton | triton err | sdpa err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        times, errors = r["times_ms"], r["errors"]
-        triton_ms = f"{times['triton']:.3f}" if "triton" in times else f"declined: {r['rejected'].get('triton')}"
-        ratio = f"{times['sdpa'] / times['triton']:.2f}x" if {"triton", "sdpa"} <= set(times) else "-"
-        lines.append(
-            f"| {r['arch']} | {r['stage']} | {r['batch']}x{r['height']}x{r['width']} | w{r['window']} | "
-            f"{r['num_heads']}x{r['head_dim']} | {r['dtype']} | {r['mode']} | {triton_ms} | "
-            f"{times['sdpa']:.3f} | {ratio} | "
-            + " | ".join(f"{errors[k]:.1e}" if k in errors else "-" for k in ("triton", "sdpa")) + " |"
-        )
+def markdown(results: dict) -> List[str]:
+    """docs/performance.md's table of ``results``: one line per row, each model's median time (or
+    peak memory), and ours against mmdet (a speedup, or the memory ratio)."""
+    env = results.get("environment", {})
+    head = [f"{name} {env.get(k) or ''}".rstrip() for k, name in COLUMNS.items()]
+    lines = [f"{env.get('gpu') or env.get('cpu', '?')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+             f"driver {env.get('driver')}; {results.get('date')}, {results.get('iters')} interleaved rounds, medians",
+             "", "| measure | " + " | ".join(head) + " | ours vs mmdet |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for key, row in results.items():
+        if isinstance(row, dict) and "median_s" in row:
+            med = row["median_s"]
+            cells = [f"{med[k] * 1e3:.1f} ms" if k in med else "" for k in COLUMNS]
+            ratio = row.get("speedup_over_mmdet", {}).get("ours")
+            lines.append(f"| {label(key, row)} | " + " | ".join(cells)
+                         + (f" | **{ratio:.2f}x** |" if ratio else " | |"))
+            if "ours_without_valid_sizes" in med:
+                gain = row["ours_speedup_over"]["ours_without_valid_sizes"] if "ours_speedup_over" in row else (
+                    row["speedup_over_ours"]["ours_without_valid_sizes"] ** -1)
+                lines.append(f"| {label(key, row)}, ours without valid_sizes | | | | "
+                             f"{med['ours_without_valid_sizes'] * 1e3:.1f} ms | valid_sizes **{gain:.2f}x** faster |")
+        elif key == "peak_memory":
+            cells = [f"{row[f'{k}_bytes'] / 2**20:.0f} MiB" if f"{k}_bytes" in row else "" for k in COLUMNS]
+            ratio = row.get("ratio_over_mmdet")
+            lines.append(f"| peak training memory bf16 {row['size']} | " + " | ".join(cells)
+                         + (f" | **{ratio:.2f}x** |" if ratio else " | |"))
+    lines += [""] + [f"Not run: {note}" for note in results.get("skipped", [])]
     return lines
 
 
-def report(device: Optional[torch.device] = None) -> Dict[str, object]:
-    """The environment and the kernel rows on ``device`` (default: the current CUDA device)."""
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    env = environment()
-    print("GPU report: " + ", ".join(f"{k} {v}" for k, v in env.items()))
-    rows = kernel_rows(device, attention_shapes(), dtypes_for(device))
-    for line in format_rows(rows):
-        print(line)
-    return {"environment": env, "attention_kernels": rows}
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m swin_backbone.tools.gpu_report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--json", default="gpu_report.json", help="the rows (default: %(default)s)")
+    parser.add_argument("--markdown", default="gpu_report.md", help="the table (default: %(default)s)")
+    parser.add_argument("--size", type=int, nargs=2, default=benchmark.CUDA_SIZE, metavar=("H", "W"))
+    parser.add_argument("--padded-size", type=int, nargs=2, default=benchmark.PADDED_IMAGE, metavar=("H", "W"))
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=7.0, metavar="MIN",
+                        help="minutes after which the rows not yet started are skipped (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: 'cuda' asked for, but CUDA is not available on this machine; expected --device cpu")
+    for option, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                               ("--size", min(args.size), 1), ("--padded-size", min(args.padded_size), 1)):
+        if value < low:
+            parser.error(f"{option}: expected ints >= {low}, got {value}")
+    for option in ("--json", "--markdown"):
+        path = getattr(args, option[2:])
+        if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{option}: expected a file path in an existing folder, got {path!r}")
+    # What the benchmark's row functions read from its own command line.
+    args.no_peers, args.skip_memory, args.compile, args.upernet, args.padded = False, False, "also", None, "also"
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The rows of the module docstring; the results (also in ``--json`` and ``--markdown``)."""
+    start = time.perf_counter()
+    results = B.SavedResults(args.json)
+    results.update(environment=B.environment(), date=time.strftime("%Y-%m-%d"), iters=args.iters,
+                   warmup=args.warmup, skipped=[])
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in results["environment"].items()), flush=True)
+    models = B.build_pair(args.device)
+    peers = B.build_peers(args.device, args.size)
+    h, w = args.size
+    bf16 = torch.bfloat16
+
+    def memory() -> None:
+        mem = {k: B.peak_memory(k, args.device, 2, (h, w), dtype="bfloat16") for k in {**models, **peers}}
+        row: Dict[str, object] = {"size": f"2x3x{h}x{w}", **{f"{k}_bytes": v for k, v in mem.items()}}
+        row.update({f"ratio_over_{k}": mem["ours"] / v for k, v in mem.items() if k != "ours"})
+        results["peak_memory"] = row
+
+    steps: List[Callable[[], None]] = [
+        lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),
+        memory,
+        lambda: benchmark.run_padded(args, results, models, bf16),
+        lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False),
+    ]
+    names = ["eval / training rows", "peak memory", "padded batch", "torch.compile rows"]
+    for name, step in zip(names, steps):
+        if time.perf_counter() - start > args.budget * 60:
+            results["skipped"] = results["skipped"] + [f"{name} (the {args.budget} min budget was spent)"]
+            continue
+        step()
+        write_markdown(args, results)
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    write_markdown(args, results)
+    print(f"wrote {args.json} and {args.markdown} in {results['seconds']:.0f} s")
+    return dict(results)
+
+
+def write_markdown(args: argparse.Namespace, results: dict) -> None:
+    atomic_write(args.markdown, ("\n".join(markdown(results)) + "\n").encode())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """0: done; 2: a usage error; 1: a failure, in one line (the rows finished are kept)."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"gpu_report: error: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Whole-model checkpoints: an mmdet Mask R-CNN Swin-T checkpoint (mmdet's own backbone, the
 model-zoo layout) loads into our Mask R-CNN config through load_from's code path, with no
 missing or unexpected keys and the same predictions; init_cfg=Pretrained loads any format;
-tools/convert_checkpoint.py writes loadable files."""
+tools/model_converters/convert_checkpoint.py writes loadable files."""
 import os
 import subprocess
 import sys
@@ -95,7 +95,7 @@ def test_convert_checkpoint_tool(tmp_path, to):
     src = tmp_path / "tv.pth"
     torch.save(tv.state_dict(), src)
     dst = tmp_path / f"converted_{to}.pth"
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", str(src), str(dst), "--to", to],
+    proc = subprocess.run([sys.executable, "tools/model_converters/convert_checkpoint.py", str(src), str(dst), "--to", to],
                           cwd=ROOT, capture_output=True, text=True, check=True)
     assert "format 'torchvision'" in proc.stdout and "wrote" in proc.stdout
     saved = torch.load(dst, weights_only=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swin_backbone.tools import benchmark
-from swin_backbone.tools.benchmarking.report import SavedResults
+from swin_backbone.tools.benchmarking import SavedResults
 
 CUDA = torch.cuda.is_available()
 
@@ -35,6 +35,10 @@ ROWS = [
     ("json-in-missing-folder", "--json no/such/folder/out.json", ["--json", "existing folder"]),
     ("v2-unknown", "--v2 sometimes", ["--v2", "invalid choice"]),
     ("compile-unknown", "--compile always", ["--compile", "invalid choice"]),
+    ("padded-unknown", "--padded sometimes", ["--padded", "invalid choice"]),
+    ("padded-size-zero", "--padded-size 0 1333", ["--padded-size", ">= 1", "0 1333"]),
+    ("padded-with-ablate", "--ablate --padded", ["--padded", "--ablate"]),
+    ("padded-with-v2-only", "--v2 only --padded only", ["--padded", "--v2 only"]),
     ("unknown-option", "--fast", ["unrecognized", "--fast"]),
 ]
 if not CUDA:

@@ -1,6 +1,5 @@
 """Every shipped config loads (from its file and through the ``swin_backbone::`` scope), builds
 its model (SwinBackbone inside), and runs a loss and a predict forward on a small fake batch."""
-import glob
 import os
 
 import pytest
@@ -11,22 +10,13 @@ from mmengine.registry import DefaultScope
 import swin_backbone
 from swin_backbone import SwinBackbone
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG_ROOT = os.path.join(ROOT, "swin_backbone", ".mim", "configs")  # ./configs links here
-CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_ROOT, "**", "*.py"), recursive=True) if "_base_" not in p)
+from ..helpers import CONFIG_ROOT, CONFIGS, ROOT
+from ..helpers import build_config as _build
+
 # What mmengine's Runner builds from a config.
 RUNNER_KEYS = ("model", "train_dataloader", "val_dataloader", "test_dataloader", "val_evaluator", "test_evaluator",
                "train_cfg", "val_cfg", "test_cfg", "optim_wrapper", "param_scheduler", "default_hooks",
                "custom_hooks", "env_cfg", "visualizer", "log_processor")
-
-
-def _build(path):
-    cfg = Config.fromfile(path)
-    scope = cfg.default_scope
-    registry = __import__(f"{scope}.registry", fromlist=["MODELS"]).MODELS
-    with DefaultScope.overwrite_default_scope(scope):
-        model = registry.build(cfg.model)
-    return cfg, model
 
 
 def test_config_list_is_complete():

@@ -29,7 +29,7 @@ import swin_backbone
 from swin_backbone import SwinBackbone
 from swin_backbone.mmlab.dropin import PRETRAINED_DEPRECATION, translate_mmlab_args
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 LIBS = ("mmdet", "mmseg")
 #: Odd in both directions and not a multiple of 4 * window: every stage pads its windows.

@@ -23,15 +23,12 @@ toy COCO."""
 import glob
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from ..helpers import free_port
-from .test_tools_train import FAST, ROOT, scalars, toy_data  # noqa: F401  (fixture)
+from ..helpers import FAST, ROOT, assert_losses_close, free_port, launch, losses, scalars
 
 FSDP_CFG = "configs/toy/mask-rcnn_swin-toy_fpn_fsdp_toy-coco.py"
 DDP_CFG = "configs/toy/mask-rcnn_swin-toy_fpn_flexible-ddp_toy-coco.py"
@@ -50,45 +47,8 @@ RUN = FAST + ["randomness.seed=0", "param_scheduler.0.start_factor=1.0", "defaul
               "model.train_cfg.rcnn.sampler.type=PseudoSampler"]
 
 
-def launch(args, toy_data, nnodes=1, env=None, timeout=600):  # noqa: F811
-    """``bash args`` once per node (NNODES / NODE_RANK set, the last node first); every node's
-    output, after all succeeded."""
-    base = dict(os.environ, TOY_DATA_ROOT=toy_data, OMP_NUM_THREADS="1", PYTHON=sys.executable,
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES=str(nnodes),
-                SINGLE_HOST_NODES="1", **(env or {}))  # every "node" on this machine
-    procs = {}
-    try:
-        for node in reversed(range(nnodes)):
-            procs[node] = subprocess.Popen(["bash"] + args, cwd=ROOT, env=dict(base, NODE_RANK=str(node)),
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        outs = [procs[node].communicate(timeout=timeout)[0] for node in range(nnodes)]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for node, out in enumerate(outs):
-        assert procs[node].returncode == 0, f"node {node} of {nnodes}: {' '.join(args)}\n{out[-6000:]}"
-    return outs
-
-
-def losses(work, names=("loss",)):
-    """``{iteration: {name: value}}`` of the training rows logged under ``work`` (the losses;
-    ``names``: the prefixes of the values to take)."""
-    return {row["iter"]: {k: v for k, v in row.items() if k.startswith(names)}
-            for row in scalars(work) if "iter" in row and "loss" in row}
-
-
 def metrics(work):
     return [{k: v for k, v in row.items() if k.startswith("coco/")} for row in scalars(work) if "coco/bbox_mAP" in row]
-
-
-def assert_losses_close(got, expected, rtol):
-    assert sorted(got) == sorted(expected) and got
-    for it in expected:
-        assert got[it].keys() == expected[it].keys()
-        for name, value in expected[it].items():
-            assert got[it][name] == pytest.approx(value, rel=rtol, abs=1e-6), f"iteration {it}, {name}"
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +111,7 @@ def test_fsdp_checkpoint_file_reads_everywhere(tmp_path, fsdp_run, ddp_run):
     from swin_backbone import SwinBackbone, load_checkpoint
     from swin_backbone.tools import convert_checkpoint, extract_features
 
-    from ..tools.test_features_dataset_runs import features, write_images
+    from ..helpers import features, write_images
 
     work, _ = fsdp_run
     ckpt = os.path.join(work, f"iter_{ITERS}.pth")

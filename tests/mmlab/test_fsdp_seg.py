@@ -22,8 +22,7 @@ import runpy
 import pytest
 import torch
 
-from .test_fsdp import assert_losses_close, launch, losses
-from .test_tools_train import FAST, ROOT, scalars, toy_data  # noqa: F401  (fixture)
+from ..helpers import FAST, ROOT, assert_losses_close, launch, losses, scalars
 
 SEG_FSDP = "configs/toy/upernet_swin-toy_fsdp_toy-ade.py"
 SEG_DDP = "configs/toy/upernet_swin-toy_flexible-ddp_toy-ade.py"

@@ -7,47 +7,10 @@ import sys
 
 import pytest
 
-from ..helpers import free_port
+from ..helpers import FAST, ROOT, free_port, iters, run_tool, scalars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
 SEG = "configs/toy/upernet_swin-toy_toy-ade.py"
-FAST = [
-    "train_dataloader.num_workers=0",
-    "train_dataloader.persistent_workers=False",
-    "val_dataloader.num_workers=0",
-    "val_dataloader.persistent_workers=False",
-    "test_dataloader.num_workers=0",
-    "test_dataloader.persistent_workers=False",
-    "train_dataloader.batch_size=2",
-]
-
-
-def iters(n):
-    return [f"train_cfg.max_iters={n}", f"train_cfg.val_interval={n}", f"default_hooks.checkpoint.interval={n // 2}"]
-
-
-@pytest.fixture(scope="module")
-def toy_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("toy")
-    subprocess.run([sys.executable, "tools/make_toy_data.py", "--out", str(root), "--num-train", "8",
-                    "--num-val", "4", "--seed", "3"], check=True, cwd=ROOT)
-    return str(root)
-
-
-def run_tool(args, toy_data, extra_env=None):
-    env = dict(os.environ, TOY_DATA_ROOT=toy_data, OMP_NUM_THREADS="1")
-    env.update(extra_env or {})
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc.stdout + proc.stderr
-
-
-def scalars(work_dir):
-    from swin_backbone.tools.runner import read_metrics
-
-    return read_metrics(work_dir)
 
 
 def test_make_toy_data_is_deterministic_and_coco_valid(tmp_path):

@@ -8,8 +8,8 @@ import torch
 
 from swin_backbone import SwinV2Backbone
 
-from .test_configs import CONFIG_ROOT, CONFIGS, _build
-from .test_tools_train import FAST, iters, run_tool, scalars, toy_data  # noqa: F401  (fixture)
+from ..helpers import CONFIG_ROOT, CONFIGS, FAST, iters, run_tool, scalars
+from ..helpers import build_config as _build
 
 V2_CONFIGS = [p for p in CONFIGS if "swinv2" in os.path.basename(p)]
 

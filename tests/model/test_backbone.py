@@ -9,7 +9,7 @@ import swin_backbone
 from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import layouts as L, windows as W
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 from ..helpers import randomize
 
 ODD_SIZES = [(1, 1), (31, 33), (65, 97), (227, 301), (33, 800), (512, 512)]

@@ -6,7 +6,7 @@ import torch
 from swin_backbone import SwinBackbone
 from swin_backbone.ops import layouts as L, windows as W
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.mmlab.valid_sizes import attach_valid_sizes, attached_valid_sizes
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 
-from ..ops.test_windows import DeviceSyncs
+from ..helpers import DeviceSyncs
 
 # window 4 keeps maps of several windows small; sizes hit odd sizes at every stage, images
 # whose last stages are below one window, and images that fill one axis of the batch.

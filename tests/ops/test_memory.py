@@ -19,7 +19,7 @@ from swin_backbone.model.v2 import SwinBlockV2
 from swin_backbone.ops import planner, regions
 from swin_backbone.torch_compat import autocast_enabled
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 #: Tests that force ``save_memory``: torch's selective activation checkpointing (torch >= 2.4;
 #: on older torch the planner never saves memory, so there is nothing to compare).

@@ -14,7 +14,7 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import planner, regions
 from swin_backbone.ops import layouts as L, windows as W
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 
 def decide(device, dtype, grad, tracing, stochastic, attn_dropout, mode="auto"):

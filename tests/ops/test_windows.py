@@ -4,11 +4,12 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 from swin_backbone.ops.attention import window_partition, window_reverse
 from swin_backbone.ops.planner import plan_for
+
+from ..helpers import DeviceSyncs
 
 
 def reference_partition(x, h, w, ws, shift):
@@ -279,48 +280,6 @@ def test_layouts_built_in_inference_mode_serve_training():
     x = torch.randn(1, 90, 3, requires_grad=True)
     window_partition(x, layout, plan_for(x)).sum().backward()  # saves index for backward: no error
     assert x.grad is not None
-
-
-class DeviceSyncs(TorchDispatchMode):
-    """Records what would make the host wait for a device: reads of device values
-    (``nonzero``, ``item``, ...), device -> CPU copies, and blocking CPU -> device copies."""
-
-    READS = {"nonzero", "_local_scalar_dense", "equal", "is_nonzero", "masked_select", "unique_consecutive",
-             "_unique2", "unique_dim"}
-
-    def __init__(self):
-        super().__init__()
-        self.syncs = []  # op names
-        self.copies = []  # non_blocking of each CPU -> device copy
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        devices = {t.device.type for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        if (name in self.READS or func is torch.ops.aten.repeat_interleave.Tensor) and devices - {"cpu"}:
-            self.syncs.append(name)
-        if name == "_to_copy" and kwargs.get("device") is not None:
-            src, dst = args[0].device.type, torch.device(kwargs["device"]).type
-            if src != "cpu" and dst == "cpu":
-                self.syncs.append("copy to cpu")
-            elif src == "cpu" and dst != "cpu":
-                self.copies.append(kwargs.get("non_blocking", False))
-        if name == "copy_" and args[0].device != args[1].device:
-            if args[0].device.type == "cpu":
-                self.syncs.append("copy to cpu")
-            else:
-                self.copies.append(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        return func(*args, **kwargs)
-
-    def assert_none(self, copies=None):
-        """No sync; every CPU -> device copy non-blocking (``copies`` of them, if given).
-
-        ``torch.tensor(..., device=d)`` copies below the dispatcher's Python layer, unseen
-        here: counting the copies catches those too."""
-        assert not self.syncs, f"host-device syncs: {self.syncs}"
-        assert all(self.copies), f"blocking CPU -> device copies (non_blocking of each): {self.copies}"
-        if copies is not None:
-            assert len(self.copies) == copies, f"CPU -> device copies: {self.copies}"
 
 
 META = torch.device("meta")  # nonzero / item on a meta tensor raise: a device value read fails

@@ -15,60 +15,10 @@ import torch
 from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
-from swin_backbone.tools.extraction.inputs import find_images
-from swin_backbone.tools.extraction.loading import default_workers
+from swin_backbone.tools.extraction import default_workers, find_images
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
-         "--random-weights", "--no-progress", "--batch-size", "2"]
-SIZES = [(40, 56), (33, 61), (40, 56), (64, 48), (40, 56), (33, 61), (29, 29), (40, 56)]
-
-
-def write_images(root) -> None:
-    """8 readable images in 4 sizes (a nested folder, PNG and JPEG), one broken JPEG and one
-    truncated PNG."""
-    rng = np.random.RandomState(0)
-    os.makedirs(root / "nested", exist_ok=True)
-    for i, size in enumerate(SIZES):
-        image = Image.fromarray(rng.randint(0, 255, size + (3,), dtype=np.uint8))
-        image.save(root / ("nested" if i % 3 == 0 else ".") / f"img{i}.{'jpg' if i % 2 else 'png'}")
-    (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg at all")
-    good = ((root / "img0.png") if (root / "img0.png").exists() else (root / "nested" / "img0.png")).read_bytes()
-    (root / "truncated.png").write_bytes(good[: len(good) // 3])
-
-
-def features(out) -> dict:
-    """``{image: {stage: array}}`` of every map the index lists, loaded from disk."""
-    index = json.load(open(out / "index.json"))
-    result = {}
-    for row in index["features"]:
-        assert row["image"] not in result or row["stage"] not in result[row["image"]], "an image listed twice"
-        arr = np.load(out / row["file"])[row["key"]] if row["key"] else np.load(out / row["file"])
-        assert list(arr.shape) == row["shape"]
-        result.setdefault(row["image"], {})[row["stage"]] = arr
-    return result
-
-
-def pooled(out) -> dict:
-    """``{image: {stage: vector}}`` from every pooled shard the index lists (each image once)."""
-    index = json.load(open(out / "index.json"))
-    result = {}
-    for entry in index["pooled"]:
-        with np.load(out / entry["file"]) as z:
-            images = z["images"].tolist()
-            assert len(images) == entry["images"]
-            for j, image in enumerate(images):
-                assert image not in result, f"{image} in two shards"
-                result[image] = {int(k[5:]): z[k][j] for k in z.files if k.startswith("stage")}
-    return result
-
-
-def assert_same_features(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for image in a:
-        assert a[image].keys() == b[image].keys()
-        for s in a[image]:
-            np.testing.assert_allclose(a[image][s], b[image][s], rtol=1e-4, atol=1e-5, err_msg=f"{image} stage {s}")
+from ..helpers import EXTRACT_ARGS as SMALL
+from ..helpers import ROOT, assert_same_features, features, pooled, write_images
 
 
 @pytest.fixture(scope="module")

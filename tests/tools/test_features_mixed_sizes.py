@@ -7,7 +7,7 @@ import torch
 from swin_backbone import SwinBackbone
 from swin_backbone.features import FeatureExtractor
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 SIZES = [(61, 83), (40, 47), (64, 32), (17, 9), (61, 83)]
 

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from swin_backbone.features import FeatureExtractor
-from swin_backbone.images import ImageReadError, LoaderSettings, decode_pil, loader_settings, read_rgb
+from swin_backbone.tools.extraction import ImageReadError, LoaderSettings, decode_pil, loader_settings, read_rgb
 from swin_backbone.tools import extract_features as tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

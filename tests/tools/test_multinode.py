@@ -18,8 +18,8 @@ import pytest
 
 from swin_backbone.tools import extract_features as tool
 
-from ..helpers import free_port
-from .test_features_dataset_runs import SMALL, assert_same_features, features, pooled, write_images
+from ..helpers import EXTRACT_ARGS as SMALL
+from ..helpers import assert_same_features, features, free_port, pooled, write_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,7 +13,7 @@ from swin_backbone import SwinBackbone
 from swin_backbone.features import IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, extract_features, pca_rgb
 from tools import extract_features as tool
 
-from ..conftest import small_arch
+from ..helpers import small_arch
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +254,7 @@ def test_attention_setting_reaches_the_backbone(tmp_path):
                                    attention="fast", seed=0)
     (tmp_path / "in").mkdir()
     inp, out = str(tmp_path / "in"), str(tmp_path / "out")
-    assert parse_args([inp, out, "--random-weights", "--attention", "triton"]).attention == "triton"
-    with pytest.raises(SystemExit):
-        parse_args([inp, out, "--random-weights", "--attention", "fast"])
+    assert parse_args([inp, out, "--random-weights", "--attention", "sdpa"]).attention == "sdpa"
+    for removed in ("fast", "triton"):  # (triton: the fused kernel was removed)
+        with pytest.raises(SystemExit):
+            parse_args([inp, out, "--random-weights", "--attention", removed])

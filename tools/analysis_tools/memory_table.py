@@ -17,10 +17,10 @@ Three parts, each also runnable alone:
   bytes after the forward minus before it, ``mallinfo2``), and the peak resident set of the
   forward + backward above the state before it (``VmHWM``).
 
-    python tools/memory_table.py all --json work_dirs/memory.json     # everything (~15 min on 2 cores)
-    python tools/memory_table.py computed
-    python tools/memory_table.py states --arch large v2-large
-    python tools/memory_table.py activations --arch tiny --size 1024
+    python tools/analysis_tools/memory_table.py all --json work_dirs/memory.json     # everything (~15 min on 2 cores)
+    python tools/analysis_tools/memory_table.py computed
+    python tools/analysis_tools/memory_table.py states --arch large v2-large
+    python tools/analysis_tools/memory_table.py activations --arch tiny --size 1024
 
 Measured numbers come from this machine's CPU (named in the output); nothing here runs on a GPU.
 """
@@ -36,7 +36,7 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 GIB = 1024**3
 #: The backbones of the table: constructor arguments (window as in the recipes: V1 T/B window 7
@@ -454,7 +454,7 @@ def markdown(result: Dict[str, Any]) -> str:
         lines.append("")
         nodes, gpus = 2, 8
         lines += [f"Computed: the 2-node recipes ({nodes} nodes x {gpus} GPUs), bytes each node sends (and receives) "
-                  "over the inter-node network per training step, fp32 (tools/memory_table.py `traffic`: the lower "
+                  "over the inter-node network per training step, fp32 (tools/analysis_tools/memory_table.py `traffic`: the lower "
                   "bound of ring collectives), and the ranks the training state is sharded over", "",
                   "| config | FULL_SHARD | HYBRID_SHARD | DDP | HYBRID_SHARD saves | state per rank, HYBRID_SHARD |",
                   "|---|---|---|---|---|---|"]
