@@ -266,16 +266,10 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
         "torch.compile raises in torch itself; the model runs eagerly",
     ),
     "compile_one_graph": (
-        lambda: torch_compat.compile_unsupported_reason() is None and torch_compat.HAS_CUSTOM_OP,
+        lambda: torch_compat.compile_unsupported_reason() is None and torch_compat.torch_version() >= (2, 4),
         "torch.compile tracing a whole forward as one graph (seen on torch 2.14; torch 2.1's dynamo "
         "splits it into 80-96 graphs; versions between not tested, so torch >= 2.4 is assumed)",
         "torch.compile runs the forward as several graphs (graph breaks: slower compiled code)",
-    ),
-    "custom_op": (
-        lambda: torch_compat.HAS_CUSTOM_OP,
-        "torch.library.custom_op (torch >= 2.4)",
-        "inside torch.compile graphs attention runs as plain SDPA instead of the fused Triton kernel "
-        "(eager CUDA still uses the kernel)",
     ),
     "cpu_flash_sdpa": (
         lambda: hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
@@ -294,7 +288,7 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
     ),
     "safe_globals": (
         lambda: torch_compat.HAS_SAFE_GLOBALS,
-        "torch.serialization.add_safe_globals (torch >= 2.4)",
+        "torch.serialization.safe_globals / add_safe_globals taking (object, name) pairs (torch >= 2.5)",
         "swin_backbone loads checkpoints weights-only through its own restricted unpickler (same "
         "allow-list); mmengine's own torch.load calls are unrestricted on such torch (its default)",
     ),
