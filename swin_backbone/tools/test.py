@@ -1,17 +1,16 @@
-#!/usr/bin/env python
 """Evaluate a checkpoint with the config's metrics (COCO mAP via pycocotools, mIoU via
 mmseg's IoUMetric); mmdet or mmseg config, scope from its ``default_scope``.
 
 FlexibleRunner configs (the FSDP recipes) run as they trained: distributed, a checkpoint file at
 any world size, a sharded folder at the world size that saved it; one process (no launcher) with a
 file runs the same model under mmengine's Runner."""
+from __future__ import annotations
+
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swin_backbone.checkpoint.remote import fetch, is_reference, resolve  # noqa: E402
-from swin_backbone.tools import runner as R  # noqa: E402
+from ..checkpoint.remote import fetch, is_reference, resolve
+from . import runner as R
 
 
 def parse_args(argv=None):
@@ -65,6 +64,11 @@ def main(argv=None):
     return metrics
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command (``swin-test``, ``python -m swin_backbone.tools.test``, tools/test.py)."""
     main()
     R.leave_job(0)  # a torchrun rank ends without the process group's teardown
+
+
+if __name__ == "__main__":
+    cli()

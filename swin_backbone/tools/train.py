@@ -1,15 +1,14 @@
-#!/usr/bin/env python
 """Train a detector or segmentor (mmdet or mmseg config) with mmengine's Runner.
 
 Same flags and behaviour as mmdet's and mmseg's tools/train.py; the scope is taken from the
 config's ``default_scope``.
 """
+from __future__ import annotations
+
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from swin_backbone.tools import runner as R  # noqa: E402
+from . import runner as R
 
 
 def parse_args(argv=None):
@@ -51,6 +50,11 @@ def main(argv=None):
     runner.train()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command (``swin-train``, ``python -m swin_backbone.tools.train``, tools/train.py)."""
     main()
     R.leave_job(0)  # a torchrun rank ends without the process group's teardown
+
+
+if __name__ == "__main__":
+    cli()
