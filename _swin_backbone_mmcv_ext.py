@@ -11,10 +11,8 @@ registries only once a config (``custom_imports``) or the user imports it.
 This module is top-level, and imports nothing but the standard library, because the one-line
 ``swin_backbone_mmcv_ext.pth`` that the wheel installs beside it runs ``install()`` at every
 interpreter start (setup.py). ``import swin_backbone`` installs it too (checkouts on ``PYTHONPATH``).
+At start-up it imports only ``sys``; ``importlib.util`` and the loader come when ``mmcv._ext`` is asked for.
 """
-import importlib.machinery
-import importlib.util
-import os
 import sys
 
 #: The module mmcv's ``ext_loader.load_ext('_ext', ...)`` imports.
@@ -26,6 +24,9 @@ STAND_IN = "swin_backbone.mmcv_lite.ext"
 def stand_in_path():
     """``swin_backbone/mmcv_lite/ext.py`` of the ``swin_backbone`` that imports here (found, not
     imported), or ``None``."""
+    import importlib.util
+    import os
+
     try:
         spec = importlib.util.find_spec("swin_backbone")
     except (ImportError, ValueError):
@@ -39,26 +40,32 @@ def stand_in_path():
     return None
 
 
-class StandInLoader(importlib.machinery.SourceFileLoader):
-    """Loads ``ext.py`` as ``mmcv._ext``; reuses the module where ``swin_backbone.mmcv_lite.ext``
-    was imported first, so there is one ``NotCoveredError`` class, one ``OPS`` table."""
+def _loader(origin):
+    """The loader of ``ext.py`` as ``mmcv._ext``: it reuses the module where
+    ``swin_backbone.mmcv_lite.ext`` was imported first, so there is one ``NotCoveredError`` class
+    and one ``OPS`` table."""
+    import importlib.machinery
+    import importlib.util
 
-    def create_module(self, spec):
-        return sys.modules.get(STAND_IN)
+    class StandInLoader(importlib.machinery.SourceFileLoader):
+        def create_module(self, spec):
+            return sys.modules.get(STAND_IN)
 
-    def exec_module(self, module):
-        if not getattr(module, "IS_SWIN_BACKBONE_LITE", False):  # not the one swin_backbone imported already
-            if importlib.util.find_spec("torchvision") is None:  # the -lite extras cannot name it: it pins torch
-                import torch
+        def exec_module(self, module):
+            if not getattr(module, "IS_SWIN_BACKBONE_LITE", False):  # not the one swin_backbone imported already
+                if importlib.util.find_spec("torchvision") is None:  # the -lite extras cannot name it: it pins torch
+                    import torch
 
-                raise ImportError(
-                    "mmcv has no compiled ops (mmcv-lite) and torchvision is not installed: swin_backbone gives "
-                    "mmcv its ops from torchvision; install the torchvision built for your torch "
-                    f"{torch.__version__.split('+')[0]} (https://github.com/pytorch/vision#installation), or full "
-                    "mmcv with compiled ops", name=EXT_NAME)
-            super().exec_module(module)
-            sys.modules.setdefault(STAND_IN, module)
-        module.announce()
+                    raise ImportError(
+                        "mmcv has no compiled ops (mmcv-lite) and torchvision is not installed: swin_backbone gives "
+                        "mmcv its ops from torchvision; install the torchvision built for your torch "
+                        f"{torch.__version__.split('+')[0]} (https://github.com/pytorch/vision#installation), or full "
+                        "mmcv with compiled ops", name=EXT_NAME)
+                super().exec_module(module)
+                sys.modules.setdefault(STAND_IN, module)
+            module.announce()
+
+    return StandInLoader(EXT_NAME, origin)
 
 
 class MmcvExtFinder:
@@ -71,7 +78,9 @@ class MmcvExtFinder:
         origin = stand_in_path()
         if origin is None:
             return None
-        return importlib.util.spec_from_file_location(EXT_NAME, origin, loader=StandInLoader(EXT_NAME, origin))
+        import importlib.util
+
+        return importlib.util.spec_from_file_location(EXT_NAME, origin, loader=_loader(origin))
 
     @classmethod
     def invalidate_caches(cls):

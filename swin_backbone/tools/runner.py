@@ -73,7 +73,8 @@ def load_config(
     try:
         cfg = Config.fromfile(path)
     except Exception as err:  # syntax errors, unknown base configs: one line naming the file
-        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})") from err
+        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})"
+                         + _missing_libraries(path)) from err
     cfg.launcher = launcher
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
@@ -83,6 +84,27 @@ def load_config(
         cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(path))[0])
     config_scope(cfg)
     return cfg
+
+
+def _missing_libraries(path: str) -> str:
+    """What to install where ``path`` or a base it names by relative path inherits ``mmdet::`` /
+    ``mmseg::`` configs of a library that is not installed ('' otherwise)."""
+    import importlib.util
+    import re
+
+    named, todo, seen = set(), [osp.abspath(path)], set()
+    while todo:
+        current = todo.pop()
+        if current in seen or not osp.isfile(current):
+            continue
+        seen.add(current)
+        with open(current, encoding="utf-8") as f:
+            text = f.read()
+        named.update(re.findall(r"['\"](mmdet|mmseg)::", text))
+        todo += [osp.join(osp.dirname(current), p) for p in re.findall(r"['\"]([^'\":]+\.py)['\"]", text)]
+    return "".join(f"; it inherits {lib}'s configs and {lib} is not installed: pip install "
+                   f"'swin-backbone[{lib}-lite]' (no mmcv) or 'swin-backbone[{lib}]' (mmcv installed)"
+                   for lib in sorted(named) if importlib.util.find_spec(lib) is None)
 
 
 def shipped_config(path: str) -> str:

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
+import swin_backbone  # noqa: F401,I001  (installs the mmcv._ext finder: a checkout has no .pth)
 from mmengine.config import Config, ConfigDict
 from mmengine.registry import DefaultScope
 

@@ -5,7 +5,7 @@ is installed: the torch 2.1 stack), bf16 / fp16 inputs, and the error for an op 
 import pytest
 import torch
 
-import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
+import swin_backbone  # noqa: F401,I001  (installs the mmcv._ext finder: a checkout has no .pth)
 from mmcv.ops import DeformConv2dPack, ModulatedDeformConv2dPack, RoIAlign, batched_nms, modulated_deform_conv2d, nms
 from mmcv.ops import sigmoid_focal_loss
 from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
