@@ -399,6 +399,21 @@ def test_mmdets_own_train_resume_and_test(venv_mm, toy):
     assert "coco/bbox_mAP" in out
 
 
+def test_mmdets_own_dist_train(venv_mm, toy):
+    """mmdet's tools/dist_train.sh (torch.distributed.launch + mmengine's pytorch launcher, which
+    needs CUDA: mmengine calls torch.cuda.set_device) on one GPU, the shipped toy config."""
+    has_cuda = last(venv_mm.py("import torch; print('CUDA', torch.cuda.is_available())"), "CUDA ") == "True"
+    if not has_cuda:
+        pytest.skip("mmdet's dist_train.sh launches mmengine's pytorch launcher, which needs CUDA")
+    tools = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "tools")
+    work = str(toy["tmp"] / "mmdet-dist")
+    env = dict(toy["env"], PATH=os.path.dirname(venv_mm.python) + os.pathsep + os.environ.get("PATH", ""),
+               PORT="29533")
+    run(["bash", os.path.join(tools, "dist_train.sh"), os.path.join(toy["configs"], TOY_DET), "1", "--work-dir", work,
+         *SHORT], str(toy["tmp"]), env=env)
+    assert os.path.isfile(os.path.join(work, "iter_2.pth"))
+
+
 API_PROBE = """
 import sys
 import numpy as np
@@ -430,21 +445,26 @@ def test_apis_and_inferencers_in_either_import_order(venv_mm, toy, lib, order):
     assert last(out, "OK ") == f"SwinBackbone {expected}"
 
 
-def test_a_plain_mmdet_model_needs_nothing_of_ours(venv_mm):
-    """RetinaNet R-18 from mmdet's own config, in an environment with the package installed:
-    mmcv's ops come from the stand-in (nms) and swin_backbone is never imported."""
-    config = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "configs", "retinanet",
-                          "retinanet_r18_fpn_1x_coco.py")
+def test_plain_mmdet_and_mmseg_models_need_nothing_of_ours(venv_mm):
+    """RetinaNet R-18 and PSPNet R-18 from mmdet's and mmseg's own configs, in an environment with
+    the package installed: mmcv's ops come from the stand-in and swin_backbone is never imported."""
+    det = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "configs", "retinanet", "retinanet_r18_fpn_1x_coco.py")
+    seg = os.path.join(package_path(venv_mm, "mmseg"), ".mim", "configs", "pspnet",
+                       "pspnet_r18-d8_4xb2-80k_cityscapes-512x1024.py")
     out = venv_mm.py("""
         import sys
         import numpy as np
         from mmdet.apis import inference_detector, init_detector
-        model = init_detector(sys.argv[1], None, device='cpu')
-        result = inference_detector(model, (np.random.RandomState(0).rand(96, 128, 3) * 255).astype(np.uint8))
-        print('PLAIN', type(model.backbone).__name__, 'swin_backbone' in sys.modules,
-              sys.modules['mmcv._ext'].__name__, len(result.pred_instances) >= 0)
-    """, config)
-    assert last(out, "PLAIN ") == "ResNet False mmcv._ext True"
+        from mmseg.apis import inference_model, init_model
+        image = (np.random.RandomState(0).rand(96, 128, 3) * 255).astype(np.uint8)
+        det = init_detector(sys.argv[1], None, device='cpu')
+        inference_detector(det, image)
+        seg = init_model(sys.argv[2], None, device='cpu')
+        inference_model(seg, image)
+        print('PLAIN', type(det.backbone).__name__, type(seg.backbone).__name__, 'swin_backbone' in sys.modules,
+              sys.modules['mmcv._ext'].__name__)
+    """, det, seg)
+    assert last(out, "PLAIN ") == "ResNet ResNetV1c False mmcv._ext"
 
 
 # ------------------------------------------------------------------- the .pth, installed and removed
