@@ -399,12 +399,13 @@ def test_mmdets_own_train_resume_and_test(venv_mm, toy):
     assert "coco/bbox_mAP" in out
 
 
-def test_mmdets_own_dist_train(venv_mm, toy):
+def test_mmdets_own_dist_train(venv_mm, request):
     """mmdet's tools/dist_train.sh (torch.distributed.launch + mmengine's pytorch launcher, which
     needs CUDA: mmengine calls torch.cuda.set_device) on one GPU, the shipped toy config."""
     has_cuda = last(venv_mm.py("import torch; print('CUDA', torch.cuda.is_available())"), "CUDA ") == "True"
     if not has_cuda:
         pytest.skip("mmdet's dist_train.sh launches mmengine's pytorch launcher, which needs CUDA")
+    toy = request.getfixturevalue("toy")
     tools = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "tools")
     work = str(toy["tmp"] / "mmdet-dist")
     env = dict(toy["env"], PATH=os.path.dirname(venv_mm.python) + os.pathsep + os.environ.get("PATH", ""),
