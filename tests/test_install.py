@@ -6,15 +6,20 @@ only torch, and use it there (no checkout on ``sys.path``).
    ``python -m swin_backbone.tools.extract_features`` on one image;
 2. installing into the environments users already have (the old stacks of ``make test``:
    torch 2.1.2 + mmcv 2.1.0 + mmdet 3.3 + mmseg 1.2, and torch 2.0.1): pip's plan
-   (``--dry-run --report``) for the wheel and its ``[mmdet,mmseg,triton]`` extras changes nothing
+   (``--dry-run --report``) for the wheel and its ``[mmdet,mmseg]`` extras changes nothing
    of torch, its companions, numpy or the OpenMMLab libraries;
 3. a fresh venv that has no mmcv: pip's plan for every extra holds no source build (nothing
    compiles: the plain extras ask for no mmcv, the ``-lite`` ones for the mmcv-lite wheel);
 4. ``[mmdet-lite,mmseg-lite]`` (+ the torchvision built for torch) added to the fresh venv:
    mmdet's and mmseg's models import on mmcv-lite with our ops, SwinBackbone builds from both
    libraries' registries, a user config inheriting ours through the ``swin_backbone::`` scope
-   loads and builds its detector / segmentor, and a copy of tools/train.py (outside the
-   checkout) trains a user config inheriting ``swin_backbone::toy/...`` for two iterations.
+   loads and builds its detector / segmentor; then mmdet's and mmseg's own entry points (their
+   apis and inferencers, and the installed ``mmdet/.mim/tools/train.py`` / ``test.py``) in both
+   import orders, a plain mmdet model with nothing of ours imported, and the README's demo as a
+   pip user runs it (``swin-make-toy-data``, ``swin-train``, ``swin-test``);
+5. mmcv-lite's ``_ext`` finder, installed at interpreter start by the wheel's one-line ``.pth``
+   from a wheel, an sdist and an editable install, on the oldest and newest Python declared, and
+   removed by ``pip uninstall`` (bare venvs: no torch needed).
 
 torch and torchvision come from the machine's local wheels (pip config), the rest from the
 package index. Run alone: ``pytest -m install``; leave out: ``-m 'not install'``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,11 +41,14 @@ import torch
 pytestmark = pytest.mark.install
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "setup.py")) as _f:
+    PTH_LINE = re.search(r'^PTH_LINE = "(import [^"]*)\\n"$', _f.read(), re.M).group(1) + "\n"
 CONFIGS = os.path.join(ROOT, "swin_backbone", ".mim", "configs")
 TORCH_VERSION = torch.__version__.split("+")[0]
 MMCV_VERSION = "2.1.0"  # as tools/setup_env.sh
 TORCHVISION_VERSION = {"2.14.1": "0.29.1"}.get(TORCH_VERSION)  # the one built for this torch
-SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark")
+SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark", "swin-train", "swin-test",
+           "swin-make-toy-data")
 # Left out of the copy the wheel is built from (what .gitignore keeps out of a clone).
 NOT_SOURCE = {".git", ".venv", "build", "dist", "data", "work_dirs", "outputs", "checkpoints", ".pytest_cache"}
 #: The old-stack venvs of `make test` (tools/setup_env.sh <stack>): environments users have.
@@ -131,6 +140,10 @@ def test_wheel_ships_the_one_copy_of_the_configs(wheel):
     assert {n[len(prefix):] for n in names if n.startswith(prefix)} == shipped
     assert "swin_backbone/.mim/model-index.yml" in names  # mmengine reads it before .mim/configs
     assert not [n for n in names if n.split("/")[0] in ("tests", "tools", "configs")]
+    # mmcv-lite's _ext finder, top-level, and the one line that installs it at interpreter start
+    assert "_swin_backbone_mmcv_ext.py" in names
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("swin_backbone_mmcv_ext.pth").decode() == PTH_LINE
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     base = [r for r in requires if "extra ==" not in r]
     # torchvision pins one torch: only the test suite (which imports it) may ask for it.
@@ -141,8 +154,9 @@ def test_wheel_ships_the_one_copy_of_the_configs(wheel):
     assert "Requires-Python: >=3.8" in metadata
     assert [r for r in base if r.lower().startswith("torch")] == ["torch>=2.0"]
     assert [r for r in base if r.lower().startswith("numpy")] == ["numpy"]
-    for extra in ("mmdet", "mmseg", "mmdet-lite", "mmseg-lite", "onnx", "test", "triton"):
+    for extra in ("mmdet", "mmseg", "mmdet-lite", "mmseg-lite", "onnx", "test"):
         assert f"Provides-Extra: {extra}" in metadata
+    assert "Provides-Extra: triton" not in metadata
     for script in SCRIPTS:
         assert f"{script} = swin_backbone.tools." in entry_points
 
@@ -217,7 +231,7 @@ def test_installing_into_an_existing_environment_changes_nothing_of_it(stack, wh
         pytest.skip(f"no {OLD_STACKS[stack]} (`make test` sets it up: tools/setup_env.sh {stack})")
     before = Venv(os.path.dirname(os.path.dirname(python)), str(tmp_path)).installed()
     has_mmcv = "mmcv" in before
-    extras = "[mmdet,mmseg,triton]" if has_mmcv else "[triton]"  # PyPI's mmcv is a source build
+    extras = "[mmdet,mmseg]" if has_mmcv else ""  # PyPI's mmcv is a source build
     report = tmp_path / "report.json"
     run([python, "-m", "pip", "--disable-pip-version-check", "install", "--dry-run", "--quiet", "--report",
          str(report), f"{wheel}{extras}"], str(tmp_path))
@@ -317,21 +331,181 @@ def test_registries_and_config_scope(venv_mm):
     assert result["my_seg.py"] == dict(scope="mmseg", backbone="SwinBackbone", head=None, base_in_site_packages=True)
 
 
-def test_train_a_user_config_with_the_installed_package(venv_mm, tmp_path):
-    """tools/train.py copied out of the checkout (the mmdet / mmseg convention), run by the
-    venv's Python on a user config that inherits the shipped toy config through the scope."""
-    run([sys.executable, os.path.join(ROOT, "tools", "make_toy_data.py"), "--out", str(tmp_path / "data"),
-         "--which", "coco", "--num-train", "4", "--num-val", "2", "--seed", "3"], str(tmp_path))
-    shutil.copy(os.path.join(ROOT, "tools", "train.py"), tmp_path / "train.py")
-    (tmp_path / "my_toy.py").write_text("_base_ = 'swin_backbone::toy/mask-rcnn_swin-toy_fpn_toy-coco.py'\n"
-                                        "train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False)\n"
-                                        "val_dataloader = dict(num_workers=0, persistent_workers=False)\n"
-                                        "test_dataloader = val_dataloader\n")
-    work = tmp_path / "work"
-    out = run([venv_mm.python, "train.py", "my_toy.py", "--work-dir", str(work), "--cfg-options",
-               "train_cfg.max_iters=2", "train_cfg.val_interval=2", "default_hooks.checkpoint.interval=2"],
-              str(tmp_path), env=dict(TOY_DATA_ROOT=str(tmp_path / "data")))
-    assert (work / "iter_2.pth").is_file()
-    logs = "".join(p.read_text() for p in work.glob("*/*.log"))
-    assert "coco/bbox_mAP" in logs
-    assert "Failed to search registry" not in out + logs  # every _scope_ resolved to a real registry
+# ------------------------------------------------------- mmdet's and mmseg's own entry points
+TOY_DET = "toy/mask-rcnn_swin-toy_fpn_toy-coco.py"
+TOY_SEG = "toy/upernet_swin-toy_toy-ade.py"
+#: Short runs: two iterations, a checkpoint at the end, no worker processes.
+SHORT = ["--cfg-options", "train_cfg.max_iters=2", "train_cfg.val_interval=2", "default_hooks.checkpoint.interval=2",
+         "train_dataloader.num_workers=0", "train_dataloader.persistent_workers=False",
+         "val_dataloader.num_workers=0", "val_dataloader.persistent_workers=False",
+         "test_dataloader.num_workers=0", "test_dataloader.persistent_workers=False"]
+
+
+def package_path(venv, package: str) -> str:
+    """Where ``package`` is installed in ``venv`` (found, not imported)."""
+    out = venv.py(f"import importlib.util; print('PATH', importlib.util.find_spec({package!r}).submodule_search_locations[0])")
+    return last(out, "PATH ")
+
+
+@pytest.fixture(scope="module")
+def toy(venv_mm, tmp_path_factory):
+    """The README's demo as a pip user runs it, with nothing of the checkout: toy data from
+    ``swin-make-toy-data``, two iterations of the shipped toy Mask R-CNN through ``swin-train``
+    (by its ``swin_backbone::`` name) and of the toy UPerNet through mmseg's own tools/train.py
+    (the shipped config file: its ``custom_imports`` name the package)."""
+    tmp = tmp_path_factory.mktemp("toy")
+    bindir = os.path.dirname(venv_mm.python)
+    env = dict(TOY_DATA_ROOT=str(tmp / "data"))
+    run([os.path.join(bindir, "swin-make-toy-data"), "--out", str(tmp / "data"), "--num-train", "4", "--num-val", "2",
+         "--seed", "3"], str(tmp))
+    run([os.path.join(bindir, "swin-train"), "swin_backbone::" + TOY_DET, "--work-dir", str(tmp / "det"), *SHORT],
+        str(tmp), env=env)
+    configs = os.path.join(package_path(venv_mm, "swin_backbone"), ".mim", "configs")
+    mmseg_tools = os.path.join(package_path(venv_mm, "mmseg"), ".mim", "tools")
+    run([venv_mm.python, os.path.join(mmseg_tools, "train.py"), os.path.join(configs, TOY_SEG), "--work-dir",
+         str(tmp / "seg"), *SHORT], str(tmp), env=env)
+    return dict(tmp=tmp, env=env, configs=configs, det=str(tmp / "det" / "iter_2.pth"),
+                seg=str(tmp / "seg" / "iter_2.pth"))
+
+
+def test_pip_users_demo_trains_and_tests(venv_mm, toy):
+    """swin-train wrote its checkpoint; swin-test and python -m swin_backbone.tools.test
+    evaluate it (COCO mAP, mIoU). Needs mmengine checkpoints to load on torch >= 2.6."""
+    assert os.path.isfile(toy["det"]) and os.path.isfile(toy["seg"])
+    out = run([os.path.join(os.path.dirname(venv_mm.python), "swin-test"), "swin_backbone::" + TOY_DET, toy["det"],
+               "--work-dir", str(toy["tmp"] / "det-test")], str(toy["tmp"]), env=toy["env"])
+    assert "coco/bbox_mAP" in out
+    out = run([venv_mm.python, "-m", "swin_backbone.tools.test", "swin_backbone::" + TOY_SEG, toy["seg"],
+               "--work-dir", str(toy["tmp"] / "seg-test")], str(toy["tmp"]), env=toy["env"])
+    assert "mIoU" in out
+
+
+def test_mmdets_own_train_resume_and_test(venv_mm, toy):
+    """mmdet's tools/train.py, train.py --resume and tools/test.py, from the installed mmdet, on
+    the shipped toy config (custom_imports). --resume and test.py need mmengine checkpoints to
+    load on torch >= 2.6."""
+    tools = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "tools")
+    config = os.path.join(toy["configs"], TOY_DET)
+    work = str(toy["tmp"] / "mmdet-det")
+    run([venv_mm.python, os.path.join(tools, "train.py"), config, "--work-dir", work, *SHORT], str(toy["tmp"]),
+        env=toy["env"])
+    resumed = [a.replace("max_iters=2", "max_iters=3").replace("interval=2", "interval=3") for a in SHORT]
+    out = run([venv_mm.python, os.path.join(tools, "train.py"), config, "--work-dir", work, "--resume", *resumed],
+              str(toy["tmp"]), env=toy["env"])
+    assert "resumed epoch: 0, iter: 2" in out
+    assert os.path.isfile(os.path.join(work, "iter_3.pth"))
+    out = run([venv_mm.python, os.path.join(tools, "test.py"), config, os.path.join(work, "iter_3.pth"),
+               "--work-dir", str(toy["tmp"] / "mmdet-det-test")], str(toy["tmp"]), env=toy["env"])
+    assert "coco/bbox_mAP" in out
+
+
+def test_mmdets_own_dist_train(venv_mm, request):
+    """mmdet's tools/dist_train.sh (torch.distributed.launch + mmengine's pytorch launcher, which
+    needs CUDA: mmengine calls torch.cuda.set_device) on one GPU, the shipped toy config."""
+    has_cuda = last(venv_mm.py("import torch; print('CUDA', torch.cuda.is_available())"), "CUDA ") == "True"
+    if not has_cuda:
+        pytest.skip("mmdet's dist_train.sh launches mmengine's pytorch launcher, which needs CUDA")
+    toy = request.getfixturevalue("toy")
+    tools = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "tools")
+    work = str(toy["tmp"] / "mmdet-dist")
+    env = dict(toy["env"], PATH=os.path.dirname(venv_mm.python) + os.pathsep + os.environ.get("PATH", ""),
+               PORT="29533")
+    run(["bash", os.path.join(tools, "dist_train.sh"), os.path.join(toy["configs"], TOY_DET), "1", "--work-dir", work,
+         *SHORT], str(toy["tmp"]), env=env)
+    assert os.path.isfile(os.path.join(work, "iter_2.pth"))
+
+
+API_PROBE = """
+import sys
+import numpy as np
+order, lib, config, weights = sys.argv[1:5]
+if order == 'ours-first':
+    import swin_backbone
+if lib == 'mmdet':
+    from mmdet.apis import DetInferencer as Inferencer, inference_detector as infer, init_detector as init
+else:
+    from mmseg.apis import MMSegInferencer as Inferencer, inference_model as infer, init_model as init
+image = (np.random.RandomState(0).rand(90, 130, 3) * 255).astype(np.uint8)
+for w in (None, weights):
+    model = init(config, w, device='cpu')
+    infer(model, image)
+    Inferencer(model=config, weights=w, device='cpu')(image, return_vis=False)
+print('OK', type(model.backbone).__name__, type(model.data_preprocessor).__name__)
+"""
+
+
+@pytest.mark.parametrize("order", ["apis-first", "ours-first"])
+@pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
+def test_apis_and_inferencers_in_either_import_order(venv_mm, toy, lib, order):
+    """init_detector + inference_detector and DetInferencer (mmseg: init_model + inference_model
+    and MMSegInferencer), without and with weights, whether the script imports mmdet's apis or
+    swin_backbone first (a fresh process each). With weights: mmengine checkpoints on torch >= 2.6."""
+    config = os.path.join(toy["configs"], TOY_DET if lib == "mmdet" else TOY_SEG)
+    out = venv_mm.py(API_PROBE, order, lib, config, toy["det" if lib == "mmdet" else "seg"])
+    expected = "SwinDetDataPreprocessor" if lib == "mmdet" else "SwinSegDataPreProcessor"
+    assert last(out, "OK ") == f"SwinBackbone {expected}"
+
+
+def test_plain_mmdet_and_mmseg_models_need_nothing_of_ours(venv_mm):
+    """RetinaNet R-18 and PSPNet R-18 from mmdet's and mmseg's own configs, in an environment with
+    the package installed: mmcv's ops come from the stand-in and swin_backbone is never imported."""
+    det = os.path.join(package_path(venv_mm, "mmdet"), ".mim", "configs", "retinanet", "retinanet_r18_fpn_1x_coco.py")
+    seg = os.path.join(package_path(venv_mm, "mmseg"), ".mim", "configs", "pspnet",
+                       "pspnet_r18-d8_4xb2-80k_cityscapes-512x1024.py")
+    out = venv_mm.py("""
+        import sys
+        import numpy as np
+        from mmdet.apis import inference_detector, init_detector
+        from mmseg.apis import inference_model, init_model
+        image = (np.random.RandomState(0).rand(96, 128, 3) * 255).astype(np.uint8)
+        det = init_detector(sys.argv[1], None, device='cpu')
+        inference_detector(det, image)
+        seg = init_model(sys.argv[2], None, device='cpu')
+        inference_model(seg, image)
+        print('PLAIN', type(det.backbone).__name__, type(seg.backbone).__name__, 'swin_backbone' in sys.modules,
+              sys.modules['mmcv._ext'].__name__)
+    """, det, seg)
+    assert last(out, "PLAIN ") == "ResNet ResNetV1c False mmcv._ext"
+
+
+# ------------------------------------------------------------------- the .pth, installed and removed
+PTH_PROBE = ("import sys; print('FINDERS', [getattr(f, '__name__', type(f).__name__) for f in sys.meta_path][-1], "
+             "'swin_backbone' in sys.modules, 'torch' in sys.modules)")
+
+
+def find_python(version: str):
+    """A working ``python<version>``: on PATH, else one of pyenv's (whose shims refuse versions
+    that are not selected)."""
+    import glob
+
+    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for candidate in [shutil.which(f"python{version}")] + sorted(
+            glob.glob(os.path.join(pyenv, "versions", f"{version}.*", "bin", f"python{version}"))):
+        if candidate and subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("how,python", [("wheel", "3.8"), ("wheel", "3.12"), ("sdist", "3.8"), ("editable", "3.12")])
+def test_pth_installs_the_finder_at_start_and_uninstall_removes_it(wheel, how, python, tmp_path):
+    """A bare venv of the oldest and newest Python declared (no torch: the .pth needs nothing),
+    the package from a wheel, an sdist or a checkout (editable): at start the finder is last on
+    sys.meta_path and nothing heavy is imported; ``pip uninstall`` removes the .pth and the module."""
+    interpreter = find_python(python)
+    if interpreter is None:
+        pytest.skip(f"no python{python} on this machine (PATH, pyenv)")
+    src = os.path.join(os.path.dirname(os.path.dirname(wheel)), "src")
+    if how == "sdist":
+        run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_sdist(sys.argv[1])",
+             str(tmp_path)], src)
+        target = [str(next(tmp_path.glob("swin_backbone-*.tar.gz")))]
+    else:
+        target = [wheel] if how == "wheel" else ["-e", src]
+    run([interpreter, "-m", "venv", str(tmp_path / "venv")], str(tmp_path))
+    env = Venv(str(tmp_path / "venv"), str(tmp_path))
+    env.pip("install", "-q", "--no-deps", *target)
+    assert last(env.py(PTH_PROBE), "FINDERS ") == "MmcvExtFinder False False"
+    env.pip("uninstall", "-y", "-q", "swin-backbone")
+    site = last(env.py("import sysconfig; print('SITE', sysconfig.get_paths()['purelib'])"), "SITE ")
+    assert not [n for n in os.listdir(site) if "swin" in n.lower()], os.listdir(site)
+    assert last(env.py(PTH_PROBE), "FINDERS ") != "MmcvExtFinder False False"

@@ -2,75 +2,92 @@
 
 mmdet and mmseg import ``mmcv.ops`` when their models are imported, and ``mmcv.ops`` asks the
 compiled extension ``mmcv._ext`` for its functions by name. mmcv-lite (the pure-Python build of
-mmcv, on PyPI for every Python and torch) has no ``_ext``, so neither library imports. Where mmcv
-is installed without its compiled ops, :func:`activate` (run by ``import swin_backbone``) gives
-mmcv :mod:`swin_backbone.mmcv_lite.ext` as its ``_ext``: the ops the Swin detectors and segmentors
-call, written with torchvision.ops and torch (docs/mmcv-lite.md lists them), and an error naming
-the op, the layer and the remedy for any other. Where the compiled ops exist it does nothing. Where
-both the ``mmcv`` and ``mmcv-lite`` distributions are installed it warns once (they share files).
+mmcv, on PyPI for every Python and torch) has no ``_ext``. Where mmcv has no compiled ops, a finder
+at the end of ``sys.meta_path`` (``_swin_backbone_mmcv_ext``, installed at interpreter start by the
+wheel's ``.pth`` and by :func:`activate`) gives mmcv :mod:`swin_backbone.mmcv_lite.ext` as its
+``_ext`` when, and only when, mmcv asks for it, whoever imports ``mmcv.ops`` first: the ops the Swin
+detectors and segmentors call (:data:`~swin_backbone.mmcv_lite.ext.OPS`, docs/mmcv-lite.md), and an
+error naming the op and the remedy for any other. A compiled ``_ext`` is found before it and wins.
+Where both the ``mmcv`` and ``mmcv-lite`` distributions are installed :func:`activate` warns once.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import sys
 import warnings
-from typing import List, Optional
+from types import ModuleType
+from typing import Iterator, List, Optional
+
+import _swin_backbone_mmcv_ext as _finder
 
 #: The module mmcv's ``ext_loader.load_ext('_ext', ...)`` imports.
-EXT_NAME = "mmcv._ext"
+EXT_NAME = _finder.EXT_NAME
 
 _state = {"checked": False}
 
+if getattr(sys.modules.get(EXT_NAME), "IS_SWIN_BACKBONE_LITE", False):  # mmcv loaded it first
+    ext = sys.modules[EXT_NAME]
+    sys.modules.setdefault(_finder.STAND_IN, ext)
+
+
+def _is_stand_in(module: Optional[ModuleType]) -> bool:
+    return getattr(module, "IS_SWIN_BACKBONE_LITE", False)
+
+
+def compiled_ext() -> Optional[ModuleType]:
+    """mmcv's compiled ``_ext``, or ``None`` (no mmcv, or mmcv without compiled ops). The one
+    check: it imports ``mmcv._ext`` as mmcv does, which gives the stand-in where none is compiled."""
+    try:
+        if importlib.util.find_spec("mmcv") is None:
+            return None
+        module = importlib.import_module(EXT_NAME)
+    except ImportError:
+        return None
+    return None if _is_stand_in(module) else module
+
 
 def compiled_ops_available() -> Optional[bool]:
-    """``None`` without mmcv; whether mmcv's compiled extension can be found otherwise."""
+    """``None`` without mmcv; whether mmcv has its compiled extension otherwise."""
     try:
         if importlib.util.find_spec("mmcv") is None:
             return None
     except (ImportError, ValueError):
         return None
-    mmcv_ext = sys.modules.get(EXT_NAME)
-    if mmcv_ext is not None:
-        return not getattr(mmcv_ext, "IS_SWIN_BACKBONE_LITE", False)
-    try:
-        return importlib.util.find_spec(EXT_NAME) is not None
-    except (ImportError, ValueError):  # mmcv itself fails to import: leave it to report that
-        return None
+    return compiled_ext() is not None
 
 
 def active() -> bool:
     """Whether mmcv's ops run on :mod:`swin_backbone.mmcv_lite.ext` in this process."""
-    return getattr(sys.modules.get(EXT_NAME), "IS_SWIN_BACKBONE_LITE", False)
+    return _is_stand_in(sys.modules.get(EXT_NAME))
 
 
-def activate() -> bool:
-    """Give mmcv-lite its ``_ext`` (once per process); returns whether the stand-in is active.
+def activate() -> None:
+    """Install the ``mmcv._ext`` finder (where no ``.pth`` did) and warn, once per process, where
+    both mmcv distributions are installed. Loads nothing: mmcv's own import of ``mmcv._ext`` does."""
+    _finder.install()
+    if not _state["checked"]:
+        _state["checked"] = True
+        _warn_if_both_installed()
 
-    Never replaces a compiled extension: with full mmcv installed this returns False.
-    """
-    if _state["checked"]:
-        return active()
-    _state["checked"] = True
-    _warn_if_both_installed()
-    if compiled_ops_available() is not False:
-        return active()
-    if importlib.util.find_spec("torchvision") is None:  # the -lite extras cannot pin it: it pins torch
-        import torch
 
-        warnings.warn("mmcv has no compiled ops (mmcv-lite) and torchvision is not installed, so swin_backbone "
-                      "cannot give mmcv its ops and mmdet / mmseg models will not import: install the torchvision "
-                      f"built for your torch {torch.__version__.split('+')[0]} "
-                      "(https://github.com/pytorch/vision#installation)", UserWarning, stacklevel=3)
-        return False
-    import mmcv
+@contextlib.contextmanager
+def bound_to(ext_module) -> Iterator[None]:
+    """mmcv's layers and autograd Functions call ``ext_module`` inside the block (each mmcv.ops
+    module binds its ``ext_module`` at import; this rebinds them and restores them after): to run
+    one model on the stand-in and on compiled mmcv in one process (tests, the benchmark)."""
+    import mmcv.ops  # noqa: F401  (every op module imported, so every binding is found)
 
-    from . import ext
-
-    sys.modules[EXT_NAME] = ext
-    mmcv._ext = ext  # type: ignore[attr-defined]
-    _log(f"swin_backbone: mmcv {mmcv.__version__} has no compiled ops (mmcv-lite): its ops run on "
-         "torchvision / torch (swin_backbone.mmcv_lite; install full mmcv for any op not covered)")
-    return True
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("mmcv.ops.") and hasattr(m, "ext_module")]
+    saved = [(m, m.ext_module) for m in modules]
+    for m, _ in saved:
+        m.ext_module = ext_module
+    try:
+        yield
+    finally:
+        for m, old in saved:
+            m.ext_module = old
 
 
 #: The two distributions that install the ``mmcv`` package (full, and pure-Python "lite").
@@ -102,14 +119,3 @@ def _warn_if_both_installed() -> None:
                       "other. Keep one: `pip uninstall -y mmcv-lite` (full mmcv) or `pip uninstall -y mmcv mmcv-lite "
                       "&& pip install mmcv-lite==2.1.0` (no compiled ops; swin_backbone gives it its ops)",
                       UserWarning, stacklevel=3)
-
-
-def _log(message: str) -> None:
-    """One line through mmengine's logger (stdout, as every mmengine log line): stderr is kept for
-    the one-line errors of the console scripts."""
-    try:
-        from mmengine.logging import print_log
-
-        print_log(message, logger="current")
-    except ImportError:  # pragma: no cover - mmengine is a requirement
-        print(message)

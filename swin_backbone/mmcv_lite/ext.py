@@ -6,14 +6,20 @@ autograd Functions and modules around them run unchanged, on the CPU and on CUDA
 computes in float32 with autocast off and writes back in the caller's dtype: bf16 / fp16 inputs
 (``--amp``) work where the compiled CPU kernels refuse them, at float32 accuracy.
 
-A name not written here resolves to a function that raises :class:`NotCoveredError` naming the
-op, the mmcv layer that called it, the model layer using that, and the remedy. The table of ops,
-the layers that call them and their parity with compiled mmcv: docs/mmcv-lite.md.
+:data:`OPS` is the table of what is served. Any other op of mmcv (a name one of mmcv's ops modules
+asks ``_ext`` for) resolves to a function that raises :class:`NotCoveredError` naming the op, the
+mmcv module that uses it and the remedy; a name that is no op of mmcv is an ``AttributeError``.
+Loaded as ``mmcv._ext`` by ``_swin_backbone_mmcv_ext`` (the finder at the end of ``sys.meta_path``),
+by file: this module imports nothing of swin_backbone. Its parity with compiled mmcv: docs/mmcv-lite.md.
 """
 from __future__ import annotations
 
-import sys
-from typing import List, Optional, Tuple
+import ast
+import difflib
+import glob
+import os
+import re
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torchvision
@@ -21,31 +27,19 @@ import torchvision
 #: Marks this module as the stand-in (``swin_backbone.mmcv_lite.active``).
 IS_SWIN_BACKBONE_LITE = True
 
-#: The compiled-op names this module provides (the rest raise :class:`NotCoveredError`).
-COVERED = (
-    "nms",
-    "roi_align_forward",
-    "roi_align_backward",
-    "sigmoid_focal_loss_forward",
-    "sigmoid_focal_loss_backward",
-    "ms_deform_attn_forward",
-    "ms_deform_attn_backward",
-    "modulated_deform_conv_forward",
-    "modulated_deform_conv_backward",
-)
-
 
 class NotCoveredError(RuntimeError):
     """An mmcv op that mmcv-lite plus swin_backbone does not provide."""
 
 
-def _float32(tensor: torch.Tensor) -> torch.autocast:
+def _autocast_off(tensor: torch.Tensor) -> torch.autocast:
     """Autocast off for ``tensor``'s device: the ops below run in float32 whatever the caller's
     autocast region says (their float32 casts would otherwise be undone inside it)."""
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
+def _as_float32(t: torch.Tensor) -> torch.Tensor:
+    """Floating tensors as float32; index / label tensors unchanged."""
     return t.float() if t.is_floating_point() else t
 
 
@@ -53,7 +47,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def nms(boxes, scores, iou_threshold, offset=0):
     """mmcv's NMS (``boxes`` (N, 4) x1y1x2y2, ``scores`` (N,)): indices kept, by descending
     score. ``offset=1`` (the legacy +1 box size) is torchvision's NMS on boxes one pixel larger."""
-    with _float32(boxes):
+    with _autocast_off(boxes):
         boxes = boxes.float()
         if offset:
             boxes = torch.cat([boxes[:, :2], boxes[:, 2:] + offset], dim=1)
@@ -66,8 +60,8 @@ def roi_align_forward(input, rois, output, argmax_y, argmax_x, aligned_height, a
     """``input`` (N, C, H, W), ``rois`` (K, 5) (batch index, x1, y1, x2, y2) -> ``output``
     (K, C, aligned_height, aligned_width), written in place. Average pooling only."""
     _require(pool_mode == 1, "roi_align_forward", "pool_mode='max' (only pool_mode='avg' is covered)")
-    with _float32(input):
-        out = torchvision.ops.roi_align(_f32(input), _f32(rois), (aligned_height, aligned_width),
+    with _autocast_off(input):
+        out = torchvision.ops.roi_align(_as_float32(input), _as_float32(rois), (aligned_height, aligned_width),
                                         spatial_scale, sampling_ratio, aligned)
     output.copy_(out)
 
@@ -77,11 +71,11 @@ def roi_align_backward(grad_output, rois, argmax_y, argmax_x, grad_input, aligne
     """Gradient of :func:`roi_align_forward` w.r.t. its input, written into ``grad_input``."""
     _require(pool_mode == 1, "roi_align_backward", "pool_mode='max' (only pool_mode='avg' is covered)")
     # RoIAlign is linear in its input: its vector-Jacobian product does not depend on the values.
-    with torch.enable_grad(), _float32(grad_output):
+    with torch.enable_grad(), _autocast_off(grad_output):
         x = torch.zeros(grad_input.shape, dtype=torch.float32, device=grad_input.device, requires_grad=True)
-        out = torchvision.ops.roi_align(x, _f32(rois), (aligned_height, aligned_width), spatial_scale,
+        out = torchvision.ops.roi_align(x, _as_float32(rois), (aligned_height, aligned_width), spatial_scale,
                                         sampling_ratio, aligned)
-        (g,) = torch.autograd.grad(out, x, _f32(grad_output))
+        (g,) = torch.autograd.grad(out, x, _as_float32(grad_output))
     grad_input.copy_(g)
 
 
@@ -97,18 +91,18 @@ def _sigmoid_focal(input, target, weight, gamma, alpha):
     neg = -(1 - alpha) * p.pow(gamma) * logsig(-input)
     loss = onehot * pos + (1 - onehot) * neg
     if weight.numel():
-        loss = loss * _f32(weight)[target.clamp(min=0, max=input.size(1) - 1)].unsqueeze(1)
+        loss = loss * _as_float32(weight)[target.clamp(min=0, max=input.size(1) - 1)].unsqueeze(1)
     return loss
 
 
 def sigmoid_focal_loss_forward(input, target, weight, output, gamma, alpha):
-    with _float32(input):
-        output.copy_(_sigmoid_focal(_f32(input), target, weight, gamma, alpha))
+    with _autocast_off(input):
+        output.copy_(_sigmoid_focal(_as_float32(input), target, weight, gamma, alpha))
 
 
 def sigmoid_focal_loss_backward(input, target, weight, grad_input, gamma, alpha):
-    with torch.enable_grad(), _float32(input):
-        x = _f32(input).detach().requires_grad_(True)
+    with torch.enable_grad(), _autocast_off(input):
+        x = _as_float32(input).detach().requires_grad_(True)
         (g,) = torch.autograd.grad(_sigmoid_focal(x, target, weight, gamma, alpha).sum(), x)
     grad_input.copy_(g)
 
@@ -136,8 +130,8 @@ def ms_deform_attn_forward(value, value_spatial_shapes, value_level_start_index,
     points, 2) in [0, 1], ``attention_weights`` (bs, queries, heads, levels, points) -> output
     (bs, queries, heads * dims), in ``value``'s dtype: mmcv's own PyTorch path (grid_sample)."""
     shapes = _levels(value_spatial_shapes, value_level_start_index)
-    with _float32(value):
-        out = _ms_deform_attn(_f32(value), shapes, _f32(sampling_locations), _f32(attention_weights))
+    with _autocast_off(value):
+        out = _ms_deform_attn(_as_float32(value), shapes, _as_float32(sampling_locations), _as_float32(attention_weights))
     return out.to(value.dtype)
 
 
@@ -147,10 +141,10 @@ def ms_deform_attn_backward(value, value_spatial_shapes, value_level_start_index
     """Gradients of :func:`ms_deform_attn_forward` (autograd through grid_sample), written into
     ``grad_value``, ``grad_sampling_loc`` and ``grad_attn_weight``."""
     shapes = _levels(value_spatial_shapes, value_level_start_index)
-    with torch.enable_grad(), _float32(value):
-        inputs = [_f32(t).detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
+    with torch.enable_grad(), _autocast_off(value):
+        inputs = [_as_float32(t).detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
         out = _ms_deform_attn(inputs[0], shapes, inputs[1], inputs[2])
-        grads = torch.autograd.grad(out, inputs, _f32(grad_output))
+        grads = torch.autograd.grad(out, inputs, _as_float32(grad_output))
     for buf, g in zip((grad_value, grad_sampling_loc, grad_attn_weight), grads):
         buf.copy_(g)
 
@@ -169,7 +163,7 @@ def _as_mmcv_reads(t: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
         return t
     n, c = t.shape[:2]
     if t.shape[2] * t.shape[3] < hw[0] * hw[1]:
-        raise NotCoveredError(_message("modulated_deform_conv", f"offset / mask of spatial size "
+        raise NotCoveredError(_message("modulated_deform_conv_forward", f"offset / mask of spatial size "
                                        f"{tuple(t.shape[-2:])} smaller than the output {hw}"))
     return t.reshape(n, -1)[:, :c * hw[0] * hw[1]].reshape(n, c, hw[0], hw[1])
 
@@ -196,8 +190,8 @@ def modulated_deform_conv_forward(input, weight, bias, ones, offset, mask, outpu
     (torchvision's ``deform_conv2d`` with its mask; ``ones`` / ``columns`` are mmcv's unused buffers)."""
     _check_dcn_groups("modulated_deform_conv_forward", input, weight, offset, kernel_h, kernel_w, group,
                       deformable_group)
-    with _float32(input):
-        out = _deform_conv(_f32(input), _f32(weight), _f32(bias) if with_bias else None, _f32(offset), _f32(mask),
+    with _autocast_off(input):
+        out = _deform_conv(_as_float32(input), _as_float32(weight), _as_float32(bias) if with_bias else None, _as_float32(offset), _as_float32(mask),
                            (stride_h, stride_w), (pad_h, pad_w), (dilation_h, dilation_w))
     output.copy_(out)
 
@@ -210,65 +204,92 @@ def modulated_deform_conv_backward(input, weight, bias, ones, offset, mask, colu
     ``grad_input``, ``grad_weight``, ``grad_bias`` (with a bias), ``grad_offset`` and ``grad_mask``."""
     _check_dcn_groups("modulated_deform_conv_backward", input, weight, offset, kernel_h, kernel_w, group,
                       deformable_group)
-    with torch.enable_grad(), _float32(input):
-        leaves = [_f32(t).detach().requires_grad_(True) for t in (input, weight, offset, mask)]
-        b: Optional[torch.Tensor] = _f32(bias).detach().requires_grad_(True) if with_bias else None
+    with torch.enable_grad(), _autocast_off(input):
+        leaves = [_as_float32(t).detach().requires_grad_(True) for t in (input, weight, offset, mask)]
+        b: Optional[torch.Tensor] = _as_float32(bias).detach().requires_grad_(True) if with_bias else None
         out = _deform_conv(leaves[0], leaves[1], b, leaves[2], leaves[3], (stride_h, stride_w), (pad_h, pad_w),
                            (dilation_h, dilation_w))
-        grads = torch.autograd.grad(out, leaves + ([b] if b is not None else []), _f32(grad_output))
+        grads = torch.autograd.grad(out, leaves + ([b] if b is not None else []), _as_float32(grad_output))
     for buf, g in zip((grad_input, grad_weight, grad_offset, grad_mask), grads[:4]):
         buf.copy_(g)
     if with_bias:
         grad_bias.copy_(grads[4])
 
 
-# ------------------------------------------------------------------------- not covered
+# ------------------------------------------------------------------------- the table
+#: The compiled ops this module serves, by the name mmcv's ops modules ask ``_ext`` for. The one
+#: list: what mmcv gets, what :class:`NotCoveredError` counts as missing, what the tests check.
+OPS: Dict[str, Callable] = {fn.__name__: fn for fn in (
+    nms,
+    roi_align_forward,
+    roi_align_backward,
+    sigmoid_focal_loss_forward,
+    sigmoid_focal_loss_backward,
+    ms_deform_attn_forward,
+    ms_deform_attn_backward,
+    modulated_deform_conv_forward,
+    modulated_deform_conv_backward,
+)}
+for _name in OPS:  # served through the table alone (__getattr__): a function left out of it is not served
+    del globals()[_name]
+
+_LOAD_EXT = re.compile(r"load_ext\(\s*['\"]_ext['\"]\s*,\s*(\[.*?\])\s*\)", re.S)
+_mmcv_ops: Dict[str, str] = {}
+
+
+def mmcv_ops() -> Dict[str, str]:
+    """Every op the installed mmcv's ops modules ask ``_ext`` for, with the module asking
+    (``{'nms': 'mmcv.ops.nms', ...}``), read from their ``load_ext('_ext', [...])`` calls."""
+    if not _mmcv_ops:
+        import mmcv
+
+        folder = os.path.join(os.path.dirname(mmcv.__file__), "ops")
+        for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+            with open(path, encoding="utf-8") as f:
+                for names in _LOAD_EXT.findall(f.read()):
+                    for name in ast.literal_eval(names):
+                        _mmcv_ops.setdefault(name, "mmcv.ops." + os.path.basename(path)[:-3])
+    return _mmcv_ops
+
+
 def _require(ok: bool, op: str, what: str) -> None:
     if not ok:
         raise NotCoveredError(_message(op, what))
 
 
-def _callers() -> Tuple[Optional[str], Optional[str]]:
-    """(the mmcv op: its layer class or autograd Function, the model layer that called it)."""
-    mmcv_op = model_layer = None
-    frame = sys._getframe(1)
-    while frame is not None and model_layer is None:
-        module = frame.f_globals.get("__name__", "")
-        owner = frame.f_locals.get("self")
-        if module == "torch.nn.modules.module" and isinstance(owner, torch.nn.Module):  # a module's __call__
-            name = f"{type(owner).__module__}.{type(owner).__qualname__}"
-            if type(owner).__module__.startswith("mmcv.ops"):
-                mmcv_op = name
-            elif mmcv_op is not None:
-                model_layer = name
-        elif module.startswith("mmcv.ops") and mmcv_op is None:
-            ctx = frame.f_locals.get("ctx")
-            if ctx is not None:  # inside an autograd Function: XBackward -> X
-                name = type(ctx).__name__
-                mmcv_op = f"{module}.{name[:-len('Backward')] if name.endswith('Backward') else name}"
-            else:
-                mmcv_op = f"{module}.{frame.f_code.co_name}"
-        frame = frame.f_back
-    return mmcv_op, model_layer
-
-
 def _message(op: str, what: str = "") -> str:
+    """What is not covered, the mmcv module that uses the op, and the remedy. The model layer is
+    not named: only walking the caller's stack frames could find it, and the traceback shows it."""
     import mmcv
 
-    mmcv_op, model_layer = _callers()
-    called = f"called by {mmcv_op or 'an unknown caller'}"
-    if model_layer:
-        called += f" in {model_layer}"
+    used_by = mmcv_ops().get(op)
     detail = f": {what}" if what else ""
-    return (f"mmcv op {op!r}{detail} is not covered on mmcv-lite ({called}). swin_backbone gives "
-            f"mmcv-lite {mmcv.__version__} the ops the Swin detectors and segmentors use (docs/mmcv-lite.md); "
-            "for this one install full mmcv with compiled ops (pip uninstall mmcv-lite; then mmcv built for "
-            "your torch, e.g. `mim install 'mmcv>=2.0,<2.2'`)")
+    return (f"mmcv op {op!r}{detail} is not covered on mmcv-lite" + (f" (used by {used_by})" if used_by else "")
+            + f". swin_backbone gives mmcv-lite {mmcv.__version__} the ops the Swin detectors and segmentors use "
+            f"({', '.join(OPS)}; docs/mmcv-lite.md); for this one install full mmcv with compiled ops (pip uninstall "
+            "mmcv-lite; then mmcv built for your torch, e.g. `mim install 'mmcv>=2.0,<2.2'`)")
+
+
+def announce() -> None:
+    """The one line saying mmcv's ops run here (through mmengine's logger: stdout, as every
+    mmengine log line; stderr is kept for the console scripts' one-line errors)."""
+    import mmcv
+    from mmengine.logging import print_log
+
+    print_log(f"swin_backbone: mmcv {mmcv.__version__} has no compiled ops (mmcv-lite): its ops run on "
+              "torchvision / torch (swin_backbone.mmcv_lite; install full mmcv for any op not covered)",
+              logger="current")
 
 
 def __getattr__(name: str):
+    if name in OPS:
+        return OPS[name]
     if name.startswith("__"):
         raise AttributeError(name)
+    if name not in mmcv_ops():
+        close = difflib.get_close_matches(name, list(mmcv_ops()), n=3)
+        raise AttributeError(f"mmcv._ext: {name!r} is no op of mmcv (none of its ops modules asks for it)"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
 
     def not_covered(*args, **kwargs):
         raise NotCoveredError(_message(name))

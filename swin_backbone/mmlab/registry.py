@@ -55,8 +55,9 @@ def register_config_scope() -> bool:
     mmengine 0.10 only accepts the scopes listed in its ``MODULE2PACKAGE`` table (an
     ``AssertionError: mmengine does not support to load swin_backbone config`` otherwise),
     and reads the table while it parses ``_base_``, before the config's ``custom_imports``
-    run: ``swin_backbone`` has to be imported before the config is loaded (tools/train.py and
-    tools/test.py do). Returns whether mmengine's config module was found.
+    run: ``swin_backbone`` has to be imported before the config is loaded (``swin-train`` and
+    ``swin-test`` do; mmdet's and mmseg's own tools read the shipped configs by file, whose bases
+    are relative and ``mmdet::`` / ``mmseg::``). Returns whether mmengine's config module was found.
     """
     try:
         from mmengine.config import utils

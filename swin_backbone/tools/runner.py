@@ -12,10 +12,9 @@ from typing import Optional
 
 import torch
 from mmengine.config import Config
-from mmengine.optim import OptimWrapper
-from mmengine.registry import OPTIM_WRAPPERS
 
 from ..mmlab.compat import allow_mmengine_checkpoints
+from ..mmlab.optim import BF16AutocastOptimWrapper  # noqa: F401  (what --amp names on the CPU)
 from .job import leave_job  # noqa: F401  (tools/train.py and tools/test.py end with it)
 from ..mmlab.runner import (  # noqa: F401  (the tools' one namespace: tools/test.py uses them as R.*)
     SCOPES,
@@ -23,21 +22,6 @@ from ..mmlab.runner import (  # noqa: F401  (the tools' one namespace: tools/tes
     config_scope,
     require_checkpoint_match,
 )
-
-
-@OPTIM_WRAPPERS.register_module(force=True)
-class BF16AutocastOptimWrapper(OptimWrapper):
-    """``OptimWrapper`` that runs forward passes under bf16 autocast on the model's device.
-
-    mmengine's ``AmpOptimWrapper`` is CUDA-only and fp16 (with loss scaling); bf16 has
-    fp32's range, so no loss scaler is needed and it works on CPU.
-    """
-
-    @contextmanager
-    def optim_context(self, model: torch.nn.Module):
-        device = next(model.parameters()).device.type
-        with super().optim_context(model), torch.autocast(device_type=device, dtype=torch.bfloat16):
-            yield
 
 
 def add_common_args(parser) -> None:
@@ -76,9 +60,11 @@ def load_config(
 ) -> Config:
     """Read a config, apply ``--cfg-options`` and pick the work dir like mmdet / mmseg do.
 
+    ``path``: a file, or a shipped config by its ``swin_backbone::`` name (``swin_backbone::toy/...``).
     Work dir priority: the CLI, then the config's ``work_dir``, then
     ``./work_dirs/<config name>``.
     """
+    path = shipped_config(path)
     if not osp.isfile(path):
         raise FileNotFoundError(f"config {path!r}: {'a folder' if osp.isdir(path) else 'no such file'}; "
                                 "expected an mmdet / mmseg config file (.py)")
@@ -87,7 +73,8 @@ def load_config(
     try:
         cfg = Config.fromfile(path)
     except Exception as err:  # syntax errors, unknown base configs: one line naming the file
-        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})") from err
+        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})"
+                         + _missing_libraries(path)) from err
     cfg.launcher = launcher
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
@@ -97,6 +84,39 @@ def load_config(
         cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(path))[0])
     config_scope(cfg)
     return cfg
+
+
+def _missing_libraries(path: str) -> str:
+    """What to install where ``path`` or a base it names by relative path inherits ``mmdet::`` /
+    ``mmseg::`` configs of a library that is not installed ('' otherwise)."""
+    import importlib.util
+    import re
+
+    named, todo, seen = set(), [osp.abspath(path)], set()
+    while todo:
+        current = todo.pop()
+        if current in seen or not osp.isfile(current):
+            continue
+        seen.add(current)
+        with open(current, encoding="utf-8") as f:
+            text = f.read()
+        named.update(re.findall(r"['\"](mmdet|mmseg)::", text))
+        todo += [osp.join(osp.dirname(current), p) for p in re.findall(r"['\"]([^'\":]+\.py)['\"]", text)]
+    return "".join(f"; it inherits {lib}'s configs and {lib} is not installed: pip install "
+                   f"'swin-backbone[{lib}-lite]' (no mmcv) or 'swin-backbone[{lib}]' (mmcv installed)"
+                   for lib in sorted(named) if importlib.util.find_spec(lib) is None)
+
+
+def shipped_config(path: str) -> str:
+    """The file of a shipped config named ``swin_backbone::<path>`` (as in a ``_base_``), in the
+    installed package's ``.mim/configs``; any other path unchanged."""
+    from ..mmlab.registry import CONFIG_SCOPE
+
+    prefix = CONFIG_SCOPE + "::"
+    if not path.startswith(prefix):
+        return path
+    package = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    return osp.join(package, ".mim", "configs", path[len(prefix):])
 
 
 def setup_errors(prog: str):

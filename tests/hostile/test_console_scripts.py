@@ -73,6 +73,26 @@ def test_python_m_and_the_repository_wrapper_give_the_same_statuses(tmp_path):
     assert module.returncode == 1 and "no images found" in module.stderr, module.stderr
 
 
+@pytest.mark.parametrize("name,args", [("train", []), ("test", ["none.pth"]), ("make_toy_data", ["--max-size", "8"])])
+def test_train_test_and_toy_data_run_as_modules_and_as_wrappers(name, args, tmp_path):
+    """``python -m swin_backbone.tools.<name>`` (what a pip install has) and the checkout's
+    ``tools/<name>.py`` are one command: the same status and the same one-line error."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    argv = ([] if name == "make_toy_data" else [str(tmp_path / "none.py")]) + args
+    runs = [subprocess.run([sys.executable, *how, *argv], capture_output=True, text=True, env=env, timeout=300,
+                           cwd=str(tmp_path))
+            for how in (["-m", f"swin_backbone.tools.{name}"], [os.path.join(ROOT, "tools", f"{name}.py")])]
+    for proc in runs:
+        last_line = proc.stderr.strip().splitlines()[-1]
+        if name == "make_toy_data":  # argparse's usage error
+            assert proc.returncode == 2 and "--min-size/--max-size" in last_line, proc.stderr
+        else:
+            assert proc.returncode == 1 and last_line.startswith(f"tools/{name}.py: error: config"), proc.stderr
+            assert "no such file" in last_line and "Traceback" not in proc.stderr
+    assert runs[0].stderr.strip().splitlines()[-1].split(": error: ")[-1] == \
+        runs[1].stderr.strip().splitlines()[-1].split(": error: ")[-1]
+
+
 def test_benchmark_success_exits_0_without_a_dict_dump(tmp_path):
     # the benchmark's smallest real run: one memory measurement in its own child mode
     pytest.importorskip("mmdet")

@@ -1,34 +1,20 @@
 """Shared by the mmcv-lite tests: routing mmcv's layers to one ``_ext``, recording which ops they
 call, and pure-torch references written from mmcv's kernels (float64, no torchvision)."""
-import importlib
 import math
-import sys
 from collections import defaultdict
 from typing import Dict, Set
 
 import torch
 import torch.nn.functional as F
 
-from tools.benchmark_mmcv_lite import bound_to as use_ext  # noqa: F401  (one copy: the tool's)
+from swin_backbone.mmcv_lite import bound_to as use_ext  # noqa: F401
+from swin_backbone.mmcv_lite import compiled_ext  # noqa: F401
 
 
 def lite_ext():
     from swin_backbone.mmcv_lite import ext
 
     return ext
-
-
-def compiled_ext():
-    """mmcv's compiled ``_ext``, or ``None`` where this environment has mmcv-lite."""
-    import mmcv.ops  # noqa: F401  (loads mmcv._ext, compiled or the stand-in)
-
-    module = sys.modules.get("mmcv._ext")
-    if module is None:
-        try:
-            module = importlib.import_module("mmcv._ext")
-        except ImportError:
-            return None
-    return None if getattr(module, "IS_SWIN_BACKBONE_LITE", False) else module
 
 
 class Recorder:
@@ -133,3 +119,35 @@ def ref_modulated_deform_conv(x, offset, mask, weight, bias, stride, padding, di
     out = torch.einsum("ngckhw,gock->ngohw", cols, weight.view(groups, co // groups, c // groups, k))
     out = out.reshape(n, co, ho, wo)
     return out if bias is None else out + bias.view(1, -1, 1, 1)
+
+
+def ref_ms_deform_attn(value, shapes, starts, loc, attn):
+    """Multi-scale deformable attention point by point, as mmcv's CUDA kernel: each query and
+    head sums, over levels and sampling points, its attention weight times the bilinear sample
+    (zero outside the map) of its level's values at ``loc`` x (W, H) - 0.5 (pixel centres).
+    ``value`` (bs, keys, heads, dims), ``loc`` (bs, queries, heads, levels, points, 2) as (x, y)
+    in [0, 1], ``attn`` (bs, queries, heads, levels, points) -> (bs, queries, heads * dims);
+    differentiable w.r.t. all three."""
+    bs, _, heads, dims = value.shape
+    queries, levels, points = loc.shape[1], loc.shape[3], loc.shape[4]
+    rows = []
+    for b in range(bs):
+        for q in range(queries):
+            for h in range(heads):
+                acc = value.new_zeros(dims)
+                for lvl in range(levels):
+                    height, width = (int(v) for v in shapes[lvl])
+                    start = int(starts[lvl])
+                    level = value[b, start:start + height * width, h].reshape(height, width, dims)
+                    for p in range(points):
+                        x = loc[b, q, h, lvl, p, 0] * width - 0.5
+                        y = loc[b, q, h, lvl, p, 1] * height - 0.5
+                        x0, y0 = math.floor(x.item()), math.floor(y.item())
+                        sample = value.new_zeros(dims)
+                        for yy, wy in ((y0, y0 + 1 - y), (y0 + 1, y - y0)):
+                            for xx, wx in ((x0, x0 + 1 - x), (x0 + 1, x - x0)):
+                                if 0 <= yy < height and 0 <= xx < width:
+                                    sample = sample + wy * wx * level[yy, xx]
+                        acc = acc + attn[b, q, h, lvl, p] * sample
+                rows.append(acc)
+    return torch.stack(rows).reshape(bs, queries, heads * dims)

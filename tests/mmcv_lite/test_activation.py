@@ -1,16 +1,15 @@
 """When the stand-in switches on: with mmcv-lite (or compiled ops hidden), never with compiled ops,
-one log line; and one warning where both the ``mmcv`` and ``mmcv-lite`` distributions are installed."""
+one log line, whoever imports ``mmcv.ops`` first; one warning where both the ``mmcv`` and
+``mmcv-lite`` distributions are installed; an ImportError naming the remedy without torchvision."""
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
 from swin_backbone import mmcv_lite
-from swin_backbone.mmcv_lite import ext  # (imported only: activation decides whether mmcv uses it)
-
-from .common import compiled_ext
+from swin_backbone.mmcv_lite import compiled_ext, ext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LITE_MODE = os.path.join(ROOT, "tests", "mmcv_lite", "lite_mode.py")
@@ -79,15 +78,38 @@ def test_both_distributions_installed_warn_once(tmp_path):
     assert "pip uninstall" in out and active_line(out).startswith("ACTIVE True")
 
 
-def test_without_torchvision_it_stays_off_and_says_what_to_install():
+def test_without_torchvision_mmcv_ops_say_what_to_install():
     """The -lite extras cannot name torchvision (an unpinned torchvision makes pip replace torch):
-    mmcv-lite without torchvision gets a warning naming the remedy, not an ImportError of ours."""
+    on mmcv-lite without it, ``import swin_backbone`` works and mmcv's ops fail with an
+    ImportError that names the remedy."""
     probe = ("import sys, warnings; warnings.simplefilter('always')\n"
              "sys.modules['torchvision'] = None  # not installed\n"
              "import swin_backbone\n"
              "from swin_backbone import mmcv_lite\n"
+             "try:\n"
+             "    import mmcv.ops\n"
+             "except ImportError as e:\n"
+             "    print('ERROR', e)\n"
              "print('ACTIVE', mmcv_lite.active())\n")
     out = run([LITE_MODE, "-c", probe])
     assert active_line(out) == "ACTIVE False"
-    assert "torchvision is not installed" in out and "install the torchvision built for your torch" in out
+    error = next(line for line in out.splitlines() if line.startswith("ERROR"))
+    assert "torchvision is not installed" in error and "install the torchvision built for your torch" in error
     assert "its ops run on torchvision / torch" not in out  # not the line that says it is on
+
+
+def pth_line() -> str:
+    """The line of the .pth file the wheel installs (setup.py), which a checkout does not have."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        return re.search(r'^PTH_LINE = "(import [^"]*)\\n"$', f.read(), re.M).group(1)
+
+
+@pytest.mark.parametrize("first", ["mmcv.ops", "swin_backbone"])
+def test_one_module_under_both_names_whoever_comes_first(first):
+    probe = (pth_line() + f"\nimport {first}\n"
+             "import sys, mmcv.ops, swin_backbone\n"
+             "from swin_backbone.mmcv_lite import ext\n"
+             "print('ACTIVE', sys.modules['mmcv._ext'] is ext, ext.__name__)\n")
+    out = run([LITE_MODE, "-c", probe])
+    assert active_line(out).startswith("ACTIVE True"), out[-2000:]
+    assert out.count(LOG_LINE) == 1

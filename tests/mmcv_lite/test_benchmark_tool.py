@@ -1,4 +1,4 @@
-"""tools/benchmark_mmcv_lite.py runs (a smoke run: small sizes, one round; the figures in
+"""tools/analysis_tools/benchmark_mmcv_lite.py runs (a smoke run: small sizes, one round; the figures in
 docs/mmcv-lite.md come from full runs on a quiet machine) and refuses bad arguments."""
 import importlib.util
 import json
@@ -6,18 +6,16 @@ import os
 
 import pytest
 
-import swin_backbone  # noqa: F401,I001
-from swin_backbone.mmcv_lite.ext import COVERED
-
-from .common import compiled_ext
+from swin_backbone.mmcv_lite import compiled_ext
+from swin_backbone.mmcv_lite.ext import OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("benchmark_mmcv_lite", os.path.join(ROOT, "tools",
-                                                                                      "benchmark_mmcv_lite.py"))
+    spec = importlib.util.spec_from_file_location("benchmark_mmcv_lite", os.path.join(
+        ROOT, "tools", "analysis_tools", "benchmark_mmcv_lite.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,7 +26,7 @@ def test_every_covered_op_and_the_train_step_are_timed(tool, tmp_path, one_threa
     assert tool.main(["--quick", "--rounds", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     timed = {(r["op"], r["phase"]) for r in result["rows"]}
-    ops = {name.rsplit("_forward", 1)[0].rsplit("_backward", 1)[0] for name in COVERED}
+    ops = {name.rsplit("_forward", 1)[0].rsplit("_backward", 1)[0] for name in OPS}
     for op in ops:
         assert (op, "forward") in timed
         assert op == "nms" or (op, "backward") in timed

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
+import swin_backbone  # noqa: F401,I001  (installs the mmcv._ext finder: a checkout has no .pth)
 from mmengine.config import Config, ConfigDict
 from mmengine.registry import DefaultScope
 
@@ -236,3 +236,11 @@ def test_family_calls_the_listed_ops(family, device, one_thread, request):
     called = {op for op, devices in recorder.calls.items() if device.type in devices}
     expected = cpu_ops | (cuda_ops if device.type == "cuda" else set())
     assert called == expected, f"{family}: calls {sorted(called)}, the table lists {sorted(expected)}"
+
+
+def test_the_families_call_exactly_the_served_ops():
+    """docs/mmcv-lite.md's table, ext.OPS and the ops the families above call are one list."""
+    from swin_backbone.mmcv_lite.ext import OPS
+
+    called = set().union(*(cpu | cuda for _, _, cpu, cuda in FAMILIES.values()))
+    assert called == set(OPS), (sorted(called ^ set(OPS)))

@@ -5,14 +5,15 @@ is installed: the torch 2.1 stack), bf16 / fp16 inputs, and the error for an op 
 import pytest
 import torch
 
-import swin_backbone  # noqa: F401,I001  (first: activates mmcv-lite where mmcv has no compiled ops)
+import swin_backbone  # noqa: F401,I001  (installs the mmcv._ext finder: a checkout has no .pth)
 from mmcv.ops import DeformConv2dPack, ModulatedDeformConv2dPack, RoIAlign, batched_nms, modulated_deform_conv2d, nms
 from mmcv.ops import sigmoid_focal_loss
-from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction, multi_scale_deformable_attn_pytorch
+from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
 
 from swin_backbone.mmcv_lite.ext import NotCoveredError
 
-from .common import compiled_ext, lite_ext, ref_modulated_deform_conv, ref_nms, ref_roi_align, use_ext
+from .common import (compiled_ext, lite_ext, ref_modulated_deform_conv, ref_ms_deform_attn, ref_nms, ref_roi_align,
+                     use_ext)
 
 #: Largest difference allowed against compiled mmcv 2.1.0, per op (values and gradients; float32).
 #: NMS keeps the same indices. docs/mmcv-lite.md quotes these with the differences measured.
@@ -178,7 +179,7 @@ def test_ms_deform_attn_values_and_grads(device, lite):
     inputs = leaves(value, loc, attn)
     out = MultiScaleDeformableAttnFunction.apply(inputs[0], shapes, starts, inputs[1], inputs[2], 64)
     ref_inputs = leaves(value, loc, attn, dtype=torch.float64)
-    ref = multi_scale_deformable_attn_pytorch(ref_inputs[0], shapes, ref_inputs[1], ref_inputs[2])
+    ref = ref_ms_deform_attn(ref_inputs[0], shapes, starts, ref_inputs[1], ref_inputs[2])
     close(out, ref, 1e-5, "ms_deform_attn")
     for name, g, gr in zip(("value", "sampling_locations", "attention_weights"), grads(out, inputs),
                            grads(ref, ref_inputs)):
@@ -269,7 +270,7 @@ def test_modulated_deform_conv_layer_under_cpu_bf16_autocast(lite):
 
 
 # -------------------------------------------------------------------------- not covered
-def test_op_not_covered_names_op_layer_and_remedy(lite):
+def test_op_not_covered_names_op_module_and_remedy(lite):
     from mmdet.models.roi_heads.roi_extractors import SingleRoIExtractor
 
     extractor = SingleRoIExtractor(roi_layer=dict(type="RoIPool", output_size=7), out_channels=8, featmap_strides=[4])
@@ -277,16 +278,30 @@ def test_op_not_covered_names_op_layer_and_remedy(lite):
     with pytest.raises(NotCoveredError) as err:
         extractor([feat], rois)
     msg = str(err.value)
-    for part in ("'roi_pool_forward'", "mmcv.ops.roi_pool.RoIPool", "SingleRoIExtractor", "install full mmcv"):
+    for part in ("'roi_pool_forward'", "used by mmcv.ops.roi_pool", "install full mmcv", ", ".join(lite.OPS)):
         assert part in msg
 
 
 def test_uncovered_mode_and_dcnv1_raise(lite):
     feat, rois = make_rois("cpu")
-    with pytest.raises(NotCoveredError, match=r"pool_mode='max'.*mmcv.ops.roi_align.RoIAlign"):
+    with pytest.raises(NotCoveredError, match=r"pool_mode='max'.*used by mmcv.ops.roi_align"):
         RoIAlign(7, 0.25, 0, pool_mode="max")(feat, rois)
-    with pytest.raises(NotCoveredError, match=r"'deform_conv_forward'.*mmcv.ops.deform_conv.DeformConv2dPack"):
+    with pytest.raises(NotCoveredError, match=r"'deform_conv_forward'.*used by mmcv.ops.deform_conv"):
         DeformConv2dPack(8, 8, 3, padding=1)(feat)
+
+
+def test_the_table_is_what_is_served_and_a_misspelt_op_is_no_op(lite):
+    import mmcv._ext
+
+    assert all(getattr(lite, name) is fn for name, fn in lite.OPS.items())
+    assert set(lite.OPS) <= set(lite.mmcv_ops())  # every served name is one mmcv asks for
+    assert not hasattr(lite, "roi_align_forwrd")
+    with pytest.raises(AttributeError, match=r"'roi_align_forwrd' is no op of mmcv.*did you mean 'roi_align_forward'"):
+        lite.roi_align_forwrd
+    with pytest.raises(NotCoveredError, match="'softnms'"):  # an op of mmcv not in the table
+        lite.softnms()
+    if compiled_ext() is None:  # mmcv-lite here: mmcv's own _ext is this module, whoever imported it first
+        assert mmcv._ext is lite
 
 
 # ------------------------------------------------------------- parity with compiled mmcv
@@ -318,6 +333,7 @@ def test_parity_nms(device, compiled):
         return [nms(boxes, scores, thr, offset=off)[1] for thr in (0.3, 0.5, 0.7) for off in (0, 1)]
 
     a, b = _both(compiled, run)
+    assert len(a) == len(b) == 6
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -332,6 +348,7 @@ def _grad_outputs(op, fn):
 
 def _parity(compiled, op, fn, names):
     a, b = _both(compiled, _grad_outputs(op, fn))
+    assert len(a) == len(b) == len(names), (op, len(a), len(b), names)  # zip would drop the rest
     diffs = {name: close(y, x, PARITY_TOL[op], f"{op} {name}") for name, x, y in zip(names, a, b)}
     _report(op, diffs)
 

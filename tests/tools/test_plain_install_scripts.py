@@ -126,7 +126,8 @@ def test_every_console_script_runs_and_exits_0(plain_venv):
     scripts = run([python, "-c", "import importlib.metadata as m; print('SCRIPTS', sorted(e.name for e in "
                    "m.distribution('swin-backbone').entry_points if e.group == 'console_scripts'))"], work)
     # Each installed entry point is run below: a new one fails here until it is covered.
-    assert last(scripts, "SCRIPTS ") == str(["swin-benchmark", "swin-convert-checkpoint", "swin-extract-features"])
+    assert last(scripts, "SCRIPTS ") == str(["swin-benchmark", "swin-convert-checkpoint", "swin-extract-features",
+                                             "swin-make-toy-data", "swin-test", "swin-train"])
     run([python, "-c", textwrap.dedent("""
         import numpy as np, torch
         from PIL import Image
@@ -159,3 +160,14 @@ def test_every_console_script_runs_and_exits_0(plain_venv):
                       "0", "--eval-size", "32", "32", "--train-size", "32", "--skip-memory")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "defaults" in proc.stdout and "skipped" not in proc.stdout  # the ablation needs no peer
+
+    # The toy data needs numpy and Pillow only; training and testing need mmdet / mmseg, and say so.
+    proc = script_run(python, work, "swin-make-toy-data", "--out", "data", "--which", "coco", "--num-train", "2",
+                      "--num-val", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.isfile(os.path.join(work, "data", "toy_coco", "annotations", "instances_val2017.json"))
+    for name, args in (("swin-train", []), ("swin-test", ["none.pth"])):
+        proc = script_run(python, work, name, "swin_backbone::toy/mask-rcnn_swin-toy_fpn_toy-coco.py", *args)
+        error = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(error) == 1, proc.stderr[-3000:]
+        assert "mmdet is not installed: pip install 'swin-backbone[mmdet-lite]'" in error[0], error

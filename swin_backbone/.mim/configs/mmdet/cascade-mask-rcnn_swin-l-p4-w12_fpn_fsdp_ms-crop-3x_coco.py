@@ -20,5 +20,5 @@ model = dict(backbone={{_base_.swin_l}}, neck=dict(in_channels={{_base_.swin_l_c
 # Mixed precision: bf16 autocast without a loss scaler (bf16 has fp32's range; Ampere and later).
 # FSDP keeps fp32 parameter shards. V100: type='AmpOptimWrapper', dtype='float16' (mmengine then
 # gives it FSDP's sharded loss scaler).
-optim_wrapper = dict(type='swin_backbone.tools.runner.BF16AutocastOptimWrapper')
+optim_wrapper = dict(type='swin_backbone.mmlab.optim.BF16AutocastOptimWrapper')
 default_hooks = dict(checkpoint=dict(max_keep_ckpts=3))

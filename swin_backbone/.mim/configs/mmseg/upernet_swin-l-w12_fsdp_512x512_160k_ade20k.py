@@ -12,5 +12,5 @@ model = dict(
     decode_head=dict(in_channels={{_base_.swin_l_channels}}),
     auxiliary_head=dict(in_channels=768))
 # bf16 autocast without a loss scaler (V100: type='AmpOptimWrapper', dtype='float16')
-optim_wrapper = dict(type='swin_backbone.tools.runner.BF16AutocastOptimWrapper')
+optim_wrapper = dict(type='swin_backbone.mmlab.optim.BF16AutocastOptimWrapper')
 default_hooks = dict(checkpoint=dict(max_keep_ckpts=3))

@@ -3,7 +3,7 @@
 
 Run it where compiled mmcv is installed (the torch 2.1 stack: .venv-torch2.1), on a quiet machine:
 
-    .venv-torch2.1/bin/python tools/benchmark_mmcv_lite.py [--device cpu] [--json out.json]
+    .venv-torch2.1/bin/python tools/analysis_tools/benchmark_mmcv_lite.py [--device cpu] [--json out.json]
 
 Each covered op is timed forward and backward (the ``_ext`` functions mmcv's autograd Functions
 call, at the sizes the Swin detectors use), mmcv-lite against compiled mmcv, interleaved round by
@@ -15,7 +15,6 @@ each ``_ext`` in turn. Without compiled mmcv (mmcv-lite environments) only mmcv-
 docs/mmcv-lite.md quotes the table.
 """
 import argparse
-import contextlib
 import importlib
 import json
 import os
@@ -23,40 +22,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import swin_backbone  # noqa: E402,F401  (activates mmcv-lite where mmcv has no compiled ops)
+from swin_backbone.mmcv_lite import bound_to, compiled_ext  # noqa: E402
 from swin_backbone.mmcv_lite import ext as lite  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_DET = os.path.join(ROOT, "configs", "toy", "mask-rcnn_swin-toy_fpn_toy-coco.py")
-
-
-def compiled_ext():
-    import mmcv.ops  # noqa: F401
-
-    module = sys.modules.get("mmcv._ext")
-    return None if module is None or getattr(module, "IS_SWIN_BACKBONE_LITE", False) else module
-
-
-@contextlib.contextmanager
-def bound_to(ext):
-    """mmcv's layers and autograd Functions call ``ext`` (each mmcv.ops module binds its
-    ``ext_module`` at import; this rebinds it, as activation does for the whole process).
-    tests/mmcv_lite uses it too."""
-    import mmcv.ops  # noqa: F401  (every op module imported, so every binding is found)
-
-    modules = [m for n, m in list(sys.modules.items()) if n.startswith("mmcv.ops.") and hasattr(m, "ext_module")]
-    saved = [(m, m.ext_module) for m in modules]
-    for m, _ in saved:
-        m.ext_module = ext
-    try:
-        yield
-    finally:
-        for m, old in saved:
-            m.ext_module = old
 
 
 # ------------------------------------------------------------------------------- cases
