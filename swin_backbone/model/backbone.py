@@ -61,9 +61,8 @@ class SwinBackbone(BaseModule):
             depend on padding; ``False`` reproduces mmdet exactly.
         channels_last_outputs: ``True``: outputs are NCHW *views* of channels-last tokens (one
             copy less each); ``False``: contiguous NCHW (mmcv's CPU RoIAlign misreads channels-last).
-        attention: the window-attention kernel on CUDA: ``'auto'`` (= ``'sdpa'``: memory-efficient
-            SDPA), ``'sdpa'``, or ``'triton'``, the fused kernel, opt-in (docs/gpu-kernel.md);
-            ``SWIN_BACKBONE_ATTENTION`` overrides it.
+        attention: the window-attention kernel: ``'auto'`` (= ``'sdpa'``) or ``'sdpa'``;
+            ``SWIN_BACKBONE_ATTENTION`` overrides it (``'triton'``, a removed kernel, is an error).
         strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
             ``SwinTransformer`` arguments, meaning what they mean there
             (:mod:`swin_backbone.mmlab.dropin`); values this backbone cannot honour are a

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import triton_ops  # noqa: F401  (registers the opt-in "triton" kernel)
 from .attention import KERNELS, window_attention, window_partition
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .image_sizes import merge_2x2, straddles, zero_beyond_valid, zero_straddles_

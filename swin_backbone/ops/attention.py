@@ -10,13 +10,10 @@ one back to row-major order (:func:`window_reverse`):
   memory-efficient kernel runs (it also gives the bias gradient).
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
-
-A kernel of its own module registers itself here (:mod:`.triton_ops` adds ``triton``).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 import torch
@@ -120,9 +117,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
 
 def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
     """Pad, shift and partition in one gather: ``(B, H * W, C)`` -> ``(B, nW * N, C)`` (padding
-    zeros); ``x`` itself for a kernel that gathers its windows itself (:attr:`Kernel.row_major`)."""
-    if KERNELS[plan.attention].row_major:
-        return x
+    zeros)."""
     if layout.traced or not plan.grad:
         return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
@@ -146,27 +141,17 @@ def window_attention(
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
-    out = KERNELS[plan.attention].run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
+    out = KERNELS[plan.attention](qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
     if layout.images is None:
         return out
     return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """A window-attention kernel (an entry of :data:`KERNELS`).
-
-    ``run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)`` -> ``(B, H * W, C)``
-    row-major, for ``qkv`` ``(B, nW * N, 3C)`` in ``layout``'s window order (``row_major``:
-    ``(B, H * W, 3C)`` row-major, and the kernel gathers its windows itself), the bias ``table``
-    ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias`` ``(nH, N, N)``. ``check(plan, layout, *,
-    num_heads, head_dim, mask_padding)`` names the kernel that runs a stage (this one, or the one
-    it falls back to), once per stage (:func:`~.planner.plan_stage`); ``None``: all stages.
-    """
-
-    run: Callable[..., torch.Tensor]
-    row_major: bool = False
-    check: Optional[Callable[..., str]] = None
+#: A window-attention kernel (an entry of :data:`KERNELS`): ``(qkv, table, bias, layout, num_heads,
+#: scale, dropout_p, plan)`` -> ``(B, H * W, C)`` row-major, for ``qkv`` ``(B, nW * N, 3C)`` in
+#: ``layout``'s window order, the bias ``table`` ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias``
+#: ``(nH, N, N)``.
+Kernel = Callable[..., torch.Tensor]
 
 
 #: What :func:`attention_in_windows` runs per window batch: ``(q, k, v, bias, scale, dropout_p)``
@@ -206,10 +191,7 @@ def _redo_image_windows(
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
-    if KERNELS[plan.attention].row_major:
-        picked = qkv.reshape(-1, three_c).index_select(0, images.rows)
-    else:
-        picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
+    picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
     run = _plain if dropout_p > 0 or plan.attention == "plain" else _sdpa
     fixed = attention_in_windows(picked.view(1, -1, three_c), bias, images.masks, images.windows.numel(), num_heads,
                                  scale, dropout_p, run, plan.align_masks)
@@ -329,7 +311,7 @@ def _in_windows(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layo
 
 #: The window-attention kernels by :attr:`Plan.attention <swin_backbone.ops.planner.Plan.attention>`.
 KERNELS: Dict[str, Kernel] = {
-    "sdpa": Kernel(functools.partial(_in_windows, attend=_sdpa)),
-    "plain": Kernel(functools.partial(_in_windows, attend=_plain)),
-    "recompute": Kernel(_RecomputedAttention.apply),
+    "sdpa": functools.partial(_in_windows, attend=_sdpa),
+    "plain": functools.partial(_in_windows, attend=_plain),
+    "recompute": _RecomputedAttention.apply,
 }

@@ -68,7 +68,6 @@ def image_windows(
     return ImageWindows(
         windows=to_device(windows, device),
         masks=mask_rows(to_device(buffer, device), n),
-        rows=to_device(rows, device),
         real=to_device(real, device),
         real_rows=to_device(rows.index_select(0, real), device),
     )

@@ -22,8 +22,11 @@ from .attention import KERNELS
 from .regions import SAVE_MATMULS
 from .windows import output_size
 
-#: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``; ``'triton'``: docs/gpu-kernel.md).
-ATTENTION_CHOICES = ("auto", "sdpa", "triton")
+#: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``).
+ATTENTION_CHOICES = ("auto", "sdpa")
+#: Values that were accepted once, and where the reason they went is written down.
+REMOVED_ATTENTION = {"triton": "the fused Triton kernel was removed (docs/performance.md, \"The fused Triton kernel, "
+                               "removed\"): use 'auto' or 'sdpa'"}
 
 ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention`` argument
 
@@ -60,11 +63,10 @@ def resolve_attention(value: object, name: str = "attention") -> str:
     """The attention mode in force: :data:`ENV_VAR` if set, else ``value`` (checked)."""
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
-        if env not in ATTENTION_CHOICES:
-            raise ValueError(f"{ENV_VAR}: expected one of {ATTENTION_CHOICES}, got {env!r}")
-        return env
+        name, value = ENV_VAR, env
     if not isinstance(value, str) or value not in ATTENTION_CHOICES:
-        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}")
+        removed = f"; {REMOVED_ATTENTION[value]}" if isinstance(value, str) and value in REMOVED_ATTENTION else ""
+        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}{removed}")
     return value
 
 
@@ -115,7 +117,7 @@ class Plan:
     tracing: bool
     stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
     attn_dropout: bool  #: attention dropout is active
-    attention: str  #: the kernel: a key of :data:`~.attention.KERNELS` (checked per stage: :func:`plan_stage`)
+    attention: str  #: the kernel: a key of :data:`~.attention.KERNELS`
     #: training with plain modules: selective checkpointing (:func:`~.regions.checkpointed`, ``mlp_residual``)
     save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
@@ -198,9 +200,7 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
             mode: str, plain: bool, s: Switches) -> Plan:
     """:func:`plan_forward`'s decision from the situation alone."""
     cpu = device == "cpu"
-    if mode == "triton" and device == "cuda" and not attn_dropout:
-        attention = "triton"  # opt-in; the kernel's own check decides per stage (plan_stage)
-    elif tracing:
+    if tracing:
         # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
         attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
     elif attn_dropout or not s.sdpa:
@@ -247,7 +247,7 @@ def plan_stage(
 ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
     """``(plan, regular, shifted)``: a stage's cached window layouts (``shifted`` ``None`` without
     a shift) and its plan: without selective checkpointing under ``with_cp`` (the whole block is
-    checkpointed), with the kernel its own stage check chooses (:class:`~.attention.Kernel`)."""
+    checkpointed)."""
     def layout(offset: int) -> WindowLayout:
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
                 table_window)
@@ -261,9 +261,4 @@ def plan_stage(
     regular, shifted = layout(0), layout(shift) if shift > 0 else None
     if with_cp and plan.save_memory:
         plan = dataclasses.replace(plan, save_memory=False)
-    check = KERNELS[plan.attention].check
-    if check is not None:
-        attention = check(plan, regular, num_heads=num_heads, head_dim=head_dim, mask_padding=mask_padding)
-        if attention != plan.attention:
-            plan = dataclasses.replace(plan, attention=attention)
     return plan, regular, shifted

@@ -42,11 +42,6 @@ def test_decisions_per_situation():
     assert cuda.chunk_bytes == 0 and not cuda.tracing
     assert decide("cuda", torch.bfloat16, False, False, False, False, "auto").attention == "sdpa"
     assert decide("cuda", torch.bfloat16, True, False, False, False, "sdpa").attention == "sdpa"
-    # 'triton' asked for on CUDA: the forward's plan names it (plan_stage checks it per stage);
-    # elsewhere the situation's kernel runs.
-    for grad in (False, True):
-        assert decide("cuda", torch.bfloat16, grad, False, False, False, "triton").attention == "triton"
-    assert decide("cpu", f32, False, False, False, False, "triton").attention == "sdpa"
     traced = decide("cpu", f32, True, True, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
     assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
@@ -171,45 +166,13 @@ def test_tracing_sees_only_plain_ops(train):
 @pytest.mark.parametrize("grad", [False, True])
 def test_tracing_on_cuda_plans_by_the_situation(grad):
     # torch.compile / torch.export on CUDA: 'auto' gives what tracing gives on any device
-    # (SDPA in inference, plain ops for a training graph); a forced 'triton' stays 'triton'
-    # (checked per stage), except with attention dropout, which only the plain kernel applies.
+    # (SDPA in inference, plain ops for a training graph); attention dropout: plain ops.
     bf16, switches = torch.bfloat16, planner.Switches()
     plain = "plain" if grad else "sdpa"
     compiled = planner._decide("cuda", bf16, grad, True, False, False, "auto", False, switches)
     assert compiled.attention == plain and compiled.tracing and not compiled.save_memory
     assert planner._decide("cuda", bf16, grad, True, False, False, "sdpa", False, switches).attention == plain
-    assert planner._decide("cuda", bf16, grad, True, False, False, "triton", False, switches).attention == "triton"
-    assert planner._decide("cuda", bf16, grad, True, True, True, "triton", False, switches).attention == "plain"
     assert planner._decide("cuda", bf16, grad, True, True, True, "auto", False, switches).attention == "plain"
-
-
-def test_triton_falls_back_where_the_kernel_does_not_apply():
-    # Layouts the kernel does not take (here: a 12 x 12 window) get what the same situation
-    # gets without the kernel: SDPA, or while tracing a training graph, plain ops.
-    x = torch.zeros(1, 24, 24, 64)
-    for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
-        plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
-        got, regular, shifted = ops.plan_stage(plan,
-            height=24, width=24, window=12, shift=6, table_window=12, mask_padding=True, num_heads=2, head_dim=64,
-            device=x.device)
-        assert got.attention == expected
-        assert regular.window == shifted.window == 12 and regular.shift == 0 and shifted.shift == 6
-
-
-def test_forced_triton_that_cannot_run_raises_naming_the_reason():
-    # attention='triton' is opt-in: where the fused kernel cannot run (here: float64 CPU
-    # tensors) a stage it covers raises, saying why, instead of silently running something else.
-    from swin_backbone.ops import triton_attention
-
-    x = torch.zeros(1, 14, 14, 32, dtype=torch.float64)
-    plan = ops.plan_for(x, grad=False, attention="triton")
-    reason = triton_attention.static_reason(x.dtype, x.device, 7, 2, 16, height=14, width=14, mask_padding=True)
-    assert reason  # (no fp64 kernel, and CUDA or the Triton interpreter is needed)
-    with pytest.raises(RuntimeError, match="attention='triton'.*cannot run here") as err:
-        ops.plan_stage(plan,
-            height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
-            device=x.device)
-    assert reason in str(err.value)
 
 
 def test_checkpointed_stages_skip_selective_checkpointing():
