@@ -361,7 +361,7 @@ def test_image_builders_never_wait_for_the_device(align):
         V.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
     syncs.assert_none(2)  # the (B, 2) sizes, once per call
     expected = V.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
-    for name in ("windows", "masks", "rows", "real", "real_rows"):
+    for name in ("windows", "masks", "real", "real_rows"):
         t, e = getattr(images, name), getattr(expected, name)
         assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
     ew, em = V.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
