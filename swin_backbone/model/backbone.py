@@ -12,12 +12,12 @@ from mmengine.model import BaseModule
 from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
-from ..mmlab.dropin import InitCfg, translate_mmlab_args
+from .dropin import InitCfg, translate_mmlab_args
 from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
 from .presets import resolve_arch
 from .. import ops
 from ..torch_compat import register_load_state_dict_pre_hook
-from ..mmlab.valid_sizes import attached_valid_sizes
+from .valid_sizes import attached_valid_sizes
 from ..validation import check_config, check_input, check_valid_sizes
 
 # The checkpoint package sits above the model and plugs into it when imported:
@@ -65,7 +65,7 @@ class SwinBackbone(BaseModule):
             ``SWIN_BACKBONE_ATTENTION`` overrides it (``'triton'``, a removed kernel, is an error).
         strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
             ``SwinTransformer`` arguments, meaning what they mean there
-            (:mod:`swin_backbone.mmlab.dropin`); values this backbone cannot honour are a
+            (:mod:`swin_backbone.model.dropin`); values this backbone cannot honour are a
             ``ValueError`` naming the argument, and ``convert_weights`` has no effect.
         init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads any
             supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
@@ -264,7 +264,7 @@ class SwinBackbone(BaseModule):
             x: the batch input; images sit at its top left, padded bottom / right.
             valid_sizes: per image, the ``(h, w)`` in input pixels that is the image (``B`` pairs
                 or a ``(B, 2)`` int tensor); ``None``: the sizes a ``Swin*DataPreprocessor`` attached
-                (:mod:`swin_backbone.mmlab.valid_sizes`), else the whole input. Beyond them is
+                (:mod:`swin_backbone.model.valid_sizes`), else the whole input. Beyond them is
                 treated like window padding at every stage and the maps returned are zero there, so
                 each image's features equal those of the image run alone (needs
                 ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
