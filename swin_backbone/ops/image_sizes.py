@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from .layouts import CPU, ImageWindows, size_cache, to_device
+from .plan import Sizes
 from .windows import (
     PAD_REGION, ceil_div, mask_buffer, mask_rows, output_size, padded_size, partition_grid, region_labels, row_length,
     window_token_index,
 )
 
-#: Per image of a batch, the ``(h, w)`` that is the image on a map.
-Sizes = Tuple[Tuple[int, int], ...]
-#: :data:`Sizes`, or ``None``: every image fills the map.
+#: :data:`~.plan.Sizes`, or ``None``: every image fills the map.
 ValidSizes = Optional[Sizes]
 
 
@@ -130,7 +129,7 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
     return x
 
 
-def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor:
+def merge_2x2(x: torch.Tensor, valid_sizes: ValidSizes = None) -> torch.Tensor:
     """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
     block ``2 * dw + dh`` (the official order); with ``valid_sizes``, :func:`straddles` reads zero."""
     b, h, w, c = x.shape
@@ -147,3 +146,17 @@ def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor
                 cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
     return merged
 
+
+def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> torch.Tensor:
+    """``(B, C, H, W)`` input with zeros beyond an image where a patch straddles its edge (all
+    beyond it if ``x`` requires grad); a copy where anything must be zeroed, else ``x`` itself."""
+    if valid_sizes is None:
+        return x
+    if x.requires_grad:
+        return zero_beyond_valid(x, valid_sizes, 2, inplace=False)
+    boxes = straddles(valid_sizes, x.shape[2], x.shape[3], patch_size)
+    # Batches padded with zeros (mmdet's and mmseg's preprocessors) need no copy; the check
+    # reads only the boxes (on CUDA it would wait for the device: copy there instead).
+    if not boxes or (x.device.type == "cpu" and not any(x[b, :, r0:r1, c0:c1].any() for b, r0, r1, c0, c1 in boxes)):
+        return x
+    return zero_straddles_(x.clone(), valid_sizes, 2, patch_size)
