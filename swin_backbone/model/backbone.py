@@ -272,7 +272,9 @@ class SwinBackbone(BaseModule):
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
         valid = self._valid_sizes(x, valid_sizes)
         plan = ops.plan_forward(x, self, valid)  # how this forward runs; plan.stages[i]: stage i's
-        x = self.patch_embed(ops.mask_input(x, valid, self.patch_size))  # (B, H0, W0, C)
+        if valid is not None:  # images in a padded batch: patches across their edges read zeros
+            x = ops.mask_input(x, valid, self.patch_size)
+        x = self.patch_embed(x)  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
             x = x + self._position_embeddings(x.shape[1], x.shape[2], plan.stages[0])
         x = self.drop_after_pos(x)

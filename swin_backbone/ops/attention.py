@@ -3,7 +3,7 @@ gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
 computes the same with the plan's kernel from :data:`KERNELS`, one signature for all
-(:class:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
+(:data:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
 one back to row-major order (:func:`window_reverse`):
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
@@ -217,7 +217,7 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, table, bias, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
                 plan: Plan):
-        # (A :class:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
+        # (A :data:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, scaled_dot_product_attention,
                                    plan.align_masks)

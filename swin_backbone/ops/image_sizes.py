@@ -133,7 +133,7 @@ def merge_2x2(x: torch.Tensor, valid_sizes: ValidSizes = None) -> torch.Tensor:
     """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
     block ``2 * dw + dh`` (the official order); with ``valid_sizes``, :func:`straddles` reads zero."""
     b, h, w, c = x.shape
-    h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+    h2, w2 = (h + 1) // 2, (w + 1) // 2
     x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
     # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
     merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
@@ -141,9 +141,9 @@ def merge_2x2(x: torch.Tensor, valid_sizes: ValidSizes = None) -> torch.Tensor:
         cells = merged.view(b, h2, w2, 2, 2, c)
         for i, r0, r1, c0, c1 in straddles(valid_sizes, h, w, 2):
             if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
-                cells[i, r0 // 2, : ceil_div(c1, 2), :, 1].zero_()
+                cells[i, r0 // 2, : (c1 + 1) // 2, :, 1].zero_()
             else:  # column c0 right of an odd width: dw = 1 of the cells in its column
-                cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
+                cells[i, : (r1 + 1) // 2, c0 // 2, 1].zero_()
     return merged
 
 

@@ -28,7 +28,7 @@ class Plan:
     #: training with plain modules: selective checkpointing (:func:`~.regions.checkpointed`, ``mlp_residual``)
     save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: no hook, adapter or wrapper holds a module's output (:func:`~.planner.plain_modules`), so
+    #: no hook, adapter or wrapper holds a module's output (``plain`` of :func:`~.planner.read_modules`), so
     #: it may be written into (residual adds, in-place normalising or zeroing; sites add ``not
     #: grad`` where autograd may need the values), and modules may run more than once
     #: (checkpointing, chunks)

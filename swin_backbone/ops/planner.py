@@ -92,23 +92,32 @@ PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity
 PLAIN_SWIN_MODULES: List[type] = []
 
 
-def plain_modules(model: nn.Module) -> bool:
-    """Whether every submodule of ``model`` is exactly a plain class holding ``nn.Parameter``s
-    (``functional_call`` swaps in tensors for one call), with no forward hook: the condition for
-    calling a module on part of its input, again in backward, or adding into its output in place."""
-    module_hooks = nn.modules.module
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-        return False
-    plain = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
+def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
+    """What the modules of ``model`` say, in one walk: ``(plain, needs_grad, stochastic, attention
+    dropout)``.
+
+    ``plain``: every submodule is exactly a plain class holding ``nn.Parameter``s
+    (``functional_call`` swaps in tensors for one call), with no forward hook (nor a global one):
+    the one condition for calling a module on part of its input, again in backward, or adding
+    into its output in place. ``needs_grad``: a parameter requires grad. ``stochastic``: a module
+    in training mode has a dropout or stochastic-depth rate > 0; ``attention dropout``: one of
+    them is attention dropout.
+    """
+    hooks = nn.modules.module
+    plain = not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    types = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
+    needs_grad = stochastic = attn = False
     for m in model.modules():
-        if m is model:
-            continue
-        if type(m) not in plain or m._forward_hooks or m._forward_pre_hooks:
-            return False
+        if m.training:
+            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
+            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
         for p in m._parameters.values():
-            if p is not None and not isinstance(p, nn.Parameter):
-                return False
-    return True
+            if p is not None:
+                needs_grad = needs_grad or p.requires_grad
+                plain = plain and (m is model or isinstance(p, nn.Parameter))
+        if m is not model:
+            plain = plain and type(m) in types and not m._forward_hooks and not m._forward_pre_hooks
+    return plain, needs_grad, stochastic or attn, attn
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -117,20 +126,9 @@ def tracing() -> bool:
     return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
-def active_dropout(model: nn.Module) -> Tuple[bool, bool]:
-    """``(stochastic, attention dropout)``: whether any module of ``model`` in training mode has a
-    dropout or stochastic-depth rate > 0, and whether one of them is attention dropout."""
-    stochastic = attn = False
-    for m in model.modules():
-        if m.training:
-            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
-            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
-    return stochastic or attn, attn
-
-
 def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes] = None) -> Plan:
     """Decide how ``model`` computes its forward on ``x``: device, autocast dtype, grad mode,
-    tracing, dropout and :func:`plain_modules`, once per forward.
+    tracing and what the modules say (:func:`read_modules`), once per forward.
 
     ``model`` is the backbone (it has ``stages``; ``patch_embed``, ``absolute_pos_embed`` and
     ``patch_size``), or any of its modules called on its own. For the backbone the plan holds one
@@ -140,7 +138,7 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     become each stage's sizes (``None`` where all fill that map).
     """
     device, dtype, enabled = x.device.type, compute_dtype(x), torch.is_grad_enabled()
-    stochastic, attn_dropout = active_dropout(model)
+    plain, needs_grad, stochastic, attn_dropout = read_modules(model)
     stages = getattr(model, "stages", None)
     if tracing():
         if valid_sizes is not None:
@@ -148,34 +146,27 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
                              "torch.jit.trace); per-image valid sizes run eagerly")
         plan = _decide(device, dtype, enabled, True, stochastic, attn_dropout, False, _SWITCHES)
         return plan if stages is None else dataclasses.replace(plan, stages=(plan,) * len(stages))
-    plain = plain_modules(model)
-    grad = enabled and (x.requires_grad or _needs_grad(model))
+    grad = enabled and (x.requires_grad or needs_grad)
     plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, plain, _SWITCHES)
     if stages is None:
         return plan
     # Stage i computes a gradient where x or a parameter before it, or one of its own, requires one.
     pos = model.absolute_pos_embed
-    flows = x.requires_grad or _needs_grad(model.patch_embed) or (pos is not None and pos.requires_grad)
+    flows = x.requires_grad or read_modules(model.patch_embed)[1] or (pos is not None and pos.requires_grad)
     sizes = maps = None
     if valid_sizes is not None:
         sizes = stage_valid_sizes(valid_sizes, model.patch_size, len(stages))
         maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(stages))
     per_stage = []
     for i, stage in enumerate(stages):
-        flows = flows or _needs_grad(stage)
-        stage_plan = _decide_cached(device, dtype, enabled and flows, False, *active_dropout(stage), plain, _SWITCHES)
+        _, stage_grad, stage_stochastic, stage_attn_dropout = read_modules(stage)
+        flows = flows or stage_grad
+        stage_plan = _decide_cached(device, dtype, enabled and flows, False, stage_stochastic, stage_attn_dropout,
+                                    plain, _SWITCHES)
         if sizes is not None and any(v != maps[i] for v in sizes[i]):
             stage_plan = dataclasses.replace(stage_plan, valid_sizes=sizes[i])
         per_stage.append(stage_plan)
     return dataclasses.replace(plan, valid_sizes=valid_sizes, stages=tuple(per_stage))
-
-
-def _needs_grad(module: nn.Module) -> bool:
-    """Whether a parameter of ``module`` requires grad."""
-    for p in module.parameters():
-        if p.requires_grad:
-            return True
-    return False
 
 
 def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, stochastic: bool, attn_dropout: bool,
