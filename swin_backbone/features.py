@@ -178,7 +178,7 @@ class FeatureExtractor:
         :mod:`swin_backbone.checkpoint.remote`).
         Without a checkpoint the weights are random: ``seed`` makes them reproducible
         (every process of a sharded run must build the same model). ``attention``: the
-        backbone's attention kernel setting (``'auto'``, ``'sdpa'``, ``'triton'``).
+        backbone's attention kernel setting (``'auto'``, ``'sdpa'``).
         """
         from .model.backbone import SwinBackbone
         from .model.v2 import SwinV2Backbone

@@ -7,7 +7,7 @@ mmdet's ``DetDataPreprocessor`` and mmseg's ``SegDataPreProcessor`` pad every im
 batch alone. :class:`SwinDetDataPreprocessor` and :class:`SwinSegDataPreProcessor` are the
 same preprocessors (same arguments, same output) that also attach each image's
 ``img_shape`` (from its data sample's metainfo, never from pixel values) to the batch tensor
-(:func:`~swin_backbone.mmlab.valid_sizes.attach_valid_sizes`); :meth:`SwinBackbone.forward`
+(:func:`~swin_backbone.model.valid_sizes.attach_valid_sizes`); :meth:`SwinBackbone.forward`
 uses them as its ``valid_sizes``. Every route into the model goes through the preprocessor
 (``train_step`` / ``val_step`` / ``test_step``, ``tools/test.py``, ``DetInferencer`` /
 ``MMSegInferencer``, ``MMDistributedDataParallel``), so the one config line
@@ -24,7 +24,7 @@ import importlib
 
 from typing import List, Optional, Tuple
 
-from .valid_sizes import attach_valid_sizes
+from ..model.valid_sizes import attach_valid_sizes
 
 __all__ = ["attach_img_shapes", "img_shapes", "register_preprocessors"]
 

@@ -12,13 +12,13 @@ from mmengine.model import BaseModule
 from mmengine.model.weight_init import initialize, trunc_normal_
 from torch import nn
 
-from ..mmlab.dropin import InitCfg, translate_mmlab_args
-from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
-from .presets import resolve_arch
 from .. import ops
 from ..torch_compat import register_load_state_dict_pre_hook
-from ..mmlab.valid_sizes import attached_valid_sizes
 from ..validation import check_config, check_input, check_valid_sizes
+from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
+from .dropin import InitCfg, translate_mmlab_args
+from .presets import resolve_arch
+from .valid_sizes import attached_valid_sizes
 
 # The checkpoint package sits above the model and plugs into it when imported:
 #: ``load_state_dict`` pre-hooks every backbone gets (the checkpoint key converter);
@@ -61,12 +61,11 @@ class SwinBackbone(BaseModule):
             depend on padding; ``False`` reproduces mmdet exactly.
         channels_last_outputs: ``True``: outputs are NCHW *views* of channels-last tokens (one
             copy less each); ``False``: contiguous NCHW (mmcv's CPU RoIAlign misreads channels-last).
-        attention: the window-attention kernel on CUDA: ``'auto'`` (= ``'sdpa'``: memory-efficient
-            SDPA), ``'sdpa'``, or ``'triton'``, the fused kernel, opt-in (docs/gpu-kernel.md);
-            ``SWIN_BACKBONE_ATTENTION`` overrides it.
+        attention: the window-attention kernel: ``'auto'`` (= ``'sdpa'``) or ``'sdpa'``;
+            ``SWIN_BACKBONE_ATTENTION`` overrides it (``'triton'``, a removed kernel, is an error).
         strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
             ``SwinTransformer`` arguments, meaning what they mean there
-            (:mod:`swin_backbone.mmlab.dropin`); values this backbone cannot honour are a
+            (:mod:`swin_backbone.model.dropin`); values this backbone cannot honour are a
             ``ValueError`` naming the argument, and ``convert_weights`` has no effect.
         init_cfg: mmengine init config; ``dict(type='Pretrained', checkpoint=PATH)`` loads any
             supported Swin checkpoint format through :func:`swin_backbone.load_checkpoint`.
@@ -150,8 +149,8 @@ class SwinBackbone(BaseModule):
         self.pad_small_map = pad_small_map
         self.mask_padding = mask_padding
         self.channels_last_outputs = channels_last_outputs
-        self.attention = attention
-        ops.check_attention(attention)
+        #: the ``attention`` setting in force: ``SWIN_BACKBONE_ATTENTION`` (read here, once) or the argument
+        self.attention = ops.resolve_attention(attention)
         self.num_stages = len(depths)
         self.num_features = tuple(embed_dims * 2**i for i in range(self.num_stages))
 
@@ -265,27 +264,24 @@ class SwinBackbone(BaseModule):
             x: the batch input; images sit at its top left, padded bottom / right.
             valid_sizes: per image, the ``(h, w)`` in input pixels that is the image (``B`` pairs
                 or a ``(B, 2)`` int tensor); ``None``: the sizes a ``Swin*DataPreprocessor`` attached
-                (:mod:`swin_backbone.mmlab.valid_sizes`), else the whole input. Beyond them is
+                (:mod:`swin_backbone.model.valid_sizes`), else the whole input. Beyond them is
                 treated like window padding at every stage and the maps returned are zero there, so
                 each image's features equal those of the image run alone (needs
                 ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
-        plan = ops.plan_forward(x, self, attention=self.attention_mode)
-        if valid_sizes is None and not plan.tracing:
-            valid_sizes = self._attached_sizes(x)
-        valid = check_valid_sizes(valid_sizes, x.shape, mask_padding=self.mask_padding,
-                                  pad_small_map=self.pad_small_map)
-        plan = plan.with_valid_sizes(valid, x, self)
-        x = self.patch_embed(ops.mask_input(x, plan, self.patch_size))  # (B, H0, W0, C)
+        valid = self._valid_sizes(x, valid_sizes)
+        plan = ops.plan_forward(x, self, valid)  # how this forward runs; plan.stages[i]: stage i's
+        if valid is not None:  # images in a padded batch: patches across their edges read zeros
+            x = ops.mask_input(x, valid, self.patch_size)
+        x = self.patch_embed(x)  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
-            x = x + self._position_embeddings(x.shape[1], x.shape[2], plan)
+            x = x + self._position_embeddings(x.shape[1], x.shape[2], plan.stages[0])
         x = self.drop_after_pos(x)
         outs = []
         last = self.out_indices[-1]
         for i in range(last + 1):
-            stage = self.stages[i]
-            stage_plan = plan.for_stage(x, stage, i)
+            stage, stage_plan = self.stages[i], plan.stages[i]
             out = stage(x, stage_plan)
             if i in self.out_indices:
                 outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
@@ -293,33 +289,33 @@ class SwinBackbone(BaseModule):
                 x = stage.downsample(out, stage_plan)
         return tuple(outs)
 
-    @property
-    def attention_mode(self) -> str:
-        """The ``attention`` setting in force (``SWIN_BACKBONE_ATTENTION`` overrides it)."""
-        return ops.check_attention(self.attention)
-
-    def _attached_sizes(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Sizes a ``Swin*DataPreprocessor`` attached to ``x``, unless this backbone reproduces
-        the libraries' padding semantics (``mask_padding=False`` / ``pad_small_map=False``):
-        then padding is ordinary tokens, as the user asked, and the sizes are ignored (said once)."""
-        sizes = attached_valid_sizes(x)
-        if sizes is None or (self.mask_padding and self.pad_small_map):
-            return sizes
-        if not getattr(self, "_said_sizes_ignored", False):
-            self._said_sizes_ignored = True
-            print_log(
-                "SwinBackbone: the image sizes attached by the data preprocessor are ignored because "
-                f"mask_padding={self.mask_padding}, pad_small_map={self.pad_small_map} reproduce mmdet / mmseg, "
-                "where batch padding is attended to (image-exact features need both True)",
-                logger="current", level=logging.WARNING,
-            )
-        return None
+    def _valid_sizes(self, x: torch.Tensor, valid_sizes: object) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """The checked per-image sizes of this forward: ``valid_sizes``, else (eagerly) those a
+        ``Swin*DataPreprocessor`` attached to ``x``, unless this backbone reproduces the libraries'
+        padding semantics (``mask_padding=False`` / ``pad_small_map=False``): then padding is
+        ordinary tokens, as the user asked, and attached sizes are ignored (said once)."""
+        if valid_sizes is None and not ops.tracing():
+            valid_sizes = attached_valid_sizes(x)
+            if valid_sizes is not None and not (self.mask_padding and self.pad_small_map):
+                if not getattr(self, "_said_sizes_ignored", False):
+                    self._said_sizes_ignored = True
+                    print_log(
+                        "SwinBackbone: the image sizes attached by the data preprocessor are ignored because "
+                        f"mask_padding={self.mask_padding}, pad_small_map={self.pad_small_map} reproduce mmdet / "
+                        "mmseg, where batch padding is attended to (image-exact features need both True)",
+                        logger="current", level=logging.WARNING,
+                    )
+                return None
+        if valid_sizes is None:
+            return None
+        return check_valid_sizes(valid_sizes, x.shape, mask_padding=self.mask_padding,
+                                 pad_small_map=self.pad_small_map)
 
     def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:
         """The absolute position embedding for a ``height x width`` token map: ``(1, H, W, C)``,
-        or with per-image valid sizes ``(B, H, W, C)``, each image's resized to its own
-        token size (as it is alone) at the top left, zeros beyond."""
-        stage0 = None if plan.stage_valid_sizes is None else plan.stage_valid_sizes[0]
+        or with stage 0's ``plan``'s per-image valid sizes ``(B, H, W, C)``, each image's resized
+        to its own token size (as it is alone) at the top left, zeros beyond."""
+        stage0 = plan.valid_sizes
         if stage0 is None:
             return self.position_embedding(height, width)
         resized = {size: self.position_embedding(*size)[0] for size in set(stage0)}

@@ -1,4 +1,4 @@
-"""Building blocks: patch embedding, Swin block, patch merging, stage.
+"""Building blocks: patch embedding, window attention, Swin block, patch merging, stage.
 
 Feature maps travel between modules as channels-last ``(B, H, W, C)`` tensors; inside a
 stage the blocks work on the flat ``(B, H * W, C)`` view of the same memory.
@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import nn
+
 from .. import ops
-from ..ops.windows import effective_window, pad_amount
-from .attention import WindowAttention
 
 
 class PatchEmbed(nn.Module):
@@ -30,7 +29,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.patch_size
-        x = F.pad(x, (0, pad_amount(x.shape[-1], p), 0, pad_amount(x.shape[-2], p)))
+        x = F.pad(x, (0, ops.pad_amount(x.shape[-1], p), 0, ops.pad_amount(x.shape[-2], p)))
         # A channels-last input makes the convolution write channels-last, so the permute
         # below is a view: no transposing copy of the largest feature map.
         x = self.proj(x.contiguous(memory_format=torch.channels_last))
@@ -76,6 +75,53 @@ class Mlp(nn.Module):
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
+class WindowAttention(nn.Module):
+    """(Shifted) window multi-head self-attention with a relative position bias (W-MSA / SW-MSA).
+
+    Args:
+        embed_dims: channels ``C``, in ``num_heads`` heads ``nH`` (which must divide ``C``).
+        window_size: window the bias table is sized for (``(2 * ws - 1) ** 2`` rows).
+        qk_scale: query scale; ``None`` means ``head_dim ** -0.5``.
+        attn_drop_rate, proj_drop_rate: dropout on attention weights, after the output projection.
+    """
+
+    def __init__(self, embed_dims: int, num_heads: int, window_size: int, qkv_bias: bool = True,
+                 qk_scale: Optional[float] = None, attn_drop_rate: float = 0.0, proj_drop_rate: float = 0.0) -> None:
+        super().__init__()
+        self.embed_dims = embed_dims
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.scale = qk_scale or (embed_dims // num_heads) ** -0.5
+        self.attn_drop_rate = attn_drop_rate
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * window_size - 1) ** 2, num_heads))
+        self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=qkv_bias)
+        self.proj = nn.Linear(embed_dims, embed_dims)
+        self.proj_drop = nn.Dropout(proj_drop_rate)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
+        """``proj(attention(qkv(windows(norm(x)))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
+
+        The tokens are normalised by the block's ``norm``, padded, shifted and cut into
+        ``layout``'s windows (one gather), projected to q, k, v, attend within their window (a
+        bias per relative offset, a mask between shift regions and padding), and return to
+        row-major order before the output projection, which thus runs on real tokens only.
+        ``plan``: the stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or
+        :func:`swin_backbone.ops.plan_forward`'s for the module on its own.
+        """
+        qkv = ops.checkpointed(self.qkv_windows, plan, x, norm, layout)
+        out = ops.window_attention(qkv, self.relative_position_bias_table, layout, plan, num_heads=self.num_heads,
+                                   scale=self.scale, dropout_p=self.attn_drop_rate)
+        return self.proj_drop(self.proj(out))
+
+    def qkv_windows(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
+        """``qkv(windows(norm(x)))``: ``(B, H * W, C)`` -> ``(B, nW * N, 3C)`` in the window layout
+        (:func:`swin_backbone.ops.window_partition`)."""
+        return self.qkv(ops.window_partition(norm(x), layout, plan))
+
+    def extra_repr(self) -> str:
+        return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"
+
+
 class SwinBlock(nn.Module):
     """Pre-norm (shifted-)window attention + MLP, each with a residual and stochastic depth.
 
@@ -115,7 +161,7 @@ class PatchMerging(nn.Module):
     and torchvision); mmdet's nn.Unfold order is converted when its weights are loaded.
     ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``. With the plan's per-image
     ``valid_sizes``, the neighbourhoods across an image's edge read the zeros they read
-    for the image alone (:func:`swin_backbone.ops.merge_patches`).
+    for the image alone (:func:`swin_backbone.ops.merge_2x2`).
     """
 
     def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
@@ -125,7 +171,7 @@ class PatchMerging(nn.Module):
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
 
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
-        return self.reduction(self.norm(ops.merge_patches(x, plan)))
+        return self.reduction(self.norm(ops.merge_2x2(x, plan.valid_sizes)))
 
 
 class SwinStage(nn.Module):
@@ -161,14 +207,14 @@ class SwinStage(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
-        stage's (``Plan.for_stage``), or for a stage called on its own :func:`swin_backbone.ops.plan_forward`."""
+        stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or for a stage called on
+        its own :func:`swin_backbone.ops.plan_forward`'s."""
         b, h, w, c = x.shape
-        window, shift = effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
+        window, shift = ops.effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
         with_cp = self.with_cp and self.training and plan.grad
         plan, regular, shifted = ops.plan_stage(
             plan, height=h, width=w, window=window, shift=shift, table_window=self.window_size,
-            mask_padding=self.mask_padding, num_heads=self.num_heads, head_dim=self.embed_dims // self.num_heads,
-            device=x.device, with_cp=with_cp)
+            mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
         tokens = x.reshape(b, h * w, c)
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular

@@ -38,7 +38,7 @@ class WindowAttentionV2(nn.Module):
     ``softmax(cos(q, k) * exp(min(logit_scale, log 100)) + 16 sigmoid(cpb_mlp(coords)) + mask) v``
     per head, with ``q = x W_q + q_bias``, ``k = x W_k`` (zero bias), ``v = x W_v + v_bias``.
 
-    Arguments as :class:`~swin_backbone.model.attention.WindowAttention`'s, except: the position
+    Arguments as :class:`~swin_backbone.model.blocks.WindowAttention`'s, except: the position
     bias is evaluated on the ``(2 tw - 1)**2`` offsets of ``window_size`` ``tw`` (a smaller
     effective window reads a subset); ``pretrained_window_size``: window of the pre-training run
     whose weights are fine-tuned at ``window_size`` (coordinates are normalised by it), ``0``:
@@ -153,7 +153,7 @@ class PatchMergingV2(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         # Per-image valid sizes: cells across an image's edge read zeros beyond it, as alone.
-        return self.norm(self.reduction(ops.merge_patches(x, plan)))
+        return self.norm(self.reduction(ops.merge_2x2(x, plan.valid_sizes)))
 
 
 class SwinV2Backbone(SwinBackbone):

@@ -3,21 +3,18 @@ gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
 computes the same with the plan's kernel from :data:`KERNELS`, one signature for all
-(:class:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
+(:data:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
 one back to row-major order (:func:`window_reverse`):
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
   memory-efficient kernel runs (it also gives the bias gradient).
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
-
-A kernel of its own module registers itself here (:mod:`.triton_ops` adds ``triton``).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +22,10 @@ from torch import nn
 
 from ..torch_compat import scaled_dot_product_attention
 from .layouts import WindowLayout
+from .plan import Plan
 from .regions import row_chunks
 from .windows import padded_size, relative_position_index, window_attention_mask
 
-if TYPE_CHECKING:  # (the planner imports this module)
-    from .planner import Plan
 
 
 def reference_window_attention(
@@ -120,9 +116,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
 
 def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
     """Pad, shift and partition in one gather: ``(B, H * W, C)`` -> ``(B, nW * N, C)`` (padding
-    zeros); ``x`` itself for a kernel that gathers its windows itself (:attr:`Kernel.row_major`)."""
-    if KERNELS[plan.attention].row_major:
-        return x
+    zeros)."""
     if layout.traced or not plan.grad:
         return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
@@ -146,32 +140,22 @@ def window_attention(
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
-    out = KERNELS[plan.attention].run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
+    out = KERNELS[plan.attention](qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
     if layout.images is None:
         return out
     return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """A window-attention kernel (an entry of :data:`KERNELS`).
-
-    ``run(qkv, table, bias, layout, num_heads, scale, dropout_p, plan)`` -> ``(B, H * W, C)``
-    row-major, for ``qkv`` ``(B, nW * N, 3C)`` in ``layout``'s window order (``row_major``:
-    ``(B, H * W, 3C)`` row-major, and the kernel gathers its windows itself), the bias ``table``
-    ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias`` ``(nH, N, N)``. ``check(plan, layout, *,
-    num_heads, head_dim, mask_padding)`` names the kernel that runs a stage (this one, or the one
-    it falls back to), once per stage (:func:`~.planner.plan_stage`); ``None``: all stages.
-    """
-
-    run: Callable[..., torch.Tensor]
-    row_major: bool = False
-    check: Optional[Callable[..., str]] = None
+#: A window-attention kernel (an entry of :data:`KERNELS`): ``(qkv, table, bias, layout, num_heads,
+#: scale, dropout_p, plan)`` -> ``(B, H * W, C)`` row-major, for ``qkv`` ``(B, nW * N, 3C)`` in
+#: ``layout``'s window order, the bias ``table`` ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias``
+#: ``(nH, N, N)``.
+Kernel = Callable[..., torch.Tensor]
 
 
-#: What :func:`attention_in_windows` runs per window batch: ``(q, k, v, bias, scale, dropout_p)``
-#: -> attention output, shapes as SDPA's.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], torch.Tensor]
+#: What :func:`attention_in_windows` runs per window batch: SDPA's signature, ``(q, k, v, *,
+#: attn_mask, dropout_p, scale)`` -> attention output (:func:`_plain`, or SDPA itself).
+Attend = Callable[..., torch.Tensor]
 
 
 def attention_in_windows(
@@ -186,14 +170,14 @@ def attention_in_windows(
     heads = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)  # (3, B, nW, nH, N, d)
     if mask is None:
         q, k, v = heads.flatten(1, 2).unbind(0)
-        out = run(q, k, v, sdpa_ready(bias, qkv.dtype, align), scale, dropout_p)
+        out = run(q, k, v, attn_mask=sdpa_ready(bias, qkv.dtype, align), dropout_p=dropout_p, scale=scale)
     elif batch == 1:
         q, k, v = heads.flatten(1, 2).unbind(0)
-        out = run(q, k, v, per_window_bias(mask, bias, qkv.dtype, align), scale, dropout_p)
+        out = run(q, k, v, attn_mask=per_window_bias(mask, bias, qkv.dtype, align), dropout_p=dropout_p, scale=scale)
     else:
         q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
         attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, num_windows * num_heads, n, n)
-        out = run(q, k, v, attn_bias, scale, dropout_p)
+        out = run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3).reshape(batch, tokens, three_c // 3)
 
 
@@ -206,28 +190,19 @@ def _redo_image_windows(
     images = layout.images
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
-    if KERNELS[plan.attention].row_major:
-        picked = qkv.reshape(-1, three_c).index_select(0, images.rows)
-    else:
-        picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
-    run = _plain if dropout_p > 0 or plan.attention == "plain" else _sdpa
+    picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
+    run = _plain if dropout_p > 0 or plan.attention == "plain" else scaled_dot_product_attention
     fixed = attention_in_windows(picked.view(1, -1, three_c), bias, images.masks, images.windows.numel(), num_heads,
                                  scale, dropout_p, run, plan.align_masks)
     fixed = fixed.view(-1, three_c // 3).index_select(0, images.real)
     return out.reshape(-1, out.shape[-1]).index_copy(0, images.real_rows, fixed).view_as(out)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
-          dropout_p: float) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (:mod:`~swin_backbone.torch_compat`'s: torch 2.0 takes no ``scale``)."""
-    return scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
-
-
-def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor, scale: float,
-           dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v`` with matmuls."""
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor, dropout_p: float,
+           scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + attn_mask) v`` with matmuls (SDPA's signature)."""
     # In place on the fresh logits: no scaled copy of q kept, no second logits-sized temporary.
-    attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_bias).softmax(dim=-1)
+    attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_mask).softmax(dim=-1)
     if dropout_p > 0:
         attn = F.dropout(attn, p=dropout_p)
     return attn @ v
@@ -242,9 +217,9 @@ class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, table, bias, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
                 plan: Plan):
-        # (A :class:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
+        # (A :data:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
-        out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, _sdpa,
+        out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, scaled_dot_product_attention,
                                    plan.align_masks)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
@@ -319,7 +294,7 @@ def attention_backward(
 
 
 def _in_windows(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int,
-                scale: float, dropout_p: float, plan: Plan, attend: Attend = _sdpa) -> torch.Tensor:
+                scale: float, dropout_p: float, plan: Plan, attend: Attend = scaled_dot_product_attention) -> torch.Tensor:
     """The ``sdpa`` and ``plain`` kernels: :func:`attention_in_windows` with ``attend``, then
     :func:`window_reverse`."""
     out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p, attend,
@@ -329,7 +304,7 @@ def _in_windows(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layo
 
 #: The window-attention kernels by :attr:`Plan.attention <swin_backbone.ops.planner.Plan.attention>`.
 KERNELS: Dict[str, Kernel] = {
-    "sdpa": Kernel(functools.partial(_in_windows, attend=_sdpa)),
-    "plain": Kernel(functools.partial(_in_windows, attend=_plain)),
-    "recompute": Kernel(_RecomputedAttention.apply),
+    "sdpa": functools.partial(_in_windows, attend=scaled_dot_product_attention),
+    "plain": functools.partial(_in_windows, attend=_plain),
+    "recompute": _RecomputedAttention.apply,
 }

@@ -7,16 +7,14 @@ then runs with ``scale=1.0``); :func:`continuous_position_bias` gives a table ga
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layouts import size_cache
-
-if TYPE_CHECKING:
-    from .planner import Plan
+from .plan import Plan
 
 #: Upper clamp of ``logit_scale`` (official ``log(1 / 0.01)``), a float: works on every device.
 LOGIT_SCALE_MAX = math.log(100.0)

@@ -9,14 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from .layouts import CPU, ImageWindows, size_cache, to_device
+from .plan import Sizes
 from .windows import (
     PAD_REGION, ceil_div, mask_buffer, mask_rows, output_size, padded_size, partition_grid, region_labels, row_length,
     window_token_index,
 )
 
-#: Per image of a batch, the ``(h, w)`` that is the image on a map.
-Sizes = Tuple[Tuple[int, int], ...]
-#: :data:`Sizes`, or ``None``: every image fills the map.
+#: :data:`~.plan.Sizes`, or ``None``: every image fills the map.
 ValidSizes = Optional[Sizes]
 
 
@@ -68,7 +67,6 @@ def image_windows(
     return ImageWindows(
         windows=to_device(windows, device),
         masks=mask_rows(to_device(buffer, device), n),
-        rows=to_device(rows, device),
         real=to_device(real, device),
         real_rows=to_device(rows.index_select(0, real), device),
     )
@@ -131,11 +129,11 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
     return x
 
 
-def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor:
+def merge_2x2(x: torch.Tensor, valid_sizes: ValidSizes = None) -> torch.Tensor:
     """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
     block ``2 * dw + dh`` (the official order); with ``valid_sizes``, :func:`straddles` reads zero."""
     b, h, w, c = x.shape
-    h2, w2 = ceil_div(h, 2), ceil_div(w, 2)
+    h2, w2 = (h + 1) // 2, (w + 1) // 2
     x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
     # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
     merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
@@ -143,8 +141,22 @@ def merge_2x2(x: torch.Tensor, valid_sizes: "ValidSizes" = None) -> torch.Tensor
         cells = merged.view(b, h2, w2, 2, 2, c)
         for i, r0, r1, c0, c1 in straddles(valid_sizes, h, w, 2):
             if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
-                cells[i, r0 // 2, : ceil_div(c1, 2), :, 1].zero_()
+                cells[i, r0 // 2, : (c1 + 1) // 2, :, 1].zero_()
             else:  # column c0 right of an odd width: dw = 1 of the cells in its column
-                cells[i, : ceil_div(r1, 2), c0 // 2, 1].zero_()
+                cells[i, : (r1 + 1) // 2, c0 // 2, 1].zero_()
     return merged
 
+
+def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> torch.Tensor:
+    """``(B, C, H, W)`` input with zeros beyond an image where a patch straddles its edge (all
+    beyond it if ``x`` requires grad); a copy where anything must be zeroed, else ``x`` itself."""
+    if valid_sizes is None:
+        return x
+    if x.requires_grad:
+        return zero_beyond_valid(x, valid_sizes, 2, inplace=False)
+    boxes = straddles(valid_sizes, x.shape[2], x.shape[3], patch_size)
+    # Batches padded with zeros (mmdet's and mmseg's preprocessors) need no copy; the check
+    # reads only the boxes (on CUDA it would wait for the device: copy there instead).
+    if not boxes or (x.device.type == "cpu" and not any(x[b, :, r0:r1, c0:c1].any() for b, r0, r1, c0, c1 in boxes)):
+        return x
+    return zero_straddles_(x.clone(), valid_sizes, 2, patch_size)

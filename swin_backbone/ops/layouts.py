@@ -43,13 +43,12 @@ class ImageWindows:
     Attributes:
         windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows.
         masks: ``(K, N, N)`` additive masks, in the compute dtype.
-        rows: ``(K * N,)`` row of the flat ``(B * H * W)`` tokens each position holds.
-        real: ``(R,)`` positions among the ``K * N`` holding real tokens; real_rows: ``rows[real]``.
+        real: ``(R,)`` positions among the ``K * N`` holding real tokens; real_rows: the row of the
+            flat ``(B * H * W)`` tokens each of them holds.
     """
 
     windows: torch.Tensor
     masks: torch.Tensor
-    rows: torch.Tensor
     real: torch.Tensor
     real_rows: torch.Tensor
 

@@ -1,7 +1,8 @@
 """The one place that decides how a forward is computed (docs/design.md, "The planner").
 
-:func:`plan_forward` returns a :class:`Plan` once per forward; :func:`plan_stage` adds a stage's
-window layouts; :func:`override` switches optimisations off for ablations (docs/performance.md).
+:func:`plan_forward` returns a :class:`~.plan.Plan` once per forward (with one per stage for the
+backbone); :func:`plan_stage` adds a stage's window layouts; :func:`override` switches
+optimisations off for ablations (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ from ..torch_compat import compute_dtype, is_compiling
 from .image_sizes import get_image_windows, stage_valid_sizes
 from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache
 from .attention import KERNELS
+from .plan import Plan, Sizes
 from .regions import SAVE_MATMULS
 from .windows import output_size
 
-#: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``; ``'triton'``: docs/gpu-kernel.md).
-ATTENTION_CHOICES = ("auto", "sdpa", "triton")
+#: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``).
+ATTENTION_CHOICES = ("auto", "sdpa")
+#: Values that were accepted once, and where the reason they went is written down.
+REMOVED_ATTENTION = {"triton": "the fused Triton kernel was removed (docs/performance.md, \"The fused Triton kernel, "
+                               "removed\"): use 'auto' or 'sdpa'"}
 
 ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention`` argument
 
@@ -60,11 +65,10 @@ def resolve_attention(value: object, name: str = "attention") -> str:
     """The attention mode in force: :data:`ENV_VAR` if set, else ``value`` (checked)."""
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
-        if env not in ATTENTION_CHOICES:
-            raise ValueError(f"{ENV_VAR}: expected one of {ATTENTION_CHOICES}, got {env!r}")
-        return env
+        name, value = ENV_VAR, env
     if not isinstance(value, str) or value not in ATTENTION_CHOICES:
-        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}")
+        removed = f"; {REMOVED_ATTENTION[value]}" if isinstance(value, str) and value in REMOVED_ATTENTION else ""
+        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}{removed}")
     return value
 
 
@@ -88,119 +92,88 @@ PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity
 PLAIN_SWIN_MODULES: List[type] = []
 
 
-def plain_modules(model: nn.Module) -> bool:
-    """Whether every submodule of ``model`` is exactly a plain class holding ``nn.Parameter``s
-    (``functional_call`` swaps in tensors for one call), with no forward hook: the condition for
-    calling a module on part of its input, again in backward, or adding into its output in place."""
-    module_hooks = nn.modules.module
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-        return False
-    plain = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
-    return all(type(m) in plain and not m._forward_hooks and not m._forward_pre_hooks
-               and all(p is None or isinstance(p, nn.Parameter) for p in m._parameters.values())
-               for m in model.modules() if m is not model)
+def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
+    """What the modules of ``model`` say, in one walk: ``(plain, needs_grad, stochastic, attention
+    dropout)``.
+
+    ``plain``: every submodule is exactly a plain class holding ``nn.Parameter``s
+    (``functional_call`` swaps in tensors for one call), with no forward hook (nor a global one):
+    the one condition for calling a module on part of its input, again in backward, or adding
+    into its output in place. ``needs_grad``: a parameter requires grad. ``stochastic``: a module
+    in training mode has a dropout or stochastic-depth rate > 0; ``attention dropout``: one of
+    them is attention dropout.
+    """
+    hooks = nn.modules.module
+    plain = not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    types = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
+    needs_grad = stochastic = attn = False
+    for m in model.modules():
+        if m.training:
+            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
+            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
+        for p in m._parameters.values():
+            if p is not None:
+                needs_grad = needs_grad or p.requires_grad
+                plain = plain and (m is model or isinstance(p, nn.Parameter))
+        if m is not model:
+            plain = plain and type(m) in types and not m._forward_hooks and not m._forward_pre_hooks
+    return plain, needs_grad, stochastic or attn, attn
 
 
 # ------------------------------------------------------------------------------ the plan
-@dataclass(frozen=True)
-class Plan:
-    """How one forward (or one stage of it) is computed (the situations: docs/design.md, "The planner")."""
-
-    device: str  #: ``'cpu'``, ``'cuda'``, ...
-    mask_dtype: torch.dtype  #: dtype of cached masks: the compute dtype (the autocast dtype under autocast)
-    #: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy misaligned ones on every call)
-    align_masks: bool
-    grad: bool  #: autograd records this forward (some input or parameter requires grad)
-    #: ``torch.compile``, ``torch.export`` or ``torch.jit.trace``: plain torch ops only
-    tracing: bool
-    stochastic: bool  #: any dropout or stochastic depth is active (training mode, rate > 0)
-    attn_dropout: bool  #: attention dropout is active
-    attention: str  #: the kernel: a key of :data:`~.attention.KERNELS` (checked per stage: :func:`plan_stage`)
-    #: training with plain modules: selective checkpointing (:func:`~.regions.checkpointed`, ``mlp_residual``)
-    save_memory: bool
-    chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: :func:`plain_modules`: no hook, adapter or wrapper holds a module's output, so it may be
-    #: written into (residual adds, in-place normalising or zeroing; sites add ``not grad`` where
-    #: autograd may need the values), and modules may run more than once (checkpointing, chunks)
-    may_write_module_outputs: bool = False
-    #: CPU inference with plain modules: row-wise modules run ``chunk_bytes`` of rows at a time
-    chunked: bool = False
-    mode: str = "auto"  #: the ``attention`` argument in force (:data:`ATTENTION_CHOICES`)
-    #: per image, its ``(h, w)`` on this plan's map (pixels / tokens); ``None``: all fill it
-    valid_sizes: Optional[Tuple[Tuple[int, int], ...]] = None
-    #: the forward's plan only: ``valid_sizes`` of each stage's map, ``None`` where all fill it
-    stage_valid_sizes: Optional[Tuple[Optional[Tuple[Tuple[int, int], ...]], ...]] = None
-
-    def for_stage(self, x: torch.Tensor, stage: nn.Module, index: int = 0) -> "Plan":
-        """The plan for stage ``index`` on its input ``x``: frozen stages (no parameter, nor ``x``,
-        requiring grad) run like inference, dropout as the stage's modules have it; its valid sizes."""
-        plan = self
-        if not self.tracing:
-            grad = self.grad and (x.requires_grad or any(p.requires_grad for p in stage.parameters()))
-            stochastic, attn_dropout = active_dropout(stage)
-            if (grad, stochastic, attn_dropout) != (self.grad, self.stochastic, self.attn_dropout):
-                plan = _decide_cached(self.device, self.mask_dtype, grad, False, stochastic, attn_dropout, self.mode,
-                                      self.may_write_module_outputs, _SWITCHES)
-        valid = None if self.stage_valid_sizes is None else self.stage_valid_sizes[index]
-        if valid is None and plan.valid_sizes is None and plan.stage_valid_sizes is None:
-            return plan
-        return dataclasses.replace(plan, valid_sizes=valid, stage_valid_sizes=None)
-
-    def with_valid_sizes(self, valid_sizes: Optional[Tuple[Tuple[int, int], ...]], x: torch.Tensor,
-                         model: nn.Module) -> "Plan":
-        """This forward's plan for images of per-image ``(h, w)`` ``valid_sizes`` in pixels
-        (``None``: all fill it) at the top left of ``model``'s input ``x`` (``model`` has
-        ``patch_size`` and ``stages``); the sizes of each stage's map follow."""
-        if valid_sizes is None:
-            return self
-        if self.tracing:
-            raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
-                             "torch.jit.trace); per-image valid sizes run eagerly")
-        maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(model.stages))
-        per_stage = stage_valid_sizes(valid_sizes, model.patch_size, len(model.stages))
-        return dataclasses.replace(self, valid_sizes=valid_sizes, stage_valid_sizes=tuple(
-            None if all(v == m for v in sizes) else sizes for m, sizes in zip(maps, per_stage)))
-
-
 def tracing() -> bool:
     """Whether a tracer records this forward (dynamo or TorchScript)."""
     return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
-def active_dropout(model: nn.Module) -> Tuple[bool, bool]:
-    """``(stochastic, attention dropout)``: whether any module of ``model`` in training mode has a
-    dropout or stochastic-depth rate > 0, and whether one of them is attention dropout."""
-    stochastic = attn = False
-    for m in model.modules():
-        if m.training:
-            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
-            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
-    return stochastic or attn, attn
+def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes] = None) -> Plan:
+    """Decide how ``model`` computes its forward on ``x``: device, autocast dtype, grad mode,
+    tracing and what the modules say (:func:`read_modules`), once per forward.
 
-
-def plan_forward(x: torch.Tensor, model: nn.Module, *, attention: str = "auto") -> Plan:
-    """Decide how ``model`` (the backbone, or any of its modules called on its own) computes its
-    forward on ``x``: device, autocast dtype, grad mode, tracing, dropout and :func:`plain_modules`;
-    ``attention``: the backbone's argument in force (:func:`resolve_attention`)."""
-    device, dtype = x.device.type, compute_dtype(x)
-    stochastic, attn_dropout = active_dropout(model)
+    ``model`` is the backbone (it has ``stages``; ``patch_embed``, ``absolute_pos_embed`` and
+    ``patch_size``), or any of its modules called on its own. For the backbone the plan holds one
+    plan per stage (:attr:`Plan.stages`): a frozen stage (no parameter, nor its input, requiring
+    grad) runs like inference, with dropout as its own modules have it, and ``valid_sizes``
+    (per image, the ``(h, w)`` in input pixels at the top left of ``x``; ``None``: all fill it)
+    become each stage's sizes (``None`` where all fill that map).
+    """
+    device, dtype, enabled = x.device.type, compute_dtype(x), torch.is_grad_enabled()
+    plain, needs_grad, stochastic, attn_dropout = read_modules(model)
+    stages = getattr(model, "stages", None)
     if tracing():
-        plan = _decide(device, dtype, torch.is_grad_enabled(), True, stochastic, attn_dropout, attention, False,
-                       _SWITCHES)
-    else:
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in model.parameters()))
-        plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, attention, plain_modules(model),
-                              _SWITCHES)
-    return plan
+        if valid_sizes is not None:
+            raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
+                             "torch.jit.trace); per-image valid sizes run eagerly")
+        plan = _decide(device, dtype, enabled, True, stochastic, attn_dropout, False, _SWITCHES)
+        return plan if stages is None else dataclasses.replace(plan, stages=(plan,) * len(stages))
+    grad = enabled and (x.requires_grad or needs_grad)
+    plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, plain, _SWITCHES)
+    if stages is None:
+        return plan
+    # Stage i computes a gradient where x or a parameter before it, or one of its own, requires one.
+    pos = model.absolute_pos_embed
+    flows = x.requires_grad or read_modules(model.patch_embed)[1] or (pos is not None and pos.requires_grad)
+    sizes = maps = None
+    if valid_sizes is not None:
+        sizes = stage_valid_sizes(valid_sizes, model.patch_size, len(stages))
+        maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(stages))
+    per_stage = []
+    for i, stage in enumerate(stages):
+        _, stage_grad, stage_stochastic, stage_attn_dropout = read_modules(stage)
+        flows = flows or stage_grad
+        stage_plan = _decide_cached(device, dtype, enabled and flows, False, stage_stochastic, stage_attn_dropout,
+                                    plain, _SWITCHES)
+        if sizes is not None and any(v != maps[i] for v in sizes[i]):
+            stage_plan = dataclasses.replace(stage_plan, valid_sizes=sizes[i])
+        per_stage.append(stage_plan)
+    return dataclasses.replace(plan, valid_sizes=valid_sizes, stages=tuple(per_stage))
 
 
 def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, stochastic: bool, attn_dropout: bool,
-            mode: str, plain: bool, s: Switches) -> Plan:
+            plain: bool, s: Switches) -> Plan:
     """:func:`plan_forward`'s decision from the situation alone."""
     cpu = device == "cpu"
-    if mode == "triton" and device == "cuda" and not attn_dropout:
-        attention = "triton"  # opt-in; the kernel's own check decides per stage (plan_stage)
-    elif tracing:
+    if tracing:
         # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
         attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
     elif attn_dropout or not s.sdpa:
@@ -217,10 +190,10 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
     # Checkpointing and row chunks call modules more than once: exact only for plain modules.
     return Plan(
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
-        grad=grad, tracing=tracing, stochastic=stochastic, attn_dropout=attn_dropout, attention=attention,
+        grad=grad, tracing=tracing, attn_dropout=attn_dropout, attention=attention,
         save_memory=plain and grad and (cpu if s.save_memory is None else s.save_memory) and SAVE_MATMULS is not None,
         chunk_bytes=chunk_bytes,
-        may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic, mode=mode,
+        may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic,
     )
 
 
@@ -232,7 +205,7 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
     count as not plain (no shortcut re-runs them or writes into their outputs) unless ``fields``
     say otherwise (``may_write_module_outputs``, ``save_memory``, ``chunked``)."""
     grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
-    plan = _decide_cached(x.device.type, x.dtype, grad, False, False, False, "auto", False, _SWITCHES)
+    plan = _decide_cached(x.device.type, x.dtype, grad, False, False, False, False, _SWITCHES)
     if attention is not None:
         if attention not in KERNELS:
             raise ValueError(f"attention: expected one of {tuple(KERNELS)}, got {attention!r}")
@@ -243,27 +216,21 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
 # ------------------------------------------------------------------------------ a stage's plan
 def plan_stage(
     plan: Plan, *, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
-    num_heads: int, head_dim: int, device: torch.device, with_cp: bool = False,
+    device: torch.device, with_cp: bool = False,
 ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
     """``(plan, regular, shifted)``: a stage's cached window layouts (``shifted`` ``None`` without
-    a shift) and its plan: without selective checkpointing under ``with_cp`` (the whole block is
-    checkpointed), with the kernel its own stage check chooses (:class:`~.attention.Kernel`)."""
-    def layout(offset: int) -> WindowLayout:
+    a shift; with the plan's per-image valid sizes, the windows that images' edges cut) and its
+    plan: without selective checkpointing under ``with_cp`` (the whole block is checkpointed)."""
+    layouts = []
+    for offset in (0, shift) if shift > 0 else (0,):
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
                 table_window)
-        made = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
-        if plan.valid_sizes is None:
-            return made
-        images = get_image_windows(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
-                                   plan.align_masks)
-        return made if images is None else dataclasses.replace(made, images=images)
-
-    regular, shifted = layout(0), layout(shift) if shift > 0 else None
+        layout = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
+        if plan.valid_sizes is not None:
+            images = get_image_windows(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
+                                       plan.align_masks)
+            layout = layout if images is None else dataclasses.replace(layout, images=images)
+        layouts.append(layout)
     if with_cp and plan.save_memory:
         plan = dataclasses.replace(plan, save_memory=False)
-    check = KERNELS[plan.attention].check
-    if check is not None:
-        attention = check(plan, regular, num_heads=num_heads, head_dim=head_dim, mask_padding=mask_padding)
-        if attention != plan.attention:
-            plan = dataclasses.replace(plan, attention=attention)
-    return plan, regular, shifted
+    return plan, layouts[0], layouts[1] if shift > 0 else None

@@ -1,5 +1,6 @@
 """How a region of the model's modules runs: in one call, by cache-sized row chunks (CPU
-inference) or under selective activation checkpointing (training), as the plan says.
+inference) or under selective activation checkpointing (training), as the plan says; the
+output norms' NCHW maps (:func:`output_nchw`).
 
 The model hands its own methods here (``qkv_windows``, ``mlp_branch``), so that these
 mechanics wrap a region of modules without an ``if`` in the model (docs/design.md).
@@ -7,13 +8,14 @@ mechanics wrap a region of modules without an ``if`` in the model (docs/design.m
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, List
+from typing import Callable, List
 
 import torch
+from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
-if TYPE_CHECKING:  # (the planner imports this module)
-    from .planner import Plan
+from .image_sizes import zero_beyond_valid
+from .plan import Plan
 
 #: Operators whose outputs selective checkpointing keeps (matmuls: their recomputation costs).
 SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
@@ -34,7 +36,7 @@ def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
     return slices
 
 
-def checkpointed(fn: Callable[..., torch.Tensor], plan: "Plan", *args) -> torch.Tensor:
+def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
     """``fn(*args, plan)``, with :attr:`Plan.save_memory` under selective checkpointing (matmul
     outputs kept)."""
     if plan.save_memory:
@@ -43,7 +45,7 @@ def checkpointed(fn: Callable[..., torch.Tensor], plan: "Plan", *args) -> torch.
 
 
 def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
-                 plan: "Plan") -> torch.Tensor:
+                 plan: Plan) -> torch.Tensor:
     """``x + branch(x)`` for caller-owned ``(B, L, C)`` ``x`` and a row-wise ``branch`` (``hidden``:
     its widest width): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked` (where its
     rows exceed one), under selective checkpointing with :attr:`Plan.save_memory`, else one call."""
@@ -61,3 +63,28 @@ def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]
     else:
         y = branch(rows)
     return (y.add_(rows) if plan.may_write_module_outputs else rows + y).view(x.shape)
+
+
+def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:
+    """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)`` (a channels-last view or
+    contiguous), zeros beyond each image's valid size."""
+    if channels_last:
+        out, own = norm(x).permute(0, 3, 1, 2), None  # a view of the module's output
+    elif plan.chunked:  # (by map rows: whole, the transposing copy's strided writes miss the cache)
+        batch, height, width, channels = x.shape
+        out = None
+        for rows in row_chunks(height, width * channels * x.element_size(), plan.chunk_bytes // 8):
+            part = norm(x[:, rows]).permute(0, 3, 1, 2)
+            if out is None:  # dtype known only now (autocast)
+                out = part.new_empty(batch, channels, height, width)
+            out[:, :, rows] = part
+        own = out
+    else:
+        view = norm(x).permute(0, 3, 1, 2)
+        out = view.contiguous()
+        own = None if out is view else out  # (a 1 x 1 map is contiguous already: no copy made)
+    if plan.valid_sizes is None:
+        return out
+    # Zeroed in place only in memory of our own, or where module outputs may be written.
+    inplace = not plan.grad and (own is not None or plan.may_write_module_outputs)
+    return zero_beyond_valid(out, plan.valid_sizes, 2, inplace=inplace)

@@ -36,8 +36,8 @@ def padded_size(size: int, multiple: int) -> int:
 
 
 def pad_amount(size: int, multiple: int) -> int:
-    """Zeros to append so that ``size`` becomes a multiple of ``multiple``."""
-    return padded_size(size, multiple) - size
+    """Zeros to append so that ``size`` becomes a multiple of ``multiple`` (:func:`padded_size` ``- size``)."""
+    return (size + multiple - 1) // multiple * multiple - size
 
 
 def effective_window(height: int, width: int, window_size: int, shift_size: int,

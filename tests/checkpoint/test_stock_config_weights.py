@@ -34,7 +34,7 @@ pytest.importorskip("mmseg")
 from swin_backbone import SwinBackbone, load_checkpoint  # noqa: E402
 from swin_backbone.checkpoint import prepare_state_dict  # noqa: E402
 from swin_backbone.checkpoint.formats import FROM_OURS  # noqa: E402
-from swin_backbone.mmlab.dropin import PRETRAINED_DEPRECATION  # noqa: E402
+from swin_backbone.model.dropin import PRETRAINED_DEPRECATION  # noqa: E402
 
 from ..mmlab.test_dropin import CASES, ODD_SIZE, build, config_root, one_word_change, perturb  # noqa: E402
 from .loopback import Loopback  # noqa: E402

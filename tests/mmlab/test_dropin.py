@@ -27,7 +27,7 @@ from torch import nn
 
 import swin_backbone
 from swin_backbone import SwinBackbone
-from swin_backbone.mmlab.dropin import PRETRAINED_DEPRECATION, translate_mmlab_args
+from swin_backbone.model.dropin import PRETRAINED_DEPRECATION, translate_mmlab_args
 
 from ..helpers import small_arch
 

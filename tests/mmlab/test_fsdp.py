@@ -192,13 +192,13 @@ def _backbone_grads_rank(rank, world, port, cases):
 
 
 def _backbone_grads(rank, world, version, with_cp):
-    """FSDP (one unit per block, original parameters) around a Swin with a frozen stage: after
-    a backward of each rank's own images, the gathered gradients equal the unsharded model's on
-    both ranks' images."""
+    """FSDP (one unit per block through the shipped wrap policy, original parameters) around a
+    Swin with a frozen stage: after a backward of each rank's own images, the gathered gradients
+    equal the unsharded model's on both ranks' images."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from swin_backbone import SwinBackbone, SwinBlock, SwinBlockV2, SwinV2Backbone
+    from swin_backbone.mmlab.fsdp import swin_block_wrap_policy
 
     cls = SwinV2Backbone if version == 2 else SwinBackbone
     kw = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), drop_path_rate=0.0,
@@ -208,7 +208,7 @@ def _backbone_grads(rank, world, version, with_cp):
     model.init_weights()
     ref = cls(**kw)
     ref.load_state_dict(model.state_dict())
-    sharded = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({SwinBlock, SwinBlockV2}), use_orig_params=True,
+    sharded = FSDP(model, auto_wrap_policy=swin_block_wrap_policy, use_orig_params=True,
                    device_id=torch.device("cpu"))
     units = [m for m in FSDP.fsdp_modules(sharded) if isinstance(m.module, (SwinBlock, SwinBlockV2))]
     assert len(units) == 8  # one per block

@@ -11,7 +11,7 @@ from mmengine.config import Config
 from mmengine.registry import DefaultScope
 
 import swin_backbone
-from swin_backbone.mmlab.valid_sizes import attached_valid_sizes
+from swin_backbone.model.valid_sizes import attached_valid_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = os.path.join(ROOT, "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone, ops
-from swin_backbone.mmlab.valid_sizes import attach_valid_sizes, attached_valid_sizes
+from swin_backbone.model.valid_sizes import attach_valid_sizes, attached_valid_sizes
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 
 from ..helpers import DeviceSyncs

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from swin_backbone import ops
-from swin_backbone.model.attention import WindowAttention
+from swin_backbone.model.blocks import WindowAttention
 from swin_backbone.ops import planner, regions
 from swin_backbone.ops.attention import _RecomputedAttention, per_window_bias, sdpa_ready, window_attention
 from swin_backbone.ops.layouts import build_window_layout
@@ -88,19 +88,33 @@ def test_bad_kernel_arguments_raise():
     with pytest.raises(ValueError, match="attention: expected one of"):
         ops.plan_for(qkv, attention="flash")
     with pytest.raises(ValueError, match="attention: expected one of .*got 'flash'"):
-        ops.check_attention("flash")
+        ops.resolve_attention("flash")
+
+
+def test_the_removed_triton_kernel_is_a_clear_error(monkeypatch):
+    # attention='triton' (the fused kernel, removed without a GPU measurement, issue #47) names the
+    # argument, the accepted values, that the kernel was removed and where the reason is written.
+    from swin_backbone import SwinBackbone
+
+    removed = (r"\('auto', 'sdpa'\), got 'triton'; the fused Triton kernel was removed "
+               r"\(docs/performance.md, \"The fused Triton kernel, removed\"\)")
+    tiny = dict(embed_dims=8, depths=(1,), num_heads=(1,), out_indices=(0,))
+    with pytest.raises(ValueError, match=r"^attention: expected one of " + removed):
+        SwinBackbone(**tiny, attention="triton")
+    monkeypatch.setenv(planner.ENV_VAR, "triton")
+    with pytest.raises(ValueError, match=r"^SWIN_BACKBONE_ATTENTION: expected one of " + removed):
+        SwinBackbone(**tiny)
 
 
 def test_attention_dropout_always_runs_a_kernel_that_drops():
     # Only the plain kernel applies attention dropout (SDPA's CPU kernels and the recompute
     # kernel's hand-written backward do not): every situation with attention dropout plans it,
-    # on every device, eagerly and while tracing, also where 'triton' was asked for.
+    # on every device, eagerly and while tracing.
     f32 = torch.float32
     for device in ("cpu", "cuda"):
         for grad, tracing in ((True, False), (False, False), (True, True), (False, True)):
-            for mode in planner.ATTENTION_CHOICES:
-                plan = planner._decide(device, f32, grad, tracing, True, True, mode, True, planner._SWITCHES)
-                assert plan.attention == "plain", (device, grad, tracing, mode, plan.attention)
+            plan = planner._decide(device, f32, grad, tracing, True, True, True, planner._SWITCHES)
+            assert plan.attention == "plain", (device, grad, tracing, plan.attention)
     # ... and that kernel drops: two training calls differ, and zero attention dropout is deterministic.
     attn = WindowAttention(16, 2, 7)
     layout = _layout(9, 12, 3, dtype=torch.float32)

@@ -124,7 +124,7 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
     results = []
     for save_memory in (True, False):
         torch.manual_seed(1)
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory, stochastic=True)
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory)
         out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         results.append((out, grads))

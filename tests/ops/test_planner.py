@@ -17,9 +17,9 @@ from swin_backbone.ops import layouts as L, windows as W
 from ..helpers import small_arch
 
 
-def decide(device, dtype, grad, tracing, stochastic, attn_dropout, mode="auto"):
+def decide(device, dtype, grad, tracing, stochastic, attn_dropout):
     """The planner's decision for a situation, with plain modules and the switches in force."""
-    return planner._decide_cached(device, dtype, grad, tracing, stochastic, attn_dropout, mode, True, planner._SWITCHES)
+    return planner._decide_cached(device, dtype, grad, tracing, stochastic, attn_dropout, True, planner._SWITCHES)
 
 
 def test_decisions_per_situation():
@@ -40,13 +40,7 @@ def test_decisions_per_situation():
     with planner.override(save_memory=True):
         assert decide("cuda", torch.bfloat16, True, False, False, False).save_memory == sac
     assert cuda.chunk_bytes == 0 and not cuda.tracing
-    assert decide("cuda", torch.bfloat16, False, False, False, False, "auto").attention == "sdpa"
-    assert decide("cuda", torch.bfloat16, True, False, False, False, "sdpa").attention == "sdpa"
-    # 'triton' asked for on CUDA: the forward's plan names it (plan_stage checks it per stage);
-    # elsewhere the situation's kernel runs.
-    for grad in (False, True):
-        assert decide("cuda", torch.bfloat16, grad, False, False, False, "triton").attention == "triton"
-    assert decide("cpu", f32, False, False, False, False, "triton").attention == "sdpa"
+    assert decide("cuda", torch.bfloat16, False, False, False, False).attention == "sdpa"
     traced = decide("cpu", f32, True, True, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
     assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
@@ -116,11 +110,11 @@ def test_frozen_stages_run_as_inference(frozen):
     x = torch.randn(1, 3, 32, 32)
     plan = ops.plan_forward(x, model)
     assert plan.grad and plan.attention == "recompute"
-    for i, stage in enumerate(model.stages):
-        stage_plan = plan.for_stage(x, stage)
+    assert len(plan.stages) == len(model.stages)
+    for i, stage_plan in enumerate(plan.stages):
         assert stage_plan.grad == (i >= frozen)
         assert stage_plan.attention == ("recompute" if i >= frozen else "sdpa")
-    assert plan.for_stage(x.requires_grad_(), model.stages[0]).grad  # a gradient flows through
+    assert ops.plan_forward(x.requires_grad_(), model).stages[0].grad  # a gradient flows through
 
 
 def _sdpa_kernels(model, x, train):
@@ -171,45 +165,12 @@ def test_tracing_sees_only_plain_ops(train):
 @pytest.mark.parametrize("grad", [False, True])
 def test_tracing_on_cuda_plans_by_the_situation(grad):
     # torch.compile / torch.export on CUDA: 'auto' gives what tracing gives on any device
-    # (SDPA in inference, plain ops for a training graph); a forced 'triton' stays 'triton'
-    # (checked per stage), except with attention dropout, which only the plain kernel applies.
+    # (SDPA in inference, plain ops for a training graph); attention dropout: plain ops.
     bf16, switches = torch.bfloat16, planner.Switches()
     plain = "plain" if grad else "sdpa"
-    compiled = planner._decide("cuda", bf16, grad, True, False, False, "auto", False, switches)
+    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, switches)
     assert compiled.attention == plain and compiled.tracing and not compiled.save_memory
-    assert planner._decide("cuda", bf16, grad, True, False, False, "sdpa", False, switches).attention == plain
-    assert planner._decide("cuda", bf16, grad, True, False, False, "triton", False, switches).attention == "triton"
-    assert planner._decide("cuda", bf16, grad, True, True, True, "triton", False, switches).attention == "plain"
-    assert planner._decide("cuda", bf16, grad, True, True, True, "auto", False, switches).attention == "plain"
-
-
-def test_triton_falls_back_where_the_kernel_does_not_apply():
-    # Layouts the kernel does not take (here: a 12 x 12 window) get what the same situation
-    # gets without the kernel: SDPA, or while tracing a training graph, plain ops.
-    x = torch.zeros(1, 24, 24, 64)
-    for tracing, grad, expected in ((False, True, "sdpa"), (True, False, "sdpa"), (True, True, "plain")):
-        plan = ops.plan_for(x, grad=grad, attention="triton", tracing=tracing)
-        got, regular, shifted = ops.plan_stage(plan,
-            height=24, width=24, window=12, shift=6, table_window=12, mask_padding=True, num_heads=2, head_dim=64,
-            device=x.device)
-        assert got.attention == expected
-        assert regular.window == shifted.window == 12 and regular.shift == 0 and shifted.shift == 6
-
-
-def test_forced_triton_that_cannot_run_raises_naming_the_reason():
-    # attention='triton' is opt-in: where the fused kernel cannot run (here: float64 CPU
-    # tensors) a stage it covers raises, saying why, instead of silently running something else.
-    from swin_backbone.ops import triton_attention
-
-    x = torch.zeros(1, 14, 14, 32, dtype=torch.float64)
-    plan = ops.plan_for(x, grad=False, attention="triton")
-    reason = triton_attention.static_reason(x.dtype, x.device, 7, 2, 16, height=14, width=14, mask_padding=True)
-    assert reason  # (no fp64 kernel, and CUDA or the Triton interpreter is needed)
-    with pytest.raises(RuntimeError, match="attention='triton'.*cannot run here") as err:
-        ops.plan_stage(plan,
-            height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
-            device=x.device)
-    assert reason in str(err.value)
+    assert planner._decide("cuda", bf16, grad, True, True, True, False, switches).attention == "plain"
 
 
 def test_checkpointed_stages_skip_selective_checkpointing():
@@ -217,10 +178,10 @@ def test_checkpointed_stages_skip_selective_checkpointing():
     x = torch.zeros(1, 14, 14, 32)
     plan = ops.plan_for(x, grad=True, save_memory=True)
     assert ops.plan_stage(plan,
-        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
+        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True,
         device=x.device)[0].save_memory
     assert not ops.plan_stage(plan,
-        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=16,
+        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True,
         device=x.device, with_cp=True)[0].save_memory
 
 
@@ -267,8 +228,8 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
 
 
 def test_ops_and_model_imports_form_no_circle():
-    # Every import statement of swin_backbone/ops and swin_backbone/model, function-level ones
-    # included (those under TYPE_CHECKING excepted): the modules they import form no circle.
+    # Every import statement of swin_backbone/ops and swin_backbone/model, function-level and
+    # type-only ones included: the modules they import form no circle.
     import ast
     import os
 
@@ -283,12 +244,10 @@ def test_ops_and_model_imports_form_no_circle():
                 continue
             module = f"swin_backbone.{package}" + ("" if name == "__init__.py" else f".{name[:-3]}")
             tree = ast.parse(open(os.path.join(folder, name)).read())
-            typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                           and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
             here = module.split(".") if name == "__init__.py" else module.split(".")[:-1]
             targets = set()
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and id(node) not in typing_only and node.level:
+                if isinstance(node, ast.ImportFrom) and node.level:
                     base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
                     targets |= {f"{base}.{a.name}" for a in node.names} | {base}
             graph[module] = targets

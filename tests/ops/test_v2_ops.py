@@ -44,7 +44,7 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
     x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=grad)
     with torch.set_grad_enabled(grad):
         plan = ops.plan_forward(x, block)
-    assert plan.grad == grad and plan.stochastic == (situation == "dropout")
+    assert plan.grad == grad and plan.attn_dropout is False
     assert plan.chunked == (situation == "inference") and plan.may_write_module_outputs
     assert plan.save_memory == (grad and ops.regions.SAVE_MATMULS is not None)
     with torch.set_grad_enabled(grad):

@@ -181,18 +181,17 @@ def test_straddle_boxes_and_input_masking():
     assert V.straddles(((6, 12),), 8, 12, 4) == ((0, 6, 8, 0, 12),)
     assert V.straddles(((8, 9),), 8, 11, 4) == ((0, 0, 8, 9, 11),)  # capped at the map
     x = torch.randn(2, 3, 8, 12) + 3
-    plan = ops.plan_for(x, valid_sizes=((8, 12), (4, 4)))
-    assert ops.mask_input(x, plan, 4) is x  # no patch straddles an edge: no copy
-    plan = ops.plan_for(x, valid_sizes=((6, 10), (8, 12)))
+    assert ops.mask_input(x, ((8, 12), (4, 4)), 4) is x  # no patch straddles an edge: no copy
+    sizes = ((6, 10), (8, 12))
     before = x.clone()
-    out = ops.mask_input(x, plan, 4)
+    out = ops.mask_input(x, sizes, 4)
     torch.testing.assert_close(x, before, rtol=0, atol=0)  # the caller's tensor is never written
     assert out[0, :, 6:8, :12].abs().max() == 0 and out[0, :, :6, 10:12].abs().max() == 0
     torch.testing.assert_close(out[0, :, :6, :10], x[0, :, :6, :10])
     torch.testing.assert_close(out[1], x[1])
     x[0, :, 6:8] = 0
     x[0, :, :, 10:] = 0
-    assert ops.mask_input(x, plan, 4) is x  # zero-padded already (mmdet's batches): no copy
+    assert ops.mask_input(x, sizes, 4) is x  # zero-padded already (mmdet's batches): no copy
 
 
 # ---------------------------------------------------------------- no host-device syncs, eager layouts
@@ -252,13 +251,13 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
     x = torch.zeros(2, 13, 20, 16)
     plan = ops.plan_for(x, grad=False)
     _, regular, shifted = ops.plan_stage(plan,
-        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=8, device=cpu)
+        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.images is None
     assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
     valid = ops.plan_for(x, grad=False, valid_sizes=((13, 20), (9, 11)))
     _, regular2, shifted2 = ops.plan_stage(valid,
-        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, num_heads=2, head_dim=8, device=cpu)
+        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2  # the same cached layouts underneath
     images = V.get_image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), cpu, torch.float32, False)
     assert shifted2.images is images and shifted.images is None
@@ -267,7 +266,7 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
         assert getattr(regular2, name) is getattr(regular, name), name
     # a window no larger than the map with no shift: no shifted layout at all
     assert ops.plan_stage(plan,
-        height=13, width=20, window=7, shift=0, table_window=7, mask_padding=True, num_heads=2, head_dim=8,
+        height=13, width=20, window=7, shift=0, table_window=7, mask_padding=True,
         device=cpu)[2] is None
 
 
@@ -311,7 +310,7 @@ def test_image_builders_never_wait_for_the_device(align):
     L.clear_caches()
     with DeviceSyncs() as syncs:
         images = V.image_windows(h, w, ws, shift, valid, META, torch.float32, align)
-    syncs.assert_none(5)  # windows, masks, rows, real, real_rows
+    syncs.assert_none(4)  # windows, masks, real, real_rows
     with DeviceSyncs() as syncs:
         windows, masks = V.image_window_masks(h, w, ws, shift, (5, 7), META, torch.float32, align)
     syncs.assert_none(2)
@@ -320,7 +319,7 @@ def test_image_builders_never_wait_for_the_device(align):
         V.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
     syncs.assert_none(2)  # the (B, 2) sizes, once per call
     expected = V.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
-    for name in ("windows", "masks", "rows", "real", "real_rows"):
+    for name in ("windows", "masks", "real", "real_rows"):
         t, e = getattr(images, name), getattr(expected, name)
         assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
     ew, em = V.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
@@ -356,7 +355,7 @@ def test_image_windows_match_a_reference(size, ws, shift, align):
     valid = ((h, w), (h - 4, w), (3, 5), (h, w - 6), (h - 1, w - 1))
     got = V.image_windows(h, w, ws, shift, valid, torch.device("cpu"), torch.float32, align)
     windows, masks, rows, real = reference_image_windows(h, w, ws, shift, valid, torch.float32)
-    assert torch.equal(got.windows, windows) and torch.equal(got.masks, masks) and torch.equal(got.rows, rows)
+    assert torch.equal(got.windows, windows) and torch.equal(got.masks, masks)
     assert torch.equal(got.real, real.nonzero().squeeze(1)) and torch.equal(got.real_rows, rows[real])
     n = ws * ws
     assert got.masks.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
