@@ -17,7 +17,7 @@ What a Runner checkpoint holds (``pickletools`` on what mmengine 0.10.7's Runner
 ``builtins.getattr``                             ``getattr(HistoryBuffer, 'min')``: protocol 2 writes
                                                  ``HistoryBuffer.min`` / ``max`` / ``current`` / ``mean``
                                                  (its ``_statistics_methods``) so; served by
-                                                 :func:`history_buffer_statistic`, nothing else
+                                                 :func:`restricted_getattr`, nothing else
 ================================================ ===========================================================
 
 Plus ``MessageHub`` (older mmengine saved the hub itself), ``ConfigDict`` (configs in ``meta``) and
@@ -30,30 +30,46 @@ import functools
 import pickle
 from typing import Any, List
 
-#: ``HistoryBuffer``'s statistics methods: what a pickled ``getattr`` may resolve, and only on
-#: ``HistoryBuffer`` itself (a statistic registered with ``register_statistics`` is a module
-#: function, pickled by its own name: refused, like any other code).
-HISTORY_BUFFER_STATISTICS = ("min", "max", "current", "mean")
+#: What a pickled ``builtins.getattr`` may resolve: these attributes of these classes, nothing else.
+#: mmengine's ``HistoryBuffer`` statistics methods (protocol 2 writes ``HistoryBuffer.min`` as
+#: ``getattr(HistoryBuffer, 'min')``; a statistic registered with ``register_statistics`` is a
+#: module function, pickled by its own name: refused, like any other code), and the nested data
+#: class ``ShardedTensor.ProcessGroupState`` of FSDP's ``'local'`` shards (``ShardedTensor``
+#: itself is allowed only inside the strategy's own shard loads, so elsewhere a file cannot name it).
+GETATTR_ALLOWED = {
+    "mmengine.logging.history_buffer.HistoryBuffer": ("min", "max", "current", "mean"),
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": ("ProcessGroupState",),
+}
 
 
 class CodeInCheckpointError(pickle.UnpicklingError):
-    """A pickle asked for an object that is code (``getattr`` beyond :func:`history_buffer_statistic`)."""
+    """A pickle asked for an object that is code (``getattr`` beyond :data:`GETATTR_ALLOWED`)."""
 
 
-def history_buffer_statistic(obj: Any, name: str, *default: Any) -> Any:
-    """``builtins.getattr`` as mmengine checkpoints use it: ``HistoryBuffer.<statistic>``
-    (:data:`HISTORY_BUFFER_STATISTICS`) and nothing else. A ``getattr`` on anything else
+def restricted_getattr(obj: Any, name: str, *default: Any) -> Any:
+    """``builtins.getattr`` as checkpoints use it: the attributes :data:`GETATTR_ALLOWED` names,
+    on exactly those classes, and nothing else. A ``getattr`` on anything else
     (``getattr(getattr, '__self__')`` reaches ``builtins``, then ``exec``) raises
     :class:`CodeInCheckpointError` without looking the attribute up."""
-    from mmengine.logging.history_buffer import HistoryBuffer
-
-    if obj is HistoryBuffer and isinstance(name, str) and name in HISTORY_BUFFER_STATISTICS and not default:
-        return getattr(HistoryBuffer, name)
-    what = "getattr" if obj is history_buffer_statistic else obj.__qualname__ if isinstance(obj, type) or (
+    allowed = GETATTR_ALLOWED.get(_class_name(obj), ()) if isinstance(obj, type) else ()
+    if isinstance(name, str) and name in allowed and not default:
+        return getattr(obj, name)
+    what = "getattr" if obj is restricted_getattr else obj.__qualname__ if isinstance(obj, type) or (
         callable(obj) and hasattr(obj, "__qualname__")) else f"a {type(obj).__qualname__}"
+    served = "; ".join(f"{k.rsplit('.', 1)[1]}.{'/'.join(v)}" for k, v in GETATTR_ALLOWED.items())
     raise CodeInCheckpointError(
         f"the file asks to run code: GLOBAL builtins.getattr({what}, {name!r}) (weights-only loading resolves "
-        f"getattr only for mmengine's HistoryBuffer.{'/'.join(HISTORY_BUFFER_STATISTICS)})")
+        f"getattr only for {served})")
+
+
+def _class_name(cls: type) -> str:
+    """``module.qualname`` of ``cls``, if ``cls`` is the very class of that name (not a subclass or
+    a look-alike defined elsewhere)."""
+    import sys
+
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    module = sys.modules.get(cls.__module__)
+    return name if module is not None and getattr(module, cls.__qualname__, None) is cls else ""
 
 
 def mmengine_safe_globals() -> List[Any]:
@@ -65,7 +81,7 @@ def mmengine_safe_globals() -> List[Any]:
 
     # OrderedDict, Counter and _codecs.encode are on torch's own list since 2.x; not on 2.0 / 2.1's.
     entries: List[Any] = [collections.OrderedDict, collections.Counter, collections.defaultdict, _codecs.encode,
-                          np.ndarray, np.dtype, (history_buffer_statistic, "builtins.getattr")]
+                          np.ndarray, np.dtype, (restricted_getattr, "builtins.getattr")]
     # numpy's reconstructors under both module names (numpy 2 moved numpy.core to numpy._core;
     # files written with either load with either): by name, nothing imported at load time.
     try:

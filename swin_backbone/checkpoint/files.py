@@ -166,7 +166,7 @@ def _why_unreadable(path: str, kind: str, err: BaseException) -> str:
                 "tensors and plain data: load only files from sources you trust, and re-save this one's weights "
                 "with torch.save(model.state_dict()) where you trust it")
     text = str(err)
-    if ASKS_FOR_CODE in text:  # the getattr stand-in (allowlist.history_buffer_statistic)
+    if ASKS_FOR_CODE in text:  # the getattr stand-in (allowlist.restricted_getattr)
         detail = text[text.index(ASKS_FOR_CODE):].splitlines()[0]
         return f"{detail}; it was refused, nothing in it ran (load only files from sources you trust)"
     what = "zip archive" if kind == "torch-zip" else "pickle stream"

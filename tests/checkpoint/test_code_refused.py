@@ -242,34 +242,40 @@ def test_the_chain_inside_other_allowed_classes(tmp_path, reader, holder):
     _refused(path, "builtins.getattr(getattr, '__self__')", marker)
 
 
-def test_the_getattr_stand_in_serves_history_buffer_statistics_only():
-    from swin_backbone.checkpoint.allowlist import CodeInCheckpointError, history_buffer_statistic
+def test_the_getattr_stand_in_serves_the_listed_attributes_only():
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from swin_backbone.checkpoint.allowlist import CodeInCheckpointError, restricted_getattr
 
     for name in ("min", "max", "current", "mean"):
-        assert history_buffer_statistic(HistoryBuffer, name) is getattr(HistoryBuffer, name)
+        assert restricted_getattr(HistoryBuffer, name) is getattr(HistoryBuffer, name)
+    # FSDP's 'local' shards (ShardedTensor itself is allowed only inside the strategy's own loads).
+    assert restricted_getattr(ShardedTensor, "ProcessGroupState") is ShardedTensor.ProcessGroupState
+    look_alike = type("HistoryBuffer", (), {"min": os.system, "__module__": HistoryBuffer.__module__})
     for obj, name in [(HistoryBuffer, "__init__"), (HistoryBuffer, "__class__"), (HistoryBuffer(), "min"),
+                      (ShardedTensor, "__init__"), (ShardedTensor, "__reduce_ex__"), (look_alike, "min"),
                       (builtins.getattr, "__self__"), (os, "system"), (HistoryBuffer, "statistics"),
                       (HistoryBuffer, "register_statistics")]:
         with pytest.raises(CodeInCheckpointError, match=ASKS_FOR_CODE):
-            history_buffer_statistic(obj, name)
+            restricted_getattr(obj, name)
     with pytest.raises(CodeInCheckpointError):
-        history_buffer_statistic(HistoryBuffer, "min", None)  # a default: not what pickle writes
+        restricted_getattr(HistoryBuffer, "min", None)  # a default: not what pickle writes
 
 
 def test_the_process_wide_list_holds_data_classes_and_the_stand_in_only():
     """What ``import swin_backbone`` leaves in torch's process-wide list: nothing callable that
     reaches other objects (the issue's list), numpy's reconstructors, the stand-in."""
-    from swin_backbone.checkpoint.allowlist import history_buffer_statistic, mmengine_safe_globals
+    from swin_backbone.checkpoint.allowlist import restricted_getattr, mmengine_safe_globals
 
     forbidden = {builtins.getattr, builtins.eval, builtins.exec, builtins.compile, builtins.__import__,
                  operator.attrgetter, operator.methodcaller, functools.partial, importlib.import_module, os.system}
     entries = mmengine_safe_globals()
     objects = [e[0] if isinstance(e, tuple) else e for e in entries]
     assert not [o for o in objects if any(o is f for f in forbidden)]
-    assert ("builtins.getattr", history_buffer_statistic) in [(e[1], e[0]) for e in entries if isinstance(e, tuple)]
+    assert ("builtins.getattr", restricted_getattr) in [(e[1], e[0]) for e in entries if isinstance(e, tuple)]
     functions = [o for o in objects if not isinstance(o, type)]
     assert sorted(f.__name__ for f in functions) == ["_reconstruct", "_reconstruct", "encode",
-                                                      "history_buffer_statistic", "scalar", "scalar"]
+                                                      "restricted_getattr", "scalar", "scalar"]
     if torch_compat.HAS_SAFE_GLOBALS:
         registered = torch.serialization.get_safe_globals()
         assert not [g for g in registered if any((g[0] if isinstance(g, tuple) else g) is f for f in forbidden)]
