@@ -11,7 +11,7 @@ what mmseg's own ``swin2mmseg.py`` converter writes from it for
 ``download.openmmlab.com/mmsegmentation/v0.5/pretrain/swin``. The weights are random (with
 non-trivial norms, biases and position tables) in the config's architecture. Each URL is
 downloaded once: ours and the library read the same torch hub cache. The configs are found as
-tests/mmlab/test_dropin.py finds them (new releases' configs are covered without editing this).
+tests/mmlab/library_configs.py finds them (new releases' configs are covered without editing this).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from swin_backbone.checkpoint import prepare_state_dict  # noqa: E402
 from swin_backbone.checkpoint.formats import FROM_OURS  # noqa: E402
 from swin_backbone.model.dropin import PRETRAINED_DEPRECATION  # noqa: E402
 
-from ..mmlab.test_dropin import CASES, ODD_SIZE, build, config_root, one_word_change, perturb  # noqa: E402
+from ..mmlab.library_configs import (CASES, assert_case_features, build, config_root, one_word_change,  # noqa: E402
+                                     perturb)
 from .loopback import Loopback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,13 +171,7 @@ def test_switched_config_with_its_own_weights_gives_the_librarys_features(url, s
                 ours.load_state_dict({k: theirs[k] for k in given.missing}, strict=False)
             ours.eval()
             ref.eval()  # (mmdet's train() returns None: no chaining)
-            x = torch.randn(1, case.backbone.get("in_channels", 3), *ODD_SIZE)
-            with torch.no_grad():
-                expected = ref(x)
-                got = ours(x)
-            assert len(got) == len(expected) == len(case.backbone.get("out_indices", (0, 1, 2, 3)))
-            for i, (g, e) in enumerate(zip(got, expected)):
-                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"{case.id} output {i}: {m}")
+            assert_case_features(case, ours, ref)
             # the weights did arrive: stage 1's first qkv is the served file's, not an initialisation
             assert not torch.allclose(ours.stages[0].blocks[0].attn.qkv.bias, torch.zeros(1))
             del ours, ref
