@@ -248,7 +248,7 @@ def test_add_safe_globals_is_honoured_by_load_on_every_torch(tmp_path, monkeypat
     torch.save({"when": np.float32(2.5)}, tmp_path / "scalar.pth")
     with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
         torch_compat.load(str(tmp_path / "scalar.pth"))
-    from swin_backbone.mmlab.compat import allow_mmengine_checkpoints
+    from swin_backbone.checkpoint.allowlist import allow_mmengine_checkpoints
 
     allow_mmengine_checkpoints.cache_clear()
     allow_mmengine_checkpoints()

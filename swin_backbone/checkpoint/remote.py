@@ -389,8 +389,8 @@ def _unwritable(named: str, url: str, folder: str, err: OSError, received: Optio
     if err.errno == errno.EFBIG:
         return CheckpointError(
             f"{named}: this process may not write files this large{after} ({err.strerror}: the file size limit, "
-            "ulimit -f); raise the limit, or download {url} elsewhere and pass its local path (nothing was kept in "
-            "the cache)".replace("{url}", url))
+            f"ulimit -f); raise the limit, or download {url} elsewhere and pass its local path (nothing was kept in "
+            "the cache)")
     if err.errno == errno.ENAMETOOLONG:
         return CheckpointError(
             f"{named}: the file system of the download cache {folder} refuses the file name ({err.strerror}); "

@@ -48,16 +48,6 @@ def compiled_ext() -> Optional[ModuleType]:
     return None if _is_stand_in(module) else module
 
 
-def compiled_ops_available() -> Optional[bool]:
-    """``None`` without mmcv; whether mmcv has its compiled extension otherwise."""
-    try:
-        if importlib.util.find_spec("mmcv") is None:
-            return None
-    except (ImportError, ValueError):
-        return None
-    return compiled_ext() is not None
-
-
 def active() -> bool:
     """Whether mmcv's ops run on :mod:`swin_backbone.mmcv_lite.ext` in this process."""
     return _is_stand_in(sys.modules.get(EXT_NAME))

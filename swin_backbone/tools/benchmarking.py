@@ -30,7 +30,7 @@ import swin_backbone
 from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint, ops
 from swin_backbone.torch_compat import has_fp32_precision
 
-from .common import atomic_write
+from ..checkpoint.files import atomic_write
 
 # --------------------------------------------------------------------------------- models
 ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7)

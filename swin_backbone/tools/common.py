@@ -1,9 +1,6 @@
-"""What both command-line tools need: files written whole or not at all, and errors in one line."""
+"""What the command-line tools share: errors in one line (files are written whole or not at all
+by :func:`swin_backbone.checkpoint.files.atomic_write`)."""
 from __future__ import annotations
-
-from ..checkpoint.files import atomic_write
-
-__all__ = ["atomic_write", "one_line"]
 
 
 def one_line(err: BaseException) -> str:

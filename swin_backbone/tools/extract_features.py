@@ -53,10 +53,11 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.utils.data import DataLoader
 
+from ..checkpoint.files import atomic_write
 from ..checkpoint.remote import fetch, is_reference, resolve
 from ..features import DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size, mean_pool
 from ..features import split_arch
-from .common import atomic_write, one_line
+from .common import one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
                          default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
 from .job import DistContext, Progress, in_job, init_distributed, leave_job

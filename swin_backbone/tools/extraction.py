@@ -38,9 +38,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..checkpoint.files import atomic_write
 from ..features import pca_rgb, resize_to, side_by_side
 from ..torch_compat import load_supports_mmap
-from .common import atomic_write
 
 #: ``read_rgb``'s ``reader`` values: ``auto`` is ``mmcv`` where it is installed, else ``pil``.
 READERS = ("auto", "mmcv", "pil")

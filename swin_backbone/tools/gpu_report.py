@@ -28,9 +28,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..checkpoint.files import atomic_write
 from . import benchmark
 from . import benchmarking as B
-from .common import atomic_write, one_line
+from .common import one_line
 
 #: The timed rows of (1), as :data:`~swin_backbone.tools.benchmark.CUDA_ROWS`.
 ROWS = [("eval", 1, torch.bfloat16, None), ("eval", 8, torch.bfloat16, None), ("train", 2, torch.bfloat16, None)]

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from mmengine.config import Config
 
-from ..mmlab.compat import allow_mmengine_checkpoints
 from ..mmlab.optim import BF16AutocastOptimWrapper  # noqa: F401  (what --amp names on the CPU)
+from .common import one_line
 from .job import leave_job  # noqa: F401  (tools/train.py and tools/test.py end with it)
 from ..mmlab.runner import (  # noqa: F401  (the tools' one namespace: tools/test.py uses them as R.*)
     SCOPES,
@@ -73,7 +73,7 @@ def load_config(
     try:
         cfg = Config.fromfile(path)
     except Exception as err:  # syntax errors, unknown base configs: one line naming the file
-        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {' '.join(str(err).split())})"
+        raise ValueError(f"config {path!r}: cannot be read ({type(err).__name__}: {one_line(err)})"
                          + _missing_libraries(path)) from err
     cfg.launcher = launcher
     if cfg_options:
@@ -134,7 +134,7 @@ class _SetupErrors:
 
     def __exit__(self, kind, err, tb) -> bool:
         if err is not None and isinstance(err, (OSError, ValueError)):
-            raise SystemExit(f"{self.prog}: error: {' '.join(str(err).split())}") from err
+            raise SystemExit(f"{self.prog}: error: {one_line(err)}") from err
         return False
 
 
@@ -142,9 +142,9 @@ def prepare_environment(local_rank: int = 0) -> None:
     """Process-wide setup both tools need before building a Runner."""
     if "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(local_rank)
-    # --resume and load_from read Runner checkpoints (numpy values, message hub).
-    allow_mmengine_checkpoints()
-    import swin_backbone  # noqa: F401  (registers SwinBackbone even without custom_imports)
+    # (Registers SwinBackbone even without custom_imports, and lets --resume and load_from read
+    # Runner checkpoints weights-only: swin_backbone.checkpoint.allowlist.)
+    import swin_backbone  # noqa: F401
 
 
 def enable_amp(cfg: Config) -> None:

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from swin_backbone.tools import extract_features as tool
-from swin_backbone.tools.common import atomic_write
+from swin_backbone.checkpoint.files import atomic_write
 
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
          "--random-weights", "--no-progress", "--batch-size", "2", "--workers", "0"]
