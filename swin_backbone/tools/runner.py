@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import os.path as osp
+import sys
 from contextlib import contextmanager
 from typing import Optional
 
@@ -34,6 +35,13 @@ def add_common_args(parser) -> None:
     parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="job launcher")
     # torch.distributed.launch passes --local-rank (torch >= 2.0) or --local_rank.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
+
+
+def program(script: str) -> str:
+    """The name a tool's one-line errors give it: the installed command as typed (``swin-train``),
+    else the checkout's script (``tools/train.py``, also under ``python -m``)."""
+    name = osp.basename(sys.argv[0])
+    return name if name.startswith("swin-") else f"tools/{script}"
 
 
 def parse_tool_args(parser, argv=None):

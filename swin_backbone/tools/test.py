@@ -29,7 +29,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    with R.tool_setup(args, "tools/test.py") as cfg:  # bad arguments or config: one line, exit status 1
+    with R.tool_setup(args, R.program("test.py")) as cfg:  # bad arguments or config: one line, exit status 1
         if is_reference(args.checkpoint):  # a URL (or torchvision:// ...): fetched once into torch's hub cache
             if resolve(args.checkpoint)[0] != "mmengine":  # (storage backends: mmengine's loader reads them)
                 args.checkpoint = fetch(args.checkpoint)[0]
@@ -60,7 +60,7 @@ def main(argv=None):
     try:
         metrics = runner.test()
     except R.CheckpointMismatchError as err:
-        raise SystemExit(f"tools/test.py: error: {err}") from err
+        raise SystemExit(f"{R.program('test.py')}: error: {err}") from err
     return metrics
 
 

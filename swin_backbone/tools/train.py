@@ -29,7 +29,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    with R.tool_setup(args, "tools/train.py") as cfg:  # bad arguments or config: one line, exit status 1
+    with R.tool_setup(args, R.program("train.py")) as cfg:  # bad arguments or config: one line, exit status 1
         if args.resume not in (None, "auto") and "://" not in args.resume and not os.path.exists(args.resume):
             raise FileNotFoundError(f"--resume: no such checkpoint file or sharded checkpoint folder {args.resume!r} "
                                     "(or give no value: the latest checkpoint in the work dir)")

@@ -93,6 +93,15 @@ def test_train_test_and_toy_data_run_as_modules_and_as_wrappers(name, args, tmp_
         runs[1].stderr.strip().splitlines()[-1].split(": error: ")[-1]
 
 
+@pytest.mark.parametrize("name", ["swin-train", "swin-test"])
+def test_train_and_test_commands_name_themselves_in_their_errors(name, tmp_path):
+    # (the checkout's tools/train.py says "tools/train.py: error: ...": the test above)
+    proc = run(name, tmp_path / "none.py", *(["none.pth"] if name == "swin-test" else []), cwd=tmp_path)
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last_line.startswith(f"{name}: error: config"), proc.stderr
+    assert "no such file" in last_line and "Traceback" not in proc.stderr
+
+
 def test_benchmark_success_exits_0_without_a_dict_dump(tmp_path):
     # the benchmark's smallest real run: one memory measurement in its own child mode
     pytest.importorskip("mmdet")
