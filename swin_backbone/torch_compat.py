@@ -83,15 +83,17 @@ scaled_dot_product_attention = functional.scaled_dot_product_attention if SDPA_H
 _compiler = getattr(torch, "compiler", None)
 
 
-def is_compiling() -> bool:
-    """Whether ``torch.compile`` / ``torch.export`` is tracing (torch >= 2.3's
-    ``torch.compiler.is_compiling``; before, dynamo's own flag)."""
-    fn = getattr(_compiler, "is_compiling", None)
-    if fn is None:
-        import torch._dynamo
+def _dynamo_is_compiling() -> bool:
+    """torch < 2.3: dynamo's own flag (imports dynamo on the first call)."""
+    import torch._dynamo
 
-        fn = getattr(torch._dynamo, "is_compiling", None)
+    fn = getattr(torch._dynamo, "is_compiling", None)
     return bool(fn is not None and fn())
+
+
+#: Whether ``torch.compile`` / ``torch.export`` is tracing: torch >= 2.3's
+#: ``torch.compiler.is_compiling`` itself (no frame of ours in every forward), else dynamo's flag.
+is_compiling: Callable[[], bool] = getattr(_compiler, "is_compiling", None) or _dynamo_is_compiling
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,9 +137,10 @@ def _autocast_query_takes_device() -> bool:
     return True
 
 
-#: ``torch.is_autocast_enabled(device_type)`` (torch >= 2.4); older torch has one query per
-#: device. Decided once here: under ``torch.compile`` a caught ``TypeError`` would be a graph error.
-_AUTOCAST_BY_DEVICE = _autocast_query_takes_device()
+#: ``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype`` (torch >= 2.4); older
+#: torch has one query per device. Decided once here: under ``torch.compile`` a caught ``TypeError``
+#: would be a graph error.
+_AUTOCAST_BY_DEVICE = _autocast_query_takes_device() and hasattr(torch, "get_autocast_dtype")
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -164,6 +167,8 @@ def autocast_dtype(device_type: str) -> torch.dtype:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``x``'s device computes in: autocast's if it is on there, else ``x``'s."""
     device = x.device.type
+    if _AUTOCAST_BY_DEVICE:  # (torch's queries directly: this runs once per forward)
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     return autocast_dtype(device) if autocast_enabled(device) else x.dtype
 
 

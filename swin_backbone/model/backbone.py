@@ -1,8 +1,6 @@
 """SwinBackbone: the multi-scale Swin Transformer backbone for detection and segmentation."""
 from __future__ import annotations
 
-import logging
-
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -270,7 +268,10 @@ class SwinBackbone(BaseModule):
                 ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
-        valid = self._valid_sizes(x, valid_sizes)
+        if valid_sizes is None:
+            valid_sizes = attached_valid_sizes(x, self)
+        valid = None if valid_sizes is None else check_valid_sizes(
+            valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
         plan = ops.plan_forward(x, self, valid)  # how this forward runs; plan.stages[i]: stage i's
         if valid is not None:  # images in a padded batch: patches across their edges read zeros
             x = ops.mask_input(x, valid, self.patch_size)
@@ -288,28 +289,6 @@ class SwinBackbone(BaseModule):
             if i < last:
                 x = stage.downsample(out, stage_plan)
         return tuple(outs)
-
-    def _valid_sizes(self, x: torch.Tensor, valid_sizes: object) -> Optional[Tuple[Tuple[int, int], ...]]:
-        """The checked per-image sizes of this forward: ``valid_sizes``, else (eagerly) those a
-        ``Swin*DataPreprocessor`` attached to ``x``, unless this backbone reproduces the libraries'
-        padding semantics (``mask_padding=False`` / ``pad_small_map=False``): then padding is
-        ordinary tokens, as the user asked, and attached sizes are ignored (said once)."""
-        if valid_sizes is None and not ops.tracing():
-            valid_sizes = attached_valid_sizes(x)
-            if valid_sizes is not None and not (self.mask_padding and self.pad_small_map):
-                if not getattr(self, "_said_sizes_ignored", False):
-                    self._said_sizes_ignored = True
-                    print_log(
-                        "SwinBackbone: the image sizes attached by the data preprocessor are ignored because "
-                        f"mask_padding={self.mask_padding}, pad_small_map={self.pad_small_map} reproduce mmdet / "
-                        "mmseg, where batch padding is attended to (image-exact features need both True)",
-                        logger="current", level=logging.WARNING,
-                    )
-                return None
-        if valid_sizes is None:
-            return None
-        return check_valid_sizes(valid_sizes, x.shape, mask_padding=self.mask_padding,
-                                 pad_small_map=self.pad_small_map)
 
     def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:
         """The absolute position embedding for a ``height x width`` token map: ``(1, H, W, C)``,

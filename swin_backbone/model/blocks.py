@@ -28,8 +28,8 @@ class PatchEmbed(nn.Module):
         self.norm = nn.LayerNorm(embed_dims) if norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.patch_size
-        x = F.pad(x, (0, ops.pad_amount(x.shape[-1], p), 0, ops.pad_amount(x.shape[-2], p)))
+        p, (h, w) = self.patch_size, x.shape[-2:]
+        x = F.pad(x, (0, (w + p - 1) // p * p - w, 0, (h + p - 1) // p * p - h))  # (as a tracer sees it: no %)
         # A channels-last input makes the convolution write channels-last, so the permute
         # below is a view: no transposing copy of the largest feature map.
         x = self.proj(x.contiguous(memory_format=torch.channels_last))
@@ -60,19 +60,17 @@ def drop_path(rate: float) -> nn.Module:
     return DropPath(rate) if rate > 0 else nn.Identity()
 
 
-class Mlp(nn.Module):
-    """Two-layer feed-forward network: ``fc1 -> GELU -> drop -> fc2 -> drop``."""
+class Mlp(nn.Sequential):
+    """Two-layer feed-forward network: ``fc1 -> GELU -> drop1 -> fc2 -> drop2``, ``(..., C)`` ->
+    ``(..., C)`` (a sequence of modules, as torchvision's ``MLP``; the dropouts named as timm's)."""
 
     def __init__(self, embed_dims: int, hidden_dims: int, drop_rate: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(embed_dims, hidden_dims)
         self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop_rate)
         self.fc2 = nn.Linear(hidden_dims, embed_dims)
-        self.drop = nn.Dropout(drop_rate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., C)`` -> ``(..., C)``."""
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        self.drop2 = nn.Dropout(drop_rate)
 
 
 class WindowAttention(nn.Module):
@@ -153,15 +151,27 @@ class SwinBlock(nn.Module):
         return self.drop_path(self.mlp(self.norm2(x)))
 
 
+def merge_2x2(x: torch.Tensor, valid_sizes: Optional[ops.Sizes] = None) -> torch.Tensor:
+    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
+    odd sizes padded bottom / right with zeros first, channels in the official order
+    ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (block ``2 * dw + dh``). With
+    per-image ``valid_sizes``, the cells across an image's edge read the zeros they read for the
+    image alone (:func:`swin_backbone.ops.zero_merged_straddles_`)."""
+    b, h, w, c = x.shape
+    h2, w2 = (h + 1) // 2, (w + 1) // 2
+    x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
+    # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
+    merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
+    return merged if valid_sizes is None else ops.zero_merged_straddles_(merged, valid_sizes, h, w)
+
+
 class PatchMerging(nn.Module):
     """2x2 neighbourhood concatenation + LayerNorm + linear reduction ``4C -> 2C``.
 
-    Odd sizes are padded bottom/right with zeros first. Channels are concatenated in the
-    official order ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as timm
-    and torchvision); mmdet's nn.Unfold order is converted when its weights are loaded.
-    ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``. With the plan's per-image
-    ``valid_sizes``, the neighbourhoods across an image's edge read the zeros they read
-    for the image alone (:func:`swin_backbone.ops.merge_2x2`).
+    :func:`merge_2x2` concatenates in the official order (as timm and torchvision); mmdet's
+    nn.Unfold order is converted when its weights are loaded. ``(B, H, W, C)`` ->
+    ``(B, ceil(H / 2), ceil(W / 2), 2C)``; the plan's per-image ``valid_sizes`` keep each
+    image's cells as they are for the image alone.
     """
 
     def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
@@ -171,7 +181,7 @@ class PatchMerging(nn.Module):
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
 
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
-        return self.reduction(self.norm(ops.merge_2x2(x, plan.valid_sizes)))
+        return self.reduction(self.norm(merge_2x2(x, plan.valid_sizes)))
 
 
 class SwinStage(nn.Module):
@@ -210,11 +220,10 @@ class SwinStage(nn.Module):
         stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or for a stage called on
         its own :func:`swin_backbone.ops.plan_forward`'s."""
         b, h, w, c = x.shape
-        window, shift = ops.effective_window(h, w, self.window_size, self.shift_size, self.pad_small_map)
         with_cp = self.with_cp and self.training and plan.grad
         plan, regular, shifted = ops.plan_stage(
-            plan, height=h, width=w, window=window, shift=shift, table_window=self.window_size,
-            mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
+            plan, height=h, width=w, window_size=self.window_size, shift_size=self.shift_size,
+            pad_small_map=self.pad_small_map, mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
         tokens = x.reshape(b, h * w, c)
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular

@@ -25,7 +25,7 @@ from torch import nn
 from .. import ops
 from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
-from .blocks import Mlp, drop_path
+from .blocks import Mlp, drop_path, merge_2x2
 from .presets import DEFAULT_WINDOW, resolve_arch
 
 #: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
@@ -153,7 +153,7 @@ class PatchMergingV2(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         # Per-image valid sizes: cells across an image's edge read zeros beyond it, as alone.
-        return self.norm(self.reduction(ops.merge_2x2(x, plan.valid_sizes)))
+        return self.norm(self.reduction(merge_2x2(x, plan.valid_sizes)))
 
 
 class SwinV2Backbone(SwinBackbone):

@@ -16,9 +16,14 @@ resized batch) carries nothing and runs as the whole input, as without the prepr
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Tuple
 
 import torch
+from mmengine.logging import print_log
+from torch import nn
+
+from ..torch_compat import is_compiling
 
 #: Attribute of the batch tensor holding the sizes.
 ATTRIBUTE = "_swin_valid_sizes"
@@ -46,19 +51,41 @@ def attach_valid_sizes(inputs: torch.Tensor, sizes: Sequence[Sequence[int]]) -> 
     return inputs
 
 
-def attached_valid_sizes(x: torch.Tensor) -> Optional[Sizes]:
-    """The valid sizes attached to ``x`` (or to the batch ``x`` is a crop view of), else None.
+def attached_valid_sizes(x: torch.Tensor, model: Optional[nn.Module] = None) -> Optional[Sizes]:
+    """The valid sizes attached to ``x`` (or to the batch ``x`` is a crop view of), else None;
+    None too while a tracer records the forward (sizes are per batch: they run eagerly).
 
     For a crop ``batch[:, :, y1:y2, x1:x2]`` each image's size becomes the part of it inside
     the crop, ``(clip(h - y1, 0, y2 - y1), clip(w - x1, 0, x2 - x1))``; an image with no
     pixel inside the crop runs as the whole crop (only padding is predicted there, which
     mmseg's post-processing discards).
+
+    ``model``: the backbone about to read them. One that reproduces the libraries' padding
+    semantics (``mask_padding=False`` / ``pad_small_map=False``) attends to batch padding, as
+    its user asked: the sizes are ignored (None), which it says once.
     """
+    if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():
+        return None
     sizes = getattr(x, ATTRIBUTE, None)
-    if sizes is not None:
-        return sizes
+    if sizes is None and x._base is not None:  # (a view: perhaps a crop of a batch)
+        sizes = _crop_sizes(x)
+    if sizes is not None and model is not None and not (model.mask_padding and model.pad_small_map):
+        if not getattr(model, "_said_sizes_ignored", False):
+            model._said_sizes_ignored = True
+            print_log(
+                "SwinBackbone: the image sizes attached by the data preprocessor are ignored because "
+                f"mask_padding={model.mask_padding}, pad_small_map={model.pad_small_map} reproduce mmdet / mmseg, "
+                "where batch padding is attended to (image-exact features need both True)",
+                logger="current", level=logging.WARNING,
+            )
+        return None
+    return sizes
+
+
+def _crop_sizes(x: torch.Tensor) -> Optional[Sizes]:
+    """The sizes of the batch ``x`` is a crop view of, within the crop (:func:`attached_valid_sizes`)."""
     base = x._base
-    if base is None or getattr(base, ATTRIBUTE, None) is None:
+    if getattr(base, ATTRIBUTE, None) is None:
         return None
     offset = _crop_offset(x, base)
     if offset is None:

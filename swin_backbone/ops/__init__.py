@@ -4,16 +4,15 @@ The model reaches the ops only through these names.
 """
 from .attention import KERNELS, window_attention, window_partition
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
-from .image_sizes import mask_input, merge_2x2
+from .image_sizes import mask_input, zero_merged_straddles_
 from .layouts import WindowLayout, clear_caches
-from .plan import Plan
-from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_forward, plan_stage, resolve_attention, tracing
+from .plan import Plan, Sizes
+from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_forward, plan_stage, resolve_attention
 from .regions import checkpointed, mlp_residual, output_nchw, row_chunks
-from .windows import effective_window, pad_amount
 
 __all__ = [
-    "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "WindowLayout", "checkpointed", "clear_caches", "continuous_position_bias",
-    "cosine_qkv", "effective_window", "mask_input", "merge_2x2", "mlp_residual", "output_nchw", "override",
-    "pad_amount", "plan_for", "plan_forward", "plan_stage", "resolve_attention", "row_chunks", "tracing",
-    "window_attention", "window_partition",
+    "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "checkpointed", "clear_caches",
+    "continuous_position_bias", "cosine_qkv", "mask_input", "mlp_residual", "output_nchw", "override", "plan_for",
+    "plan_forward", "plan_stage", "resolve_attention", "row_chunks", "window_attention", "window_partition",
+    "zero_merged_straddles_",
 ]

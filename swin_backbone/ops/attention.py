@@ -2,9 +2,9 @@
 gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
-computes the same with the plan's kernel from :data:`KERNELS`, one signature for all
-(:data:`Kernel`), between one gather into the window layout (:func:`window_partition`) and
-one back to row-major order (:func:`window_reverse`):
+computes the same between one gather into the window layout (:func:`window_partition`) and one
+back to row-major order (:func:`window_reverse`), attending with the plan's kernel from
+:data:`KERNELS` (SDPA's signature for all):
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
   memory-efficient kernel runs (it also gives the bias gradient).
@@ -13,7 +13,6 @@ one back to row-major order (:func:`window_reverse`):
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Dict, Optional
 
 import torch
@@ -140,21 +139,19 @@ def window_attention(
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
-    out = KERNELS[plan.attention](qkv, table, bias, layout, num_heads, scale, dropout_p, plan)
+    if plan.attention == "recompute":  # (CPU training: SDPA's forward, a backward that gives the bias gradient)
+        out = _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale, plan)
+    else:
+        out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
+                                   KERNELS[plan.attention], plan.align_masks)
+        out = window_reverse(out, layout, plan)
     if layout.images is None:
         return out
     return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
 
 
-#: A window-attention kernel (an entry of :data:`KERNELS`): ``(qkv, table, bias, layout, num_heads,
-#: scale, dropout_p, plan)`` -> ``(B, H * W, C)`` row-major, for ``qkv`` ``(B, nW * N, 3C)`` in
-#: ``layout``'s window order, the bias ``table`` ``((2 tw - 1) ** 2, nH)`` and its gathered ``bias``
-#: ``(nH, N, N)``.
-Kernel = Callable[..., torch.Tensor]
-
-
-#: What :func:`attention_in_windows` runs per window batch: SDPA's signature, ``(q, k, v, *,
-#: attn_mask, dropout_p, scale)`` -> attention output (:func:`_plain`, or SDPA itself).
+#: What attends within a batch of windows: SDPA's signature, ``(q, k, v, *, attn_mask, dropout_p,
+#: scale)`` -> attention output (:func:`_plain`, or SDPA itself).
 Attend = Callable[..., torch.Tensor]
 
 
@@ -191,9 +188,8 @@ def _redo_image_windows(
     batch, tokens, three_c = qkv.shape
     n = layout.window * layout.window
     picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
-    run = _plain if dropout_p > 0 or plan.attention == "plain" else scaled_dot_product_attention
     fixed = attention_in_windows(picked.view(1, -1, three_c), bias, images.masks, images.windows.numel(), num_heads,
-                                 scale, dropout_p, run, plan.align_masks)
+                                 scale, dropout_p, KERNELS[plan.attention], plan.align_masks)
     fixed = fixed.view(-1, three_c // 3).index_select(0, images.real)
     return out.reshape(-1, out.shape[-1]).index_copy(0, images.real_rows, fixed).view_as(out)
 
@@ -215,12 +211,11 @@ class _RecomputedAttention(torch.autograd.Function):
     would keep ``P`` plus copies of q, k, v (about 1.5x ``qkv``)."""
 
     @staticmethod
-    def forward(ctx, qkv, table, bias, layout: WindowLayout, num_heads: int, scale: float, dropout_p: float,
-                plan: Plan):
-        # (A :data:`Kernel`'s signature; no attention dropout: the planner runs "plain" for it.)
+    def forward(ctx, qkv, bias, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
+        # (No attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
-        out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0, scaled_dot_product_attention,
-                                   plan.align_masks)
+        out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0,
+                                   scaled_dot_product_attention, plan.align_masks)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, plan.chunk_bytes
@@ -242,7 +237,7 @@ class _RecomputedAttention(torch.autograd.Function):
         delta = gather_tokens(delta.to(dtype), *to_windows).view(batch, num_windows, n, num_heads)
         qkv = qkv.view(batch, num_windows, n, 3, num_heads, head_dim)
         grad_qkv = torch.empty_like(qkv)
-        grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[2] else None
+        grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         for part in row_chunks(num_windows, batch * num_heads * n * n * qkv.element_size(), ctx.chunk_bytes // 2):
@@ -251,7 +246,7 @@ class _RecomputedAttention(torch.autograd.Function):
                                grad_qkv[:, part], grad_bias)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), None, grad_bias, None, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
@@ -293,18 +288,7 @@ def attention_backward(
     grad_qkv.permute(3, 0, 1, 4, 2, 5).copy_(grads)
 
 
-def _in_windows(qkv: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int,
-                scale: float, dropout_p: float, plan: Plan, attend: Attend = scaled_dot_product_attention) -> torch.Tensor:
-    """The ``sdpa`` and ``plain`` kernels: :func:`attention_in_windows` with ``attend``, then
-    :func:`window_reverse`."""
-    out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p, attend,
-                               plan.align_masks)
-    return window_reverse(out, layout, plan)
-
-
-#: The window-attention kernels by :attr:`Plan.attention <swin_backbone.ops.planner.Plan.attention>`.
-KERNELS: Dict[str, Kernel] = {
-    "sdpa": functools.partial(_in_windows, attend=scaled_dot_product_attention),
-    "plain": functools.partial(_in_windows, attend=_plain),
-    "recompute": _RecomputedAttention.apply,
-}
+#: The attention of :func:`window_attention` by :attr:`Plan.attention <swin_backbone.ops.plan.Plan.attention>`
+#: (``recompute``: SDPA, in :class:`_RecomputedAttention`).
+KERNELS: Dict[str, Attend] = {"sdpa": scaled_dot_product_attention, "plain": _plain,
+                              "recompute": scaled_dot_product_attention}

@@ -129,21 +129,17 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
     return x
 
 
-def merge_2x2(x: torch.Tensor, valid_sizes: ValidSizes = None) -> torch.Tensor:
-    """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
-    block ``2 * dw + dh`` (the official order); with ``valid_sizes``, :func:`straddles` reads zero."""
-    b, h, w, c = x.shape
-    h2, w2 = (h + 1) // 2, (w + 1) // 2
-    x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
-    # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
-    merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-    if valid_sizes is not None:
-        cells = merged.view(b, h2, w2, 2, 2, c)
-        for i, r0, r1, c0, c1 in straddles(valid_sizes, h, w, 2):
-            if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
-                cells[i, r0 // 2, : (c1 + 1) // 2, :, 1].zero_()
-            else:  # column c0 right of an odd width: dw = 1 of the cells in its column
-                cells[i, : (r1 + 1) // 2, c0 // 2, 1].zero_()
+def zero_merged_straddles_(merged: torch.Tensor, valid_sizes: Sizes, height: int, width: int) -> torch.Tensor:
+    """Zero, in place, what the 2x2 cells of a merged ``(B, ceil(H / 2), ceil(W / 2), 4C)`` map
+    (block ``2 * dw + dh``) read across an image's odd edge on the ``height x width`` map
+    (:func:`straddles`): for the image alone they read padding zeros there."""
+    b, h2, w2, c4 = merged.shape
+    cells = merged.view(b, h2, w2, 2, 2, c4 // 4)
+    for i, r0, r1, c0, c1 in straddles(valid_sizes, height, width, 2):
+        if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
+            cells[i, r0 // 2, : (c1 + 1) // 2, :, 1].zero_()
+        else:  # column c0 right of an odd width: dw = 1 of the cells in its column
+            cells[i, : (r1 + 1) // 2, c0 // 2, 1].zero_()
     return merged
 
 

@@ -121,11 +121,6 @@ def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
 
 
 # ------------------------------------------------------------------------------ the plan
-def tracing() -> bool:
-    """Whether a tracer records this forward (dynamo or TorchScript)."""
-    return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
-
-
 def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes] = None) -> Plan:
     """Decide how ``model`` computes its forward on ``x``: device, autocast dtype, grad mode,
     tracing and what the modules say (:func:`read_modules`), once per forward.
@@ -140,7 +135,7 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     device, dtype, enabled = x.device.type, compute_dtype(x), torch.is_grad_enabled()
     plain, needs_grad, stochastic, attn_dropout = read_modules(model)
     stages = getattr(model, "stages", None)
-    if tracing():
+    if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():  # dynamo or TorchScript records it
         if valid_sizes is not None:
             raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
                              "torch.jit.trace); per-image valid sizes run eagerly")
@@ -215,16 +210,23 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
 
 # ------------------------------------------------------------------------------ a stage's plan
 def plan_stage(
-    plan: Plan, *, height: int, width: int, window: int, shift: int, table_window: int, mask_padding: bool,
-    device: torch.device, with_cp: bool = False,
+    plan: Plan, *, height: int, width: int, window_size: int, shift_size: int, pad_small_map: bool,
+    mask_padding: bool, device: torch.device, with_cp: bool = False,
 ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
-    """``(plan, regular, shifted)``: a stage's cached window layouts (``shifted`` ``None`` without
-    a shift; with the plan's per-image valid sizes, the windows that images' edges cut) and its
-    plan: without selective checkpointing under ``with_cp`` (the whole block is checkpointed)."""
+    """``(plan, regular, shifted)`` for a stage of ``window_size`` windows shifted by ``shift_size``
+    on a ``height x width`` map: its cached window layouts (``shifted`` ``None`` without a shift;
+    with the plan's per-image valid sizes, the windows that images' edges cut) and its plan:
+    without selective checkpointing under ``with_cp`` (the whole block is checkpointed).
+
+    Without ``pad_small_map`` (the official classifier) a map whose smaller side is <= the
+    window gets windows of that side and no shift; the bias table stays ``window_size``'s."""
+    window, shift = window_size, shift_size
+    if not pad_small_map and min(height, width) <= window_size:
+        window, shift = min(height, width), 0
     layouts = []
     for offset in (0, shift) if shift > 0 else (0,):
         args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
-                table_window)
+                window_size)
         layout = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
         if plan.valid_sizes is not None:
             images = get_image_windows(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,

@@ -40,15 +40,6 @@ def pad_amount(size: int, multiple: int) -> int:
     return (size + multiple - 1) // multiple * multiple - size
 
 
-def effective_window(height: int, width: int, window_size: int, shift_size: int,
-                     pad_small_map: bool) -> Tuple[int, int]:
-    """Window and shift used on an ``height x width`` map: without ``pad_small_map`` (official
-    classification) a map whose smaller side is <= the window gets that side and no shift."""
-    if not pad_small_map and min(height, width) <= window_size:
-        return min(height, width), 0
-    return window_size, shift_size
-
-
 def output_size(height: int, width: int, patch_size: int, num_stages: int) -> Tuple[Tuple[int, int], ...]:
     """Each stage's ``(h, w)`` for an image: ``ceil(H / patch)``, then halved (ceil) per stage."""
     h, w = ceil_div(height, patch_size), ceil_div(width, patch_size)

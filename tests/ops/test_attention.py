@@ -77,8 +77,8 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
 
     plan = ops.plan_for(qkv, grad=True, chunk_bytes=chunk, align_masks=False)
 
-    def fn(qkv, bias):  # (the kernel signature: no table needed, no dropout)
-        return _RecomputedAttention.apply(qkv, None, bias, layout, heads, d**-0.5, 0.0, plan)
+    def fn(qkv, bias):  # (no dropout: the planner runs "plain" for it)
+        return _RecomputedAttention.apply(qkv, bias, layout, heads, d**-0.5, plan)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 

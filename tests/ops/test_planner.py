@@ -178,10 +178,10 @@ def test_checkpointed_stages_skip_selective_checkpointing():
     x = torch.zeros(1, 14, 14, 32)
     plan = ops.plan_for(x, grad=True, save_memory=True)
     assert ops.plan_stage(plan,
-        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True,
+        height=14, width=14, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
         device=x.device)[0].save_memory
     assert not ops.plan_stage(plan,
-        height=14, width=14, window=7, shift=3, table_window=7, mask_padding=True,
+        height=14, width=14, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
         device=x.device, with_cp=True)[0].save_memory
 
 

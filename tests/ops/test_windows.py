@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from swin_backbone.model.blocks import merge_2x2
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
 from swin_backbone.ops.attention import window_partition, window_reverse
 from swin_backbone.ops.planner import plan_for
@@ -128,11 +129,16 @@ def test_relative_position_index_matches_mmdet_and_subwindows():
     assert small.max() < (2 * ws - 1) ** 2
 
 
-def test_effective_window():
-    assert W.effective_window(5, 9, 7, 3, pad_small_map=True) == (7, 3)
-    assert W.effective_window(5, 9, 7, 3, pad_small_map=False) == (5, 0)
-    assert W.effective_window(7, 7, 7, 3, pad_small_map=False) == (7, 0)
-    assert W.effective_window(8, 9, 7, 3, pad_small_map=False) == (7, 3)
+def test_small_maps_without_pad_small_map_shrink_the_window_and_drop_the_shift():
+    from swin_backbone import ops
+
+    plan = ops.plan_for(torch.zeros(1), grad=False)
+    for (h, w, pad_small_map), (window, shift) in {(5, 9, True): (7, 3), (5, 9, False): (5, 0),
+                                                    (7, 7, False): (7, 0), (8, 9, False): (7, 3)}.items():
+        _, regular, shifted = ops.plan_stage(plan, height=h, width=w, window_size=7, shift_size=3,
+                                             pad_small_map=pad_small_map, mask_padding=True, device=torch.device("cpu"))
+        assert (regular.window, regular.table_window) == (window, 7), (h, w, pad_small_map)
+        assert (shifted.shift if shifted is not None else 0) == shift, (h, w, pad_small_map)
 
 
 def test_layout_cache_hits_and_keys():
@@ -162,7 +168,7 @@ def test_merge_reads_what_each_image_reads_alone(size):
     h, w = size
     valid = tuple((vh, vw) for vh in {1, max(h - 1, 1), h} for vw in {1, max(w - 2, 1), w})
     x = torch.randn(len(valid), h, w, 3) + 5  # non-zero everywhere beyond the images
-    got = V.merge_2x2(x.clone(), valid)
+    got = merge_2x2(x.clone(), valid)
     ref = V.zero_beyond_valid(x.clone(), valid, 1, inplace=True)
     ref = F.pad(ref, (0, 0, 0, w % 2, 0, h % 2))
     ref = torch.cat([ref[:, 0::2, 0::2], ref[:, 1::2, 0::2], ref[:, 0::2, 1::2], ref[:, 1::2, 1::2]], -1)
@@ -171,7 +177,7 @@ def test_merge_reads_what_each_image_reads_alone(size):
         torch.testing.assert_close(got[b, :ch, :cw], ref[b, :ch, :cw], rtol=0, atol=0)
     full = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))  # without valid sizes: the plain official gather
     full = torch.cat([full[:, 0::2, 0::2], full[:, 1::2, 0::2], full[:, 0::2, 1::2], full[:, 1::2, 1::2]], -1)
-    torch.testing.assert_close(V.merge_2x2(x), full, rtol=0, atol=0)
+    torch.testing.assert_close(merge_2x2(x), full, rtol=0, atol=0)
 
 
 def test_straddle_boxes_and_input_masking():
@@ -251,13 +257,13 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
     x = torch.zeros(2, 13, 20, 16)
     plan = ops.plan_for(x, grad=False)
     _, regular, shifted = ops.plan_stage(plan,
-        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, device=cpu)
+        height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.images is None
     assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
     valid = ops.plan_for(x, grad=False, valid_sizes=((13, 20), (9, 11)))
     _, regular2, shifted2 = ops.plan_stage(valid,
-        height=13, width=20, window=7, shift=3, table_window=7, mask_padding=True, device=cpu)
+        height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2  # the same cached layouts underneath
     images = V.get_image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), cpu, torch.float32, False)
     assert shifted2.images is images and shifted.images is None
@@ -266,7 +272,7 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
         assert getattr(regular2, name) is getattr(regular, name), name
     # a window no larger than the map with no shift: no shifted layout at all
     assert ops.plan_stage(plan,
-        height=13, width=20, window=7, shift=0, table_window=7, mask_padding=True,
+        height=13, width=20, window_size=7, shift_size=0, pad_small_map=True, mask_padding=True,
         device=cpu)[2] is None
 
 
