@@ -62,6 +62,15 @@ def toy_data(tmp_path_factory):
     return str(root)
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The package's wheel, built from a copy of the source tree (tests/packaging.py), for the
+    install tests of the module that asks for it."""
+    from .packaging import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
 # ---------------------------------------------------------------------------- old stacks
 # The compatibility suites (`make test`: docs/compatibility.md) run these files on torch 2.1 and
 # the floor torch 2.0. Two rules keep them honest without hand-kept lists of tests:

@@ -32,15 +32,15 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import zipfile
 
 import pytest
 import torch
 
+from .packaging import ROOT, Venv, last, run
+
 pytestmark = pytest.mark.install
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "setup.py")) as _f:
     PTH_LINE = re.search(r'^PTH_LINE = "(import [^"]*)\\n"$', _f.read(), re.M).group(1) + "\n"
 CONFIGS = os.path.join(ROOT, "swin_backbone", ".mim", "configs")
@@ -49,67 +49,10 @@ MMCV_VERSION = "2.1.0"  # as tools/setup_env.sh
 TORCHVISION_VERSION = {"2.14.1": "0.29.1"}.get(TORCH_VERSION)  # the one built for this torch
 SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark", "swin-train", "swin-test",
            "swin-make-toy-data")
-# Left out of the copy the wheel is built from (what .gitignore keeps out of a clone).
-NOT_SOURCE = {".git", ".venv", "build", "dist", "data", "work_dirs", "outputs", "checkpoints", ".pytest_cache"}
 #: The old-stack venvs of `make test` (tools/setup_env.sh <stack>): environments users have.
 OLD_STACKS = {"torch2.1": ".venv-torch2.1", "torch2.0": ".venv-torch2.0"}
 #: What installing the package must never change in a user's environment.
 NEVER_TOUCHED = ("torch", "torchvision", "triton", "numpy", "mmcv", "mmdet", "mmsegmentation", "mmengine")
-
-
-def run(cmd, cwd, timeout=900, env=None):
-    """Run ``cmd``; on failure raise with its output. A clean environment: nothing from the
-    checkout or the test's own venv leaks in."""
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    base.update(OMP_NUM_THREADS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONWARNINGS="ignore")
-    base.update(env or {})
-    proc = subprocess.run(cmd, cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc.stdout + proc.stderr
-
-
-def last(out: str, tag: str) -> str:
-    """The text after ``tag`` on the last line of ``out`` that starts with it."""
-    return [line[len(tag):] for line in out.splitlines() if line.startswith(tag)][-1]
-
-
-class Venv:
-    def __init__(self, path: str, work: str):
-        self.path, self.work = path, work
-        self.python = os.path.join(path, "bin", "python")
-
-    def pip(self, *args, timeout=900):
-        return run([self.python, "-m", "pip", "--disable-pip-version-check", *args], self.work, timeout)
-
-    def py(self, code: str, *args, env=None):
-        """Run ``code`` in the venv (cwd: a scratch dir, so only installed packages import)."""
-        return run([self.python, "-c", textwrap.dedent(code), *args], self.work, env=env)
-
-    def installed(self):
-        out = run([self.python, "-m", "pip", "list", "--format", "json"], self.work, env=dict(PYTHONWARNINGS="ignore"))
-        return {row["name"].lower(): row["version"] for row in json.loads(out.strip().splitlines()[0])}
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    """The wheel, built like ``pip wheel .`` from a copy of the source tree (the checkout's own
-    build/ and egg-info can hold stale files)."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-
-    def ignore(folder, names):
-        top = os.path.abspath(folder) == ROOT
-        return [n for n in names if (top and (n in NOT_SOURCE or n.startswith(".venv"))) or n == "__pycache__"
-                or n.endswith(".egg-info")]
-
-    shutil.copytree(ROOT, src, ignore=ignore, symlinks=True)
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-         str(src)], str(tmp))
-    wheels = list((tmp / "dist").glob("swin_backbone-*.whl"))
-    assert len(wheels) == 1, wheels
-    return str(wheels[0])
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import textwrap
 
 import pytest
 
-from ..test_install import ROOT, last, run, wheel  # noqa: F401  (wheel: the module-scoped fixture)
+from ..packaging import ROOT, last, run
 
 pytestmark = pytest.mark.install
 
