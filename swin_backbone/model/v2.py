@@ -19,7 +19,6 @@ import math
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops

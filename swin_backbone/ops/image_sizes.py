@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .layouts import CPU, ImageWindows, size_cache, to_device
 from .plan import Sizes
