@@ -144,11 +144,11 @@ class SwinBlock(nn.Module):
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         x = x + self.drop_path(self.attn(x, self.norm1, layout, plan))
-        return ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
+        return ops.mlp_residual(x, self.mlp_branch, self.drop_path, self.mlp.fc1.out_features, plan)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """``drop_path(mlp(norm2(x)))`` of ``(..., C)`` tokens."""
-        return self.drop_path(self.mlp(self.norm2(x)))
+        """``mlp(norm2(x))`` of ``(..., C)`` tokens (row-wise; stochastic depth follows it per sample)."""
+        return self.mlp(self.norm2(x))
 
 
 def merge_2x2(x: torch.Tensor, valid_sizes: Optional[ops.Sizes] = None) -> torch.Tensor:

@@ -120,12 +120,12 @@ class SwinBlockV2(nn.Module):
     def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
         x = x + self.drop_path(self.norm1(self.attn(x, layout, plan)))
-        x = ops.mlp_residual(x, self.mlp_branch, self.mlp.fc1.out_features, plan)
+        x = ops.mlp_residual(x, self.mlp_branch, self.drop_path, self.mlp.fc1.out_features, plan)
         return x if self.norm3 is None else self.norm3(x)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """``drop_path(norm2(mlp(x)))`` of ``(..., C)`` tokens."""
-        return self.drop_path(self.norm2(self.mlp(x)))
+        """``norm2(mlp(x))`` of ``(..., C)`` tokens (row-wise; stochastic depth follows it per sample)."""
+        return self.norm2(self.mlp(x))
 
     def reset_post_norms(self) -> None:
         """Zero ``norm1`` / ``norm2`` (official ``_init_respostnorm``): every residual

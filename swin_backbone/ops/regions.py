@@ -44,25 +44,32 @@ def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Te
     return fn(*args, plan)
 
 
-def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], hidden: int,
-                 plan: Plan) -> torch.Tensor:
-    """``x + branch(x)`` for caller-owned ``(B, L, C)`` ``x`` and a row-wise ``branch`` (``hidden``:
-    its widest width): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked` (where its
-    rows exceed one), under selective checkpointing with :attr:`Plan.save_memory`, else one call."""
+def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
+                 drop_path: Callable[[torch.Tensor], torch.Tensor], hidden: int, plan: Plan) -> torch.Tensor:
+    """``x + drop_path(branch(x))`` for caller-owned ``(B, L, C)`` ``x``, a row-wise ``branch``
+    (``hidden``: its widest width) and a per-sample ``drop_path``: by cache-sized row chunks into
+    ``x`` with :attr:`Plan.chunked` (where its rows exceed one), under selective checkpointing
+    with :attr:`Plan.save_memory`, else one call."""
     # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
     # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
     rows = x.reshape(-1, x.shape[-1])
     row_bytes = hidden * x.element_size()
     if plan.chunked and rows.shape[0] * row_bytes > plan.chunk_bytes:  # (more than one chunk)
+        # (chunked plans hold no active stochastic module: drop_path returns its input)
         for part in row_chunks(rows.shape[0], row_bytes, plan.chunk_bytes):
             chunk = rows[part]
-            chunk.add_(branch(chunk))
+            chunk.add_(drop_path(branch(chunk)))
         return x
     if plan.save_memory:
         y = torch_checkpoint.checkpoint(branch, rows, use_reentrant=False, context_fn=SAVE_MATMULS)
     else:
         y = branch(rows)
-    return (y.add_(rows) if plan.may_write_module_outputs else rows + y).view(x.shape)
+    # Stochastic depth drops whole samples: drop_path sees (B, L, C), never rows.
+    samples = y.view(x.shape)
+    dropped = drop_path(samples)
+    if dropped is samples:  # (inactive: nothing dropped, add as rows)
+        return (y.add_(rows) if plan.may_write_module_outputs else rows + y).view(x.shape)
+    return dropped.add_(x) if plan.may_write_module_outputs else x + dropped
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan) -> torch.Tensor:

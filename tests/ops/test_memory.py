@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone import SwinBackbone, SwinV2Backbone, ops
-from swin_backbone.model.blocks import SwinBlock
+from swin_backbone.model.blocks import DropPath, SwinBlock
 from swin_backbone.model.v2 import SwinBlockV2
 from swin_backbone.ops import planner, regions
 from swin_backbone.torch_compat import autocast_enabled
@@ -50,7 +50,7 @@ def _plain_branch(block, x):
 
 def _residual(block, x, save_memory, plain=True):
     plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=plain)
-    return ops.mlp_residual(x, block.mlp_branch, block.mlp.fc1.out_features, plan)
+    return ops.mlp_residual(x, block.mlp_branch, block.drop_path, block.mlp.fc1.out_features, plan)
 
 
 @pytest.mark.parametrize("total,row_bytes,budget", [(0, 8, 32), (1, 8, 32), (2048, 3, 4096), (32768, 12, 65536),
@@ -112,6 +112,49 @@ def test_memory_saving_partial_gradients(version, frozen):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("save_memory,plain", [(False, True), (False, False), (True, True)],
+                         ids=["plain", "hooked", "save_memory"])
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_stochastic_depth_drops_whole_samples(version, save_memory, plain):
+    # DropPath zeroes a sample's branch, never single tokens: for each sample the MLP residual
+    # adds either nothing or something at every token (drop rate 0.5 over 32 samples).
+    if save_memory and regions.SAVE_MATMULS is None:
+        pytest.skip("selective activation checkpointing needs torch >= 2.4")
+    block = _block(version).train()
+    block.drop_path = DropPath(0.5)
+    torch.manual_seed(3)
+    x = torch.randn(32, 16, 8, dtype=torch.float64, requires_grad=True)
+    out = _residual(block, x * 1, save_memory, plain)
+    per_sample = ((out - x).abs().amax(-1) > 0).sum(1)  # per sample: tokens the branch changed
+    assert set(per_sample.tolist()) <= {0, x.shape[1]}, per_sample.tolist()
+    assert 0 < int((per_sample == 0).sum()) < x.shape[0]  # some samples dropped, some kept
+    out.sum().backward()
+    assert block.mlp.fc1.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("cls", [SwinBackbone, SwinV2Backbone])
+def test_every_drop_path_of_a_training_backbone_sees_whole_samples(cls):
+    # Every DropPath of a training forward gets (B, L, C) and zeroes whole samples (both residual
+    # branches of every block; 16 images, rate 0.5).
+    model = cls(**small_arch(drop_path_rate=0.5)).train()
+    seen = []
+
+    def check(module, args, out):
+        x, = args
+        per_sample = (out != 0).flatten(1).any(1)
+        seen.append((x.dim(), x.shape[0], int(per_sample.sum())))
+        zero_samples = ~per_sample
+        assert torch.equal(out[zero_samples], torch.zeros_like(out[zero_samples]))
+
+    for m in model.modules():
+        if isinstance(m, DropPath):
+            m.register_forward_hook(check)
+    torch.manual_seed(0)
+    model(torch.randn(16, 3, 32, 32))
+    assert seen and all(dim == 3 and batch == 16 for dim, batch, _ in seen), seen
+    assert any(0 < kept < 16 for _, _, kept in seen)  # samples dropped, others kept
+
+
 @needs_sac
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_replays_dropout_and_stochastic_depth(version):
@@ -125,7 +168,7 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
     for save_memory in (True, False):
         torch.manual_seed(1)
         plan = ops.plan_for(x, grad=True, save_memory=save_memory)
-        out = ops.mlp_residual(x, block.mlp_branch, 32, plan)
+        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, 32, plan)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         results.append((out, grads))
     (out, grads), (ref, ref_grads) = results
@@ -356,8 +399,8 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version)
     whole = ops.plan_for(x, grad=False, chunk_bytes=0, may_write_module_outputs=True, chunked=False)
     with torch.no_grad():
         ref = x + _plain_branch(block, x)
-        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, 32, whole)
-        got = ops.mlp_residual(x, block.mlp_branch, 32, plan)
+        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, 32, whole)
+        got = ops.mlp_residual(x, block.mlp_branch, block.drop_path, 32, plan)
     assert (got is x) == (rows * 32 * 8 > plan.chunk_bytes)  # in place by chunks where more than one
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(unchunked, ref)
@@ -370,7 +413,7 @@ def test_chunked_mlp_residual_under_autocast(version):
     plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, may_write_module_outputs=True, chunked=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + _plain_branch(block, x)
-        got = ops.mlp_residual(x.clone(), block.mlp_branch, 32, plan)
+        got = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, 32, plan)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
