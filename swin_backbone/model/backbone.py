@@ -287,7 +287,7 @@ class SwinBackbone(BaseModule):
             if i in self.out_indices:
                 outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
             if i < last:
-                x = stage.downsample(out, stage_plan)
+                x = stage.downsample(out)
         return tuple(outs)
 
     def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:

@@ -151,18 +151,18 @@ class SwinBlock(nn.Module):
         return self.mlp(self.norm2(x))
 
 
-def merge_2x2(x: torch.Tensor, valid_sizes: Optional[ops.Sizes] = None) -> torch.Tensor:
+def merge_2x2(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each 2x2 cell of a ``(B, H, W, C)`` map: ``(B, ceil(H / 2), ceil(W / 2), 4C)``,
     odd sizes padded bottom / right with zeros first, channels in the official order
     ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (block ``2 * dw + dh``). With
-    per-image ``valid_sizes``, the cells across an image's edge read the zeros they read for the
-    image alone (:func:`swin_backbone.ops.zero_merged_straddles_`)."""
+    per-image valid sizes a stage returns zeros beyond each image, so the cells across an
+    image's edge read the zeros they read for the image alone."""
     b, h, w, c = x.shape
     h2, w2 = (h + 1) // 2, (w + 1) // 2
     x = F.pad(x, (0, 0, 0, 2 * w2 - w, 0, 2 * h2 - h))
     # (B, h2, dh, w2, dw, C) -> (B, h2, w2, dw, dh, C); the reshape copies (dh and dw swap).
     merged = x.view(b, h2, 2, w2, 2, c).permute(0, 1, 3, 4, 2, 5).reshape(b, h2, w2, 4 * c)
-    return merged if valid_sizes is None else ops.zero_merged_straddles_(merged, valid_sizes, h, w)
+    return merged
 
 
 class PatchMerging(nn.Module):
@@ -170,8 +170,7 @@ class PatchMerging(nn.Module):
 
     :func:`merge_2x2` concatenates in the official order (as timm and torchvision); mmdet's
     nn.Unfold order is converted when its weights are loaded. ``(B, H, W, C)`` ->
-    ``(B, ceil(H / 2), ceil(W / 2), 2C)``; the plan's per-image ``valid_sizes`` keep each
-    image's cells as they are for the image alone.
+    ``(B, ceil(H / 2), ceil(W / 2), 2C)``.
     """
 
     def __init__(self, embed_dims: int, out_dims: Optional[int] = None, norm: bool = True) -> None:
@@ -180,8 +179,8 @@ class PatchMerging(nn.Module):
         self.norm = nn.LayerNorm(4 * embed_dims) if norm else nn.Identity()
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
 
-    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
-        return self.reduction(self.norm(merge_2x2(x, plan.valid_sizes)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduction(self.norm(merge_2x2(x)))
 
 
 class SwinStage(nn.Module):
@@ -218,20 +217,31 @@ class SwinStage(nn.Module):
     def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
         stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or for a stage called on
-        its own :func:`swin_backbone.ops.plan_forward`'s."""
+        its own :func:`swin_backbone.ops.plan_forward`'s.
+
+        With the plan's per-image valid sizes the blocks run on the images' real tokens alone,
+        packed into ``(1, T, C)`` (each image in the windows it has alone: the planner's packed
+        layouts), and the map returned is zero beyond each image."""
         b, h, w, c = x.shape
         with_cp = self.with_cp and self.training and plan.grad
         plan, regular, shifted = ops.plan_stage(
             plan, height=h, width=w, window_size=self.window_size, shift_size=self.shift_size,
             pad_small_map=self.pad_small_map, mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
-        tokens = x.reshape(b, h * w, c)
+        packed = regular.rows  # (T,) rows of the flat map, or None: the whole map
+        if packed is None:
+            tokens = x.reshape(b, h * w, c)
+        else:
+            tokens = x.reshape(b * h * w, c).index_select(0, packed).unsqueeze(0)
         for block in self.blocks:
             layout = shifted if block.shift and shifted is not None else regular
             if with_cp:
                 tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
             else:
                 tokens = block(tokens, layout, plan)
-        return tokens.view(b, h, w, c)
+        if packed is None:
+            return tokens.view(b, h, w, c)
+        # Zeros beyond each image: the next merging's cells there read what they read alone.
+        return tokens.new_zeros(b * h * w, c).index_copy(0, packed, tokens[0]).view(b, h, w, c)
 
 
 ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))

@@ -138,8 +138,8 @@ class SwinBlockV2(nn.Module):
 class PatchMergingV2(nn.Module):
     """2x2 neighbourhood concatenation + linear reduction ``4C -> 2C`` + LayerNorm of ``2C``.
 
-    Odd sizes are padded bottom/right with zeros first (and, with per-image valid sizes, each
-    image's tokens beyond its size are zeroed, as V1's merging does); channels in the official order
+    Odd sizes are padded bottom/right with zeros first (with per-image valid sizes a stage
+    returns zeros beyond each image: as for the image alone); channels in the official order
     ``x[0::2, 0::2], x[1::2, 0::2], x[0::2, 1::2], x[1::2, 1::2]`` (as V1's
     :class:`PatchMerging`). ``(B, H, W, C)`` -> ``(B, ceil(H / 2), ceil(W / 2), 2C)``.
     """
@@ -150,9 +150,8 @@ class PatchMergingV2(nn.Module):
         self.reduction = nn.Linear(4 * embed_dims, out_dims, bias=False)
         self.norm = nn.LayerNorm(out_dims) if norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
-        # Per-image valid sizes: cells across an image's edge read zeros beyond it, as alone.
-        return self.norm(self.reduction(merge_2x2(x, plan.valid_sizes)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.reduction(merge_2x2(x)))
 
 
 class SwinV2Backbone(SwinBackbone):

@@ -4,7 +4,7 @@ The model reaches the ops only through these names.
 """
 from .attention import KERNELS, window_attention, window_partition
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
-from .image_sizes import mask_input, zero_merged_straddles_
+from .image_sizes import mask_input
 from .layouts import WindowLayout, clear_caches
 from .plan import Plan, Sizes
 from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_forward, plan_stage, resolve_attention
@@ -14,5 +14,4 @@ __all__ = [
     "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "checkpointed", "clear_caches",
     "continuous_position_bias", "cosine_qkv", "mask_input", "mlp_residual", "output_nchw", "override", "plan_for",
     "plan_forward", "plan_stage", "resolve_attention", "row_chunks", "window_attention", "window_partition",
-    "zero_merged_straddles_",
 ]

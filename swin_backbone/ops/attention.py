@@ -134,20 +134,16 @@ def window_attention(
 ) -> torch.Tensor:
     """:func:`reference_window_attention` between the projections, by the plan's kernel:
     ``qkv`` from :func:`window_partition` -> ``(B, H * W, C)`` row-major; ``table``
-    ``((2 * tw - 1) ** 2, nH)`` for ``layout.table_window``. Windows that per-image valid sizes
-    cut are computed again (:func:`_redo_image_windows`)."""
+    ``((2 * tw - 1) ** 2, nH)`` for ``layout.table_window``. A packed layout
+    (:func:`~.image_sizes.packed_layout`) runs the same way on its ``(1, T, 3C)`` tokens."""
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
     dropout_p = dropout_p if plan.attn_dropout else 0.0
     if plan.attention == "recompute":  # (CPU training: SDPA's forward, a backward that gives the bias gradient)
-        out = _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale, plan)
-    else:
-        out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
-                                   KERNELS[plan.attention], plan.align_masks)
-        out = window_reverse(out, layout, plan)
-    if layout.images is None:
-        return out
-    return _redo_image_windows(out, qkv, bias, layout, num_heads, scale, dropout_p, plan)
+        return _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale, plan)
+    out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
+                               KERNELS[plan.attention], plan.align_masks)
+    return window_reverse(out, layout, plan)
 
 
 #: What attends within a batch of windows: SDPA's signature, ``(q, k, v, *, attn_mask, dropout_p,
@@ -176,22 +172,6 @@ def attention_in_windows(
         attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, num_windows * num_heads, n, n)
         out = run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     return out.view(batch, num_windows, num_heads, n, head_dim).transpose(2, 3).reshape(batch, tokens, three_c // 3)
-
-
-def _redo_image_windows(
-    out: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor, layout: WindowLayout, num_heads: int, scale: float,
-    dropout_p: float, plan: Plan,
-) -> torch.Tensor:
-    """The windows that images' boundaries cut, computed again with their own masks and written
-    over ``out`` ``(B, H * W, C)`` in a new tensor (the replaced results get no gradient)."""
-    images = layout.images
-    batch, tokens, three_c = qkv.shape
-    n = layout.window * layout.window
-    picked = qkv.reshape(batch * layout.num_windows, n, three_c).index_select(0, images.windows)
-    fixed = attention_in_windows(picked.view(1, -1, three_c), bias, images.masks, images.windows.numel(), num_heads,
-                                 scale, dropout_p, KERNELS[plan.attention], plan.align_masks)
-    fixed = fixed.view(-1, three_c // 3).index_select(0, images.real)
-    return out.reshape(-1, out.shape[-1]).index_copy(0, images.real_rows, fixed).view_as(out)
 
 
 def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor, dropout_p: float,

@@ -1,5 +1,6 @@
-"""Per-image valid sizes in a padded batch: the windows that images' edges cut, their masks,
-and the zeroing that makes each image read what it reads alone (docs/image-exact-batches.md).
+"""Per-image valid sizes in a padded batch: each image's windows as it has them alone, packed
+(padding-only windows are not computed), and the zeroing that makes each image read what it
+reads alone (docs/image-exact-batches.md).
 """
 from __future__ import annotations
 
@@ -7,74 +8,61 @@ from typing import Optional, Tuple
 
 import torch
 
-from .layouts import CPU, ImageWindows, size_cache, to_device
+from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device
 from .plan import Sizes
-from .windows import (
-    PAD_REGION, ceil_div, mask_buffer, mask_rows, output_size, padded_size, partition_grid, region_labels, row_length,
-    window_token_index,
-)
+from .windows import ceil_div, mask_rows, output_size, row_length
 
 #: :data:`~.plan.Sizes`, or ``None``: every image fills the map.
 ValidSizes = Optional[Sizes]
 
 
-def image_window_masks(
-    height: int, width: int, window: int, shift: int, valid: Tuple[int, int], device: torch.device,
-    dtype: torch.dtype, align: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(k,)`` indices and ``(k, N, N)`` masks of the windows an image of ``valid = (h, w)``
-    cuts; computed on the CPU (no device sync), one copy each to ``device``."""
-    own = partition_grid(region_labels(height, width, window, shift, True, CPU, valid), window)
-    shared = partition_grid(region_labels(height, width, window, shift, True, CPU), window)
-    cut = (own != shared).any(1) & (own != PAD_REGION).any(1)
-    windows = cut.nonzero().squeeze(1)
-    buffer = mask_buffer(own.index_select(0, windows), dtype, align)
-    return to_device(windows, device), mask_rows(to_device(buffer, device), window * window)
-
-
-def image_windows(
+def packed_layout(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
-    align: bool = False,
-) -> Optional[ImageWindows]:
-    """:class:`ImageWindows` of a batch whose image ``b`` is the top-left ``valid_sizes[b]``;
-    ``None`` where no window is cut. Computed on the CPU, one copy per tensor to ``device``."""
-    num_windows = (padded_size(height, window) // window) * (padded_size(width, window) // window)
-    windows, masks = [], []
-    for b, valid in enumerate(valid_sizes):
-        if tuple(valid) == (height, width):
-            continue
-        # The CPU entries: the windows' indices are read on the host below.
-        index, mask = get_image_window_masks(height, width, window, shift, tuple(valid), CPU, dtype, align)
-        if index.numel():
-            windows.append(index + b * num_windows)
-            masks.append(mask)
-    if not windows:
-        return None
+    align: bool = False, table_window: int = 0,
+) -> WindowLayout:
+    """The windows of a batch's images, each as it is alone, packed into one row of tokens.
+
+    Image ``b`` is the top-left ``valid_sizes[b] = (h_b, w_b)`` of a ``height x width`` map. It
+    gets the layout it has alone (its own map padded to whole windows, shifted by ``shift``
+    within it, padding a region of its own), its ``h_b * w_b`` real tokens following image
+    ``b - 1``'s: ``T = sum h_b * w_b`` tokens in ``K = sum nW_b`` windows, whose masks are the
+    images' own (zeros for an image that needs none). Windows holding batch padding only are
+    not in it. :attr:`~.layouts.WindowLayout.rows`: the ``(T,)`` rows of the flat
+    ``(B * height * width)`` map the tokens are; the layout itself is one row (height 1, width
+    ``T``). Built on the CPU from the images' cached layouts, one copy per tensor to ``device``.
+    """
     n = window * window
-    masks = torch.cat(masks)  # dense rows: into a buffer of their own, aligned as the shared ones
-    buffer = torch.zeros(masks.shape[:-1] + (row_length(n, align),), dtype=dtype)
-    buffer.narrow(-1, 0, n).copy_(masks)
-    windows = torch.cat(windows)
-    # Row-major rows of the windows' positions (window_token_index marks padding H * W).
-    tokens = height * width
-    slots = ((windows % num_windows)[:, None] * n + torch.arange(n)).reshape(-1)
-    source = window_token_index(height, width, window, shift, CPU).index_select(0, slots)
-    real = source < tokens
-    first = (windows // num_windows).repeat_interleave(n) * tokens
-    rows = first + torch.where(real, source, torch.zeros_like(source))
-    real = real.nonzero().squeeze(1)
-    return ImageWindows(
-        windows=to_device(windows, device),
-        masks=mask_rows(to_device(buffer, device), n),
-        real=to_device(real, device),
-        real_rows=to_device(rows.index_select(0, real), device),
+    parts = [get_window_layout(h, w, window, shift, True, CPU, dtype, align, False, table_window)
+             for h, w in valid_sizes]
+    index, inverse, pad_slots, rows, masks = [], [], [], [], []
+    tokens = slots = 0
+    for b, ((h, w), part) in enumerate(zip(valid_sizes, parts)):
+        index.append(part.index + tokens)  # (padding slots read the image's token 0, then are zeroed)
+        inverse.append(part.inverse + slots)
+        if part.pad_slots is not None:
+            pad_slots.append(part.pad_slots + slots)
+        rows.append((b * height * width + torch.arange(h)[:, None] * width + torch.arange(w)).reshape(-1))
+        masks.append((slots // n, part))
+        tokens, slots = tokens + h * w, slots + part.num_windows * n
+    num_windows = slots // n
+    mask = None
+    if any(part.mask is not None for _, part in masks):
+        buffer = torch.zeros(num_windows, n, row_length(n, align), dtype=dtype)  # rows aligned as the shared ones
+        for first, part in masks:
+            if part.mask is not None:
+                buffer.narrow(0, first, part.num_windows).narrow(-1, 0, n).copy_(part.mask)
+        mask = mask_rows(to_device(buffer, device), n)
+    return WindowLayout(
+        height=1, width=tokens, window=window, shift=shift, num_windows=num_windows,
+        table_window=parts[0].table_window, has_padding=bool(pad_slots), index=to_device(torch.cat(index), device),
+        inverse=to_device(torch.cat(inverse), device),
+        pad_slots=to_device(torch.cat(pad_slots), device) if pad_slots else None, mask=mask,
+        bias_index=to_device(parts[0].bias_index, device), rows=to_device(torch.cat(rows), device),
     )
 
 
-get_image_window_masks = size_cache(maxsize=512)(image_window_masks)
-
-
-get_image_windows = size_cache(maxsize=128)(image_windows)
+#: Cached :func:`packed_layout`, keyed by the map's and the images' sizes.
+get_packed_layout = size_cache(maxsize=128)(packed_layout)
 
 
 def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int) -> Tuple[Sizes, ...]:
@@ -126,20 +114,6 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
     for b, r0, r1, c0, c1 in straddles(valid_sizes, height, width, cell):
         x[b].narrow(height_dim - 1, r0, r1 - r0).narrow(height_dim, c0, c1 - c0).zero_()
     return x
-
-
-def zero_merged_straddles_(merged: torch.Tensor, valid_sizes: Sizes, height: int, width: int) -> torch.Tensor:
-    """Zero, in place, what the 2x2 cells of a merged ``(B, ceil(H / 2), ceil(W / 2), 4C)`` map
-    (block ``2 * dw + dh``) read across an image's odd edge on the ``height x width`` map
-    (:func:`straddles`): for the image alone they read padding zeros there."""
-    b, h2, w2, c4 = merged.shape
-    cells = merged.view(b, h2, w2, 2, 2, c4 // 4)
-    for i, r0, r1, c0, c1 in straddles(valid_sizes, height, width, 2):
-        if c0 == 0:  # row r0 below an odd height: dh = 1 of the cells in its row
-            cells[i, r0 // 2, : (c1 + 1) // 2, :, 1].zero_()
-        else:  # column c0 right of an odd width: dw = 1 of the cells in its column
-            cells[i, : (r1 + 1) // 2, c0 // 2, 1].zero_()
-    return merged
 
 
 def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> torch.Tensor:

@@ -37,23 +37,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ImageWindows:
-    """Windows of a batch that an image's boundary cuts (their mask differs per image).
-
-    Attributes:
-        windows: ``(K,)`` int64 indices into the batch's ``B * nW`` windows.
-        masks: ``(K, N, N)`` additive masks, in the compute dtype.
-        real: ``(R,)`` positions among the ``K * N`` holding real tokens; real_rows: the row of the
-            flat ``(B * H * W)`` tokens each of them holds.
-    """
-
-    windows: torch.Tensor
-    masks: torch.Tensor
-    real: torch.Tensor
-    real_rows: torch.Tensor
-
-
-@dataclass(frozen=True)
 class WindowLayout:
     """Everything window attention needs for one map size, window and shift.
 
@@ -63,7 +46,8 @@ class WindowLayout:
         inverse: ``(H * W,)`` gather back to row-major tokens.
         pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or tracing).
         mask: ``(nW, N, N)`` additive mask, or ``None``; bias_index: ``(N * N,)`` bias table rows.
-        images: windows that images' boundaries cut (:func:`~.image_sizes.get_image_windows`), or ``None``.
+        rows: a *packed* layout's (:func:`~.image_sizes.packed_layout`) ``(T,)`` rows of the flat
+            ``(B * H * W)`` map that its ``T`` tokens are; ``None``: the layout of the whole map.
     """
 
     height: int
@@ -78,7 +62,7 @@ class WindowLayout:
     pad_slots: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     bias_index: torch.Tensor
-    images: Optional[ImageWindows] = None
+    rows: Optional[torch.Tensor] = None
     traced: bool = False
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..torch_compat import compute_dtype, is_compiling
-from .image_sizes import get_image_windows, stage_valid_sizes
+from .image_sizes import get_packed_layout, stage_valid_sizes
 from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache
 from .attention import KERNELS
 from .plan import Plan, Sizes
@@ -215,7 +215,8 @@ def plan_stage(
 ) -> Tuple[Plan, WindowLayout, Optional[WindowLayout]]:
     """``(plan, regular, shifted)`` for a stage of ``window_size`` windows shifted by ``shift_size``
     on a ``height x width`` map: its cached window layouts (``shifted`` ``None`` without a shift;
-    with the plan's per-image valid sizes, the windows that images' edges cut) and its plan:
+    with the plan's per-image valid sizes, packed layouts of the images' own windows,
+    :func:`~.image_sizes.packed_layout`: padding-only windows are not computed) and its plan:
     without selective checkpointing under ``with_cp`` (the whole block is checkpointed).
 
     Without ``pad_small_map`` (the official classifier) a map whose smaller side is <= the
@@ -225,13 +226,13 @@ def plan_stage(
         window, shift = min(height, width), 0
     layouts = []
     for offset in (0, shift) if shift > 0 else (0,):
-        args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks, plan.tracing,
-                window_size)
-        layout = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
-        if plan.valid_sizes is not None:
-            images = get_image_windows(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
-                                       plan.align_masks)
-            layout = layout if images is None else dataclasses.replace(layout, images=images)
+        if plan.valid_sizes is not None:  # (never while tracing: plan_forward refuses sizes then)
+            layout = get_packed_layout(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
+                                       plan.align_masks, window_size)
+        else:
+            args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks,
+                    plan.tracing, window_size)
+            layout = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
         layouts.append(layout)
     if with_cp and plan.save_memory:
         plan = dataclasses.replace(plan, save_memory=False)

@@ -8,7 +8,7 @@ import torch
 
 from swin_backbone import SwinBackbone, ops
 from swin_backbone.model.valid_sizes import attach_valid_sizes, attached_valid_sizes
-from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
+from swin_backbone.ops import layouts as L, windows as W
 
 from ..helpers import DeviceSyncs
 
@@ -116,18 +116,51 @@ def test_full_valid_sizes_equal_none():
                 assert torch.equal(a, b)
 
 
-def test_layouts_of_images_that_fill_are_shared():
-    # An image that fills the batch adds no per-image window; only images whose boundary
-    # cuts a window do, and only those windows.
-    h, w, ws = 17, 23, 4
-    assert V.image_windows(h, w, ws, 2, ((h, w), (h, w)), torch.device("cpu"), torch.float32) is None
-    images = V.image_windows(h, w, ws, 2, ((h, w), (9, 23)), torch.device("cpu"), torch.float32)
-    num_windows = (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
-    assert images.windows.min() >= num_windows  # all of image 1
-    # image 1 (rows < 9) is cut by the window rows holding its row 8 and 9
-    per_image, _ = V.image_window_masks(h, w, ws, 2, (9, 23), torch.device("cpu"), torch.float32)
-    assert 0 < per_image.numel() < num_windows
-    assert torch.equal(images.windows, per_image + num_windows)
+def _rows_reaching(model, x, **kw):
+    """Per block, the token rows its ``attn.qkv`` and ``mlp.fc1`` Linears were handed in one forward."""
+    rows = {}
+
+    def recorder(name):
+        def hook(module, args, output):
+            rows[name] = rows.get(name, 0) + args[0].numel() // args[0].shape[-1]
+        return hook
+
+    handles = [m.register_forward_hook(recorder(n)) for n, m in model.named_modules()
+               if n.endswith(("attn.qkv", "mlp.fc1"))]
+    try:
+        with torch.no_grad():
+            model(x, **kw)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_padding_only_windows_are_not_computed(version):
+    # An image-exact batch computes each image's own windows and nothing else: the rows reaching
+    # every block's qkv projection (tokens of the windows, their padding slots included) and
+    # MLP (real tokens) are those of the images run alone, summed, not those of the padded batch.
+    # Sizes: odd ones, one smaller than a window at stage 0, one that fills the batch.
+    from swin_backbone import SwinV2Backbone
+
+    size, sizes = (45, 61), [(45, 61), (30, 13), (9, 7)]
+    if version == "v1":
+        model = _model().eval()
+    else:
+        torch.manual_seed(0)
+        model = SwinV2Backbone(**dict(CFG, window_size=4), pad_small_map=True).eval()
+    images, batch = _batch(size, sizes)
+    got = _rows_reaching(model, batch, valid_sizes=sizes)
+    alone = [_rows_reaching(model, img) for img in images]
+    padded = _rows_reaching(model, batch)
+    assert len(got) == 2 * sum(CFG["depths"]) and got.keys() == padded.keys()
+    for name in got:
+        assert got[name] == sum(a[name] for a in alone), name
+    # the check can fail: the padded batch computes more rows at every block (at the last stage,
+    # one window per image either way, the same qkv rows)
+    assert all(got[name] <= padded[name] for name in got)
+    assert all(got[name] < padded[name] for name in got if name.startswith("stages.0.") or "fc1" in name)
 
 
 # ---------------------------------------------------------------- training
@@ -144,12 +177,24 @@ def _loss(outs, weights, i=None):
 
 @pytest.mark.parametrize(
     "variant",
-    ["recompute", "recompute-chunked", "autograd", "frozen-abs-pos"],
+    ["recompute", "recompute-chunked", "autograd", "frozen-abs-pos", "with-cp", "v2"],
 )
 def test_training_gradients_equal_sum_over_images_alone(variant):
-    size, sizes = (40, 44), [(37, 21), (15, 44), (6, 9)]
+    # (image 3 fills the batch; image 2 is smaller than a window at stage 0)
+    size, sizes = (40, 44), [(37, 21), (15, 44), (3, 2), (40, 44)]
     kw = dict(use_abs_pos_embed=True, pretrain_img_size=32, frozen_stages=1) if variant == "frozen-abs-pos" else {}
-    model = _model(**kw).double().train()
+    kw = dict(with_cp=True) if variant == "with-cp" else kw
+    if variant == "v2":
+        from swin_backbone import SwinV2Backbone
+
+        torch.manual_seed(0)
+        model = SwinV2Backbone(**dict(CFG, window_size=4), pad_small_map=True).double().train()
+        with torch.no_grad():  # post-norms start at zero: make them non-trivial
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    else:
+        model = _model(**kw).double().train()
     images, batch = _batch(size, sizes, torch.float64)
     with torch.no_grad():
         shapes = [o.shape for o in model(batch)]
@@ -158,7 +203,7 @@ def test_training_gradients_equal_sum_over_images_alone(variant):
         recompute=dict(chunk_bytes=0),
         **{"recompute-chunked": dict(chunk_bytes=2 * 2 * 16 * 16 * 8)},  # backward groups of one window
         autograd=dict(recompute_attention=False, save_memory=False),
-        **{"frozen-abs-pos": {}},
+        **{"frozen-abs-pos": {}, "with-cp": {}, "v2": {}},
     )[variant]
     params = [p for p in model.parameters() if p.requires_grad]
     with ops.override(**switches):

@@ -163,19 +163,17 @@ def test_output_size():
 # ---------------------------------------------------------------- per-image edges
 @pytest.mark.parametrize("size", [(9, 11), (8, 8), (5, 12), (1, 1)])
 def test_merge_reads_what_each_image_reads_alone(size):
-    """merge_2x2 with valid sizes == zeroing everything beyond each image, then the
-    official 2x2 gather, over every cell that holds a token of the image."""
+    """A stage returns zeros beyond each image (per-image valid sizes): merge_2x2 of that map
+    equals, over every cell that holds a token of an image, merge_2x2 of the image alone;
+    and merge_2x2 is the official 2x2 gather."""
     h, w = size
     valid = tuple((vh, vw) for vh in {1, max(h - 1, 1), h} for vw in {1, max(w - 2, 1), w})
     x = torch.randn(len(valid), h, w, 3) + 5  # non-zero everywhere beyond the images
-    got = merge_2x2(x.clone(), valid)
-    ref = V.zero_beyond_valid(x.clone(), valid, 1, inplace=True)
-    ref = F.pad(ref, (0, 0, 0, w % 2, 0, h % 2))
-    ref = torch.cat([ref[:, 0::2, 0::2], ref[:, 1::2, 0::2], ref[:, 0::2, 1::2], ref[:, 1::2, 1::2]], -1)
+    got = merge_2x2(V.zero_beyond_valid(x.clone(), valid, 1, inplace=True))
     for b, (vh, vw) in enumerate(valid):
         ch, cw = W.ceil_div(vh, 2), W.ceil_div(vw, 2)
-        torch.testing.assert_close(got[b, :ch, :cw], ref[b, :ch, :cw], rtol=0, atol=0)
-    full = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))  # without valid sizes: the plain official gather
+        torch.testing.assert_close(got[b, :ch, :cw], merge_2x2(x[b : b + 1, :vh, :vw])[0], rtol=0, atol=0)
+    full = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))  # the plain official gather
     full = torch.cat([full[:, 0::2, 0::2], full[:, 1::2, 0::2], full[:, 0::2, 1::2], full[:, 1::2, 1::2]], -1)
     torch.testing.assert_close(merge_2x2(x), full, rtol=0, atol=0)
 
@@ -243,13 +241,13 @@ def test_layout_tensors_equal_the_reference_build(dtype, align):
             _assert_same_tensor(getattr(layout, name), expected[name], (h, w, ws, shift, mask_padding, name))
         assert layout.num_windows * ws * ws == layout.index.numel()
         assert (layout.height, layout.width, layout.window, layout.shift) == (h, w, ws, shift)
-        assert layout.table_window == table_window and layout.images is None and not layout.traced
+        assert layout.table_window == table_window and layout.rows is None and not layout.traced
 
 
-def test_stage_layouts_are_cached_and_images_share_their_tensors():
+def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
     # A stage's layouts come from the cache (built once per size, window, shift, device,
-    # dtype, ...); with per-image valid sizes the layout is the cached one plus the images'
-    # windows: it shares every tensor of the cached layout instead of building them again.
+    # dtype, ...); with per-image valid sizes they are the cached packed layouts, built from the
+    # images' own cached layouts.
     from swin_backbone import ops
 
     cpu = torch.device("cpu")
@@ -259,17 +257,16 @@ def test_stage_layouts_are_cached_and_images_share_their_tensors():
     _, regular, shifted = ops.plan_stage(plan,
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
-    assert regular.shift == 0 and shifted.shift == 3 and regular.images is None
+    assert regular.shift == 0 and shifted.shift == 3 and regular.rows is None
     assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
-    valid = ops.plan_for(x, grad=False, valid_sizes=((13, 20), (9, 11)))
+    sizes = ((13, 20), (9, 11))
+    valid = ops.plan_for(x, grad=False, valid_sizes=sizes)
     _, regular2, shifted2 = ops.plan_stage(valid,
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-    assert L.get_window_layout.cache_info().misses == 2  # the same cached layouts underneath
-    images = V.get_image_windows(13, 20, 7, 3, ((13, 20), (9, 11)), cpu, torch.float32, False)
-    assert shifted2.images is images and shifted.images is None
-    for name in LAYOUT_NAMES:
-        assert getattr(shifted2, name) is getattr(shifted, name), name
-        assert getattr(regular2, name) is getattr(regular, name), name
+    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7)
+    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7)
+    assert L.get_window_layout.cache_info().misses == 4  # image 0 (= the map) hit; image 1's two built
+    assert V.get_packed_layout.cache_info().misses == 2
     # a window no larger than the map with no shift: no shifted layout at all
     assert ops.plan_stage(plan,
         height=13, width=20, window_size=7, shift_size=0, pad_small_map=True, mask_padding=True,
@@ -308,66 +305,56 @@ def test_layout_builders_never_wait_for_the_device(align):
                 assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
 
 
+PACKED_NAMES = LAYOUT_NAMES + ("rows",)
+
+
 @pytest.mark.parametrize("align", [False, True])
-def test_image_builders_never_wait_for_the_device(align):
+def test_packed_layout_builder_never_waits_for_the_device(align):
     cpu = torch.device("cpu")
     h, w, ws, shift = 17, 23, 4, 2
     valid = ((17, 23), (9, 23), (5, 7), (17, 10))
     L.clear_caches()
     with DeviceSyncs() as syncs:
-        images = V.image_windows(h, w, ws, shift, valid, META, torch.float32, align)
-    syncs.assert_none(4)  # windows, masks, real, real_rows
-    with DeviceSyncs() as syncs:
-        windows, masks = V.image_window_masks(h, w, ws, shift, (5, 7), META, torch.float32, align)
-    syncs.assert_none(2)
-    with DeviceSyncs() as syncs:
+        packed = V.packed_layout(h, w, ws, shift, valid, META, torch.float32, align)
         keep = V.valid_token_mask(h, w, valid, META)
         V.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
-    syncs.assert_none(2)  # the (B, 2) sizes, once per call
-    expected = V.image_windows(h, w, ws, shift, valid, cpu, torch.float32, align)
-    for name in ("windows", "masks", "real", "real_rows"):
-        t, e = getattr(images, name), getattr(expected, name)
+    syncs.assert_none(len(PACKED_NAMES) + 2)  # one copy per tensor; the (B, 2) sizes once per call
+    expected = V.packed_layout(h, w, ws, shift, valid, cpu, torch.float32, align)
+    for name in PACKED_NAMES:
+        t, e = getattr(packed, name), getattr(expected, name)
         assert t.device == META and t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), name
-    ew, em = V.image_window_masks(h, w, ws, shift, (5, 7), cpu, torch.float32, align)
-    assert windows.shape == ew.shape and masks.shape == em.shape and masks.stride() == em.stride()
     assert keep.device == META and keep.shape == (4, h, w)
-
-
-def reference_image_windows(h, w, ws, shift, valid_sizes, dtype):
-    """Windows that each image's edge cuts, their masks, rows and which positions hold real
-    tokens (bool), from per-image region labels and pad + roll + view (reference_partition)
-    of the token numbers."""
-    num_windows = (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
-    shared = W.partition_grid(W.region_labels(h, w, ws, shift, True, torch.device("cpu")), ws)
-    numbers = reference_partition(torch.arange(1, h * w + 1.0, dtype=torch.float64).view(1, -1, 1), h, w, ws, shift)
-    numbers = numbers.view(num_windows, ws * ws).long() - 1  # -1: window padding
-    windows, masks, rows, real = [], [], [], []
-    for b, valid in enumerate(valid_sizes):
-        own = W.partition_grid(W.region_labels(h, w, ws, shift, True, torch.device("cpu"), valid), ws)
-        for k in range(num_windows):
-            if (own[k] != shared[k]).any() and (own[k] != W.PAD_REGION).any():
-                windows.append(b * num_windows + k)
-                differs = own[k][:, None] != own[k][None, :]
-                masks.append(torch.zeros(differs.shape, dtype=dtype).masked_fill_(differs, W.MASK_VALUE))
-                rows.append(b * h * w + numbers[k].clamp(min=0))  # padding: the image's token 0
-                real.append(numbers[k] >= 0)
-    return torch.tensor(windows), torch.stack(masks), torch.cat(rows), torch.cat(real)
 
 
 @pytest.mark.parametrize("size,ws,shift", [((17, 23), 4, 2), ((13, 20), 7, 3), ((16, 16), 4, 0), ((9, 9), 3, 1)])
 @pytest.mark.parametrize("align", [False, True])
-def test_image_windows_match_a_reference(size, ws, shift, align):
+def test_packed_layout_is_each_image_alone(size, ws, shift, align):
+    # The packed windows of a batch are those of each image alone (mmdet's pad + roll +
+    # partition of the image, and its mask), one image after the other; padding-only windows
+    # of the batch are not in it; the inverse takes the windows back to the packed tokens.
     h, w = size
-    valid = ((h, w), (h - 4, w), (3, 5), (h, w - 6), (h - 1, w - 1))
-    got = V.image_windows(h, w, ws, shift, valid, torch.device("cpu"), torch.float32, align)
-    windows, masks, rows, real = reference_image_windows(h, w, ws, shift, valid, torch.float32)
-    assert torch.equal(got.windows, windows) and torch.equal(got.masks, masks)
-    assert torch.equal(got.real, real.nonzero().squeeze(1)) and torch.equal(got.real_rows, rows[real])
-    n = ws * ws
-    assert got.masks.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
-    keep = V.valid_token_mask(h, w, valid, torch.device("cpu"))
+    valid = ((h, w), (h - 4, w), (3, 5), (h, w - 6), (h - 1, w - 1), (1, 1))
+    cpu = torch.device("cpu")
+    got = V.packed_layout(h, w, ws, shift, valid, cpu, torch.float64, align)
+    x = torch.randn(len(valid), h, w, 2, dtype=torch.float64)
+    packed = x.reshape(-1, 2).index_select(0, got.rows)[None]
+    plan = plan_for(packed, grad=False)
+    windows, masks = [], []
     for b, (vh, vw) in enumerate(valid):
-        assert keep[b, :vh, :vw].all() and keep[b].sum() == vh * vw
+        windows.append(reference_partition(x[b : b + 1, :vh, :vw].reshape(1, -1, 2), vh, vw, ws, shift))
+        mask = W.window_attention_mask(vh, vw, ws, shift, True, cpu, torch.float64)
+        n_windows = W.ceil_div(vh, ws) * W.ceil_div(vw, ws)
+        masks.append(torch.zeros(n_windows, ws * ws, ws * ws, dtype=torch.float64) if mask is None else mask)
+    expected = torch.cat(windows, 1)
+    assert got.num_windows * ws * ws == expected.shape[1] and packed.shape[1] == sum(vh * vw for vh, vw in valid)
+    assert got.num_windows < len(valid) * W.ceil_div(h, ws) * W.ceil_div(w, ws)  # padding-only windows left out
+    torch.testing.assert_close(window_partition(packed, got, plan), expected, rtol=0, atol=0)
+    torch.testing.assert_close(window_reverse(expected, got, plan), packed, rtol=0, atol=0)
+    torch.testing.assert_close(got.mask, torch.cat(masks), rtol=0, atol=0)
+    n = ws * ws
+    assert got.mask.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
+    keep = V.valid_token_mask(h, w, valid, cpu)
+    assert torch.equal(got.rows, keep.reshape(-1).nonzero().squeeze(1))  # every image's tokens, row-major
 
 
 def test_package_clear_caches_clears_every_ops_cache():
@@ -376,10 +363,9 @@ def test_package_clear_caches_clears_every_ops_cache():
     import swin_backbone
     from swin_backbone.ops import cosine, planner
 
-    caches = [L.get_window_layout, V.get_image_window_masks, V.get_image_windows, cosine.get_log_spaced_coords,
-              planner._decide_cached]
+    caches = [L.get_window_layout, V.get_packed_layout, cosine.get_log_spaced_coords, planner._decide_cached]
     L.get_window_layout(14, 14, 7, 3, True, torch.device("cpu"), torch.float32, False)
-    V.get_image_windows(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
+    V.get_packed_layout(14, 14, 7, 3, ((14, 10), (9, 14)), torch.device("cpu"), torch.float32, False)
     cosine.get_log_spaced_coords(7, 0, torch.device("cpu"), torch.float32)
     planner.plan_for(torch.zeros(1))
     assert all(c.cache_info().currsize > 0 for c in caches), [c.cache_info() for c in caches]
