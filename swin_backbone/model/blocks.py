@@ -143,8 +143,9 @@ class SwinBlock(nn.Module):
     def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        x = x + self.drop_path(self.attn(x, self.norm1, layout, plan))
-        return ops.mlp_residual(x, self.mlp_branch, self.drop_path, self.mlp.fc1.out_features, plan)
+        images = layout.image_tokens  # (a packed layout: stochastic depth per image)
+        x = x + ops.drop_samples(self.drop_path, self.attn(x, self.norm1, layout, plan), images)
+        return ops.mlp_residual(x, self.mlp_branch, self.drop_path, images, self.mlp.fc1.out_features, plan)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         """``mlp(norm2(x))`` of ``(..., C)`` tokens (row-wise; stochastic depth follows it per sample)."""

@@ -119,8 +119,9 @@ class SwinBlockV2(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        x = x + self.drop_path(self.norm1(self.attn(x, layout, plan)))
-        x = ops.mlp_residual(x, self.mlp_branch, self.drop_path, self.mlp.fc1.out_features, plan)
+        images = layout.image_tokens  # (a packed layout: stochastic depth per image)
+        x = x + ops.drop_samples(self.drop_path, self.norm1(self.attn(x, layout, plan)), images)
+        x = ops.mlp_residual(x, self.mlp_branch, self.drop_path, images, self.mlp.fc1.out_features, plan)
         return x if self.norm3 is None else self.norm3(x)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,9 @@ def packed_layout(
     ``b - 1``'s: ``T = sum h_b * w_b`` tokens in ``K = sum nW_b`` windows, whose masks are the
     images' own (zeros for an image that needs none). Windows holding batch padding only are
     not in it. :attr:`~.layouts.WindowLayout.rows`: the ``(T,)`` rows of the flat
-    ``(B * height * width)`` map the tokens are; the layout itself is one row (height 1, width
-    ``T``). Built on the CPU from the images' cached layouts, one copy per tensor to ``device``.
+    ``(B * height * width)`` map the tokens are, and :attr:`~.layouts.WindowLayout.image_tokens`
+    each image's ``h_b * w_b``; the layout itself is one row (height 1, width ``T``). Built on
+    the CPU from the images' cached layouts, one copy per tensor to ``device``.
     """
     n = window * window
     parts = [get_window_layout(h, w, window, shift, True, CPU, dtype, align, False, table_window)
@@ -58,6 +59,7 @@ def packed_layout(
         inverse=to_device(torch.cat(inverse), device),
         pad_slots=to_device(torch.cat(pad_slots), device) if pad_slots else None, mask=mask,
         bias_index=to_device(parts[0].bias_index, device), rows=to_device(torch.cat(rows), device),
+        image_tokens=tuple(h * w for h, w in valid_sizes),
     )
 
 

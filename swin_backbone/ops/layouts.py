@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache, wraps
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -48,6 +48,7 @@ class WindowLayout:
         mask: ``(nW, N, N)`` additive mask, or ``None``; bias_index: ``(N * N,)`` bias table rows.
         rows: a *packed* layout's (:func:`~.image_sizes.packed_layout`) ``(T,)`` rows of the flat
             ``(B * H * W)`` map that its ``T`` tokens are; ``None``: the layout of the whole map.
+        image_tokens: a packed layout's tokens per image, in order (``sum = T``); ``None`` otherwise.
     """
 
     height: int
@@ -63,6 +64,7 @@ class WindowLayout:
     mask: Optional[torch.Tensor]
     bias_index: torch.Tensor
     rows: Optional[torch.Tensor] = None
+    image_tokens: Optional[Tuple[int, ...]] = None
     traced: bool = False
 
 

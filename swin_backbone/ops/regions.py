@@ -8,7 +8,7 @@ mechanics wrap a region of modules without an ``if`` in the model (docs/design.m
 from __future__ import annotations
 
 import functools
-from typing import Callable, List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,12 +44,25 @@ def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Te
     return fn(*args, plan)
 
 
+def drop_samples(drop_path: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                 image_tokens: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """``drop_path(x)`` by sample: ``(B, L, C)`` in one call (``image_tokens`` ``None``); a packed
+    layout's ``(1, T, C)`` image by image (its :attr:`~.layouts.WindowLayout.image_tokens`), each
+    ``(1, T_b, C)`` as it is alone, so stochastic depth drops each image's branch on its own."""
+    if image_tokens is None:
+        return drop_path(x)
+    images = x.split(image_tokens, dim=1)
+    dropped = [drop_path(image) for image in images]
+    return x if all(d is i for d, i in zip(dropped, images)) else torch.cat(dropped, 1)
+
+
 def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor],
-                 drop_path: Callable[[torch.Tensor], torch.Tensor], hidden: int, plan: Plan) -> torch.Tensor:
+                 drop_path: Callable[[torch.Tensor], torch.Tensor], image_tokens: Optional[Tuple[int, ...]],
+                 hidden: int, plan: Plan) -> torch.Tensor:
     """``x + drop_path(branch(x))`` for caller-owned ``(B, L, C)`` ``x``, a row-wise ``branch``
-    (``hidden``: its widest width) and a per-sample ``drop_path``: by cache-sized row chunks into
-    ``x`` with :attr:`Plan.chunked` (where its rows exceed one), under selective checkpointing
-    with :attr:`Plan.save_memory`, else one call."""
+    (``hidden``: its widest width) and a per-sample ``drop_path`` (:func:`drop_samples`, by
+    ``image_tokens``): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked` (where its
+    rows exceed one), under selective checkpointing with :attr:`Plan.save_memory`, else one call."""
     # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
     # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
     rows = x.reshape(-1, x.shape[-1])
@@ -66,7 +79,7 @@ def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]
         y = branch(rows)
     # Stochastic depth drops whole samples: drop_path sees (B, L, C), never rows.
     samples = y.view(x.shape)
-    dropped = drop_path(samples)
+    dropped = drop_samples(drop_path, samples, image_tokens)
     if dropped is samples:  # (inactive: nothing dropped, add as rows)
         return (y.add_(rows) if plan.may_write_module_outputs else rows + y).view(x.shape)
     return dropped.add_(x) if plan.may_write_module_outputs else x + dropped

@@ -50,7 +50,7 @@ def _plain_branch(block, x):
 
 def _residual(block, x, save_memory, plain=True):
     plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=plain)
-    return ops.mlp_residual(x, block.mlp_branch, block.drop_path, block.mlp.fc1.out_features, plan)
+    return ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, block.mlp.fc1.out_features, plan)
 
 
 @pytest.mark.parametrize("total,row_bytes,budget", [(0, 8, 32), (1, 8, 32), (2048, 3, 4096), (32768, 12, 65536),
@@ -132,27 +132,43 @@ def test_stochastic_depth_drops_whole_samples(version, save_memory, plain):
     assert block.mlp.fc1.weight.grad.abs().sum() > 0
 
 
+VALID = [(32, 32), (32, 20), (20, 32), (24, 24)]  # per-image sizes of a padded 4x3x32x32 batch
+
+
+@pytest.mark.parametrize("valid_sizes", [None, VALID], ids=["batch", "valid_sizes"])
 @pytest.mark.parametrize("cls", [SwinBackbone, SwinV2Backbone])
-def test_every_drop_path_of_a_training_backbone_sees_whole_samples(cls):
-    # Every DropPath of a training forward gets (B, L, C) and zeroes whole samples (both residual
-    # branches of every block; 16 images, rate 0.5).
-    model = cls(**small_arch(drop_path_rate=0.5)).train()
-    seen = []
+def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_sizes):
+    # Stochastic depth drops an image's branch, never some of its tokens, at both residual branches
+    # of every block (4 images, rate 0.5): a batch's DropPath sees (B, L, C) once per branch; with
+    # per-image valid sizes (the images' tokens packed, padding not computed) it sees each image
+    # alone, (1, h_b * w_b, C), so images are dropped independently there too.
+    model = cls(**small_arch(drop_path_rate=0.5, pad_small_map=True)).train()
+    calls = []
 
     def check(module, args, out):
         x, = args
-        per_sample = (out != 0).flatten(1).any(1)
-        seen.append((x.dim(), x.shape[0], int(per_sample.sum())))
-        zero_samples = ~per_sample
-        assert torch.equal(out[zero_samples], torch.zeros_like(out[zero_samples]))
+        kept = (out != 0).flatten(1).any(1)
+        assert torch.equal(out[~kept], torch.zeros_like(out[~kept]))  # a dropped image: all zeros
+        calls.append((tuple(x.shape[:2]), kept.tolist()))
 
     for m in model.modules():
         if isinstance(m, DropPath):
             m.register_forward_hook(check)
     torch.manual_seed(0)
-    model(torch.randn(16, 3, 32, 32))
-    assert seen and all(dim == 3 and batch == 16 for dim, batch, _ in seen), seen
-    assert any(0 < kept < 16 for _, _, kept in seen)  # samples dropped, others kept
+    model(torch.randn(4, 3, 32, 32), valid_sizes=valid_sizes)
+    sites = 2 * (sum(model.depths) - 1)  # (the first block's rate is 0: no DropPath)
+    if valid_sizes is None:
+        assert [shape[0] for shape, _ in calls] == [4] * sites
+        kept = [k for _, ks in calls for k in ks]
+    else:
+        expected = []
+        for i, sizes in enumerate(ops.image_sizes.stage_valid_sizes(VALID, 4, len(model.depths))):
+            side = 8 >> i  # (the stage's map: where every image fills it, the batch is not packed)
+            per_branch = [(4, side * side)] if set(sizes) == {(side, side)} else [(1, h * w) for h, w in sizes]
+            expected += per_branch * (2 * model.depths[i] - 2 * (i == 0))
+        assert [shape for shape, _ in calls] == expected
+        kept = [k for _, ks in calls for k in ks]
+    assert len(calls) and 0.25 < sum(kept) / len(kept) < 0.75  # about half of the images' branches kept
 
 
 @needs_sac
@@ -168,7 +184,7 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
     for save_memory in (True, False):
         torch.manual_seed(1)
         plan = ops.plan_for(x, grad=True, save_memory=save_memory)
-        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, 32, plan)
+        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         results.append((out, grads))
     (out, grads), (ref, ref_grads) = results
@@ -399,8 +415,8 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version)
     whole = ops.plan_for(x, grad=False, chunk_bytes=0, may_write_module_outputs=True, chunked=False)
     with torch.no_grad():
         ref = x + _plain_branch(block, x)
-        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, 32, whole)
-        got = ops.mlp_residual(x, block.mlp_branch, block.drop_path, 32, plan)
+        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, None, 32, whole)
+        got = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
     assert (got is x) == (rows * 32 * 8 > plan.chunk_bytes)  # in place by chunks where more than one
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(unchunked, ref)
@@ -413,7 +429,7 @@ def test_chunked_mlp_residual_under_autocast(version):
     plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, may_write_module_outputs=True, chunked=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = x + _plain_branch(block, x)
-        got = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, 32, plan)
+        got = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, None, 32, plan)
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 

@@ -25,7 +25,7 @@ def test_post_norm_mlp_residual_in_pure_bf16():
     ref_grads = torch.autograd.grad(ref.float().sum(), params)
     for save_memory in (True, False) if ops.regions.SAVE_MATMULS is not None else (False,):
         plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=True)
-        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, 32, plan)
+        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
         for a, b in zip(torch.autograd.grad(out.float().sum(), params), ref_grads):
@@ -52,7 +52,7 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
         ref = x + block.drop_path(block.mlp_branch(x))
         torch.manual_seed(1)
         tokens = x.detach().clone() if situation == "inference" else x * 1
-        got = ops.mlp_residual(tokens, block.mlp_branch, block.drop_path, 32, plan)
+        got = ops.mlp_residual(tokens, block.mlp_branch, block.drop_path, None, 32, plan)
     torch.testing.assert_close(got, ref)
     if situation == "inference":  # (one chunk's rows: the residual is added into the MLP's output)
         assert got.grad_fn is None and not torch.equal(tokens, got)
@@ -62,7 +62,7 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
     torch.testing.assert_close(gx, rx)
     whole = dataclasses.replace(plan, save_memory=False)
     torch.manual_seed(1)
-    torch.testing.assert_close(ops.mlp_residual(x * 1, block.mlp_branch, block.drop_path, 32, whole), got)
+    torch.testing.assert_close(ops.mlp_residual(x * 1, block.mlp_branch, block.drop_path, None, 32, whole), got)
 
 
 def _reference_cosine_qkv(qkv, logit_scale, num_heads):
