@@ -10,7 +10,7 @@ compiled_blocks=True)``), and the window layouts reach the compiled blocks as in
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ MIN_TORCH = (2, 2)
 #: Compiled graphs a block's code may hold (dynamo's default, 8, is per code object: the blocks
 #: of every stage share it, and each stage's widths, batch 1 or more, eval and training are
 #: graphs of their own; past the limit dynamo would silently run the blocks eagerly).
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 128
 
 
 def check_can_compile() -> None:
@@ -55,11 +55,3 @@ def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < limit:
         setattr(config, name, limit)
-
-
-def compile_counts() -> Dict[str, int]:
-    """Dynamo's counters so far: ``unique_graphs`` (graphs compiled) and ``frames_ok`` (frames
-    traced), for tests and the benchmark's reports."""
-    from torch._dynamo.utils import counters
-
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "frames_ok": int(counters["frames"]["ok"])}
