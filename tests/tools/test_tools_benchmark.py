@@ -465,6 +465,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
         return 2**20 * (2 if name == "mmdet" else 1)
 
     monkeypatch.setattr(benchmarking, "compile_model", compile_model)
+    monkeypatch.setattr(benchmarking, "regional_model", lambda model, **options: model)
     monkeypatch.setattr(benchmarking, "peak_memory", peak_memory)
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--size", "32", "32", "--padded-size", "16", "32", "--iters", "1",
@@ -478,7 +479,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     for key in ("padded_eval_bf16_2x3x32x32", "padded_train_bf16_2x3x32x32"):
         assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_without_valid_sizes"}
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
-        assert set(results[key]["samples"]) == {"mmdet", "ours"}
+        assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_regional"}  # (compile=True)
     assert compiled == [dict(dynamic=True)] * 2  # no CUDA-graph row in the prepared run
     assert results["skipped"] == [] and results["environment"]["torch"] == torch.__version__
     table = md.read_text().splitlines()
@@ -487,6 +488,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert {"eval bf16 1x3x32x32", "eval bf16 8x3x32x32", "train fwd+bwd bf16 2x3x32x32",
             "peak training memory bf16 2x3x32x32", "torch.compile eval bf16 8x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32",
+            "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (blocks compiled)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes"} <= lines
 
