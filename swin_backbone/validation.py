@@ -336,3 +336,32 @@ def check_image(name: str, image: object) -> None:
     elif low < -1 or high > 256:
         warnings.warn(f"{name}: float values from {low:g} to {high:g}, outside 0..255; FeatureExtractor expects "
                       "unnormalised 0..255 RGB (it subtracts mean and divides by std itself)", UserWarning, stacklevel=4)
+
+
+#: ``torch.compile`` keyword arguments a backbone's ``compile=dict(...)`` may pass on.
+COMPILE_OPTIONS = ("mode", "backend", "fullgraph", "dynamic", "options", "disable")
+
+
+def check_compile(value: object) -> Optional[Dict[str, object]]:
+    """The backbone's ``compile``: ``False`` / ``None`` (eager: ``None`` returned), ``True`` or a
+    dict of ``torch.compile`` keyword arguments (:data:`COMPILE_OPTIONS`); returns the options with
+    ``dynamic=True`` unless given."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {"dynamic": True}
+    if not isinstance(value, dict):
+        fail("compile", f"True, False or a dict of torch.compile options {COMPILE_OPTIONS}", value)
+    unknown = sorted(str(k) for k in value if k not in COMPILE_OPTIONS)
+    if unknown:
+        fail("compile", f"a dict of torch.compile options {COMPILE_OPTIONS}", f"unknown keys {unknown}")
+    for flag in ("fullgraph", "dynamic", "disable"):
+        if flag in value and value[flag] is not None:
+            check_flag(f"compile['{flag}']", value[flag])
+    if "mode" in value and value["mode"] is not None and not isinstance(value["mode"], str):
+        fail("compile['mode']", "a str such as 'default', 'reduce-overhead', 'max-autotune', or None", value["mode"])
+    if "backend" in value and not (isinstance(value["backend"], str) or callable(value["backend"])):
+        fail("compile['backend']", "a backend name (str, e.g. 'inductor', 'eager') or a callable", value["backend"])
+    if "options" in value and value["options"] is not None and not isinstance(value["options"], dict):
+        fail("compile['options']", "a dict of backend options or None", value["options"])
+    return {"dynamic": True, **value}

@@ -12,8 +12,9 @@ from torch import nn
 
 from .. import ops
 from ..torch_compat import register_load_state_dict_pre_hook
-from ..validation import check_config, check_input, check_valid_sizes
+from ..validation import check_compile, check_config, check_input, check_valid_sizes
 from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
+from .compiled import compile_blocks
 from .dropin import InitCfg, translate_mmlab_args
 from .presets import resolve_arch
 from .valid_sizes import attached_valid_sizes
@@ -71,6 +72,10 @@ class SwinBackbone(BaseModule):
             :class:`~swin_backbone.SwinV2Backbone`): the block and patch-merging classes, taking the
             arguments of :class:`~swin_backbone.model.blocks.SwinBlock` / ``PatchMerging``, and
             per stage, per block extra keyword arguments for ``block``.
+        compile: ``True`` or a dict of ``torch.compile`` options (``mode``, ``backend``,
+            ``fullgraph``, ...; ``dynamic`` defaults to ``True``): the blocks are compiled
+            (regional compilation, docs/compiled-mode.md); ``False`` (the default): eager. On
+            the CPU compiled blocks are slower than the eager ones (a log line says so).
 
     Shapes:
         input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one
@@ -112,6 +117,7 @@ class SwinBackbone(BaseModule):
         block: Callable[..., nn.Module] = SwinBlock,
         merging: Callable[..., nn.Module] = PatchMerging,
         block_options: Optional[Sequence[Sequence[Mapping[str, Any]]]] = None,
+        compile: Union[bool, Mapping[str, Any]] = False,
     ) -> None:
         values, _ = resolve_arch(arch, 1, embed_dims=embed_dims, depths=depths, num_heads=num_heads)
         embed_dims, depths, num_heads = values["embed_dims"], values["depths"], values["num_heads"]
@@ -150,6 +156,9 @@ class SwinBackbone(BaseModule):
         #: the ``attention`` setting in force: ``SWIN_BACKBONE_ATTENTION`` (read here, once) or the argument
         self.attention = ops.resolve_attention(attention)
         self.num_stages = len(depths)
+        #: ``torch.compile`` options of the compiled blocks, ``None``: eager (``compile=False``)
+        self.compile_options = check_compile(compile)
+        self._warned_cpu_compile = False
         self.num_features = tuple(embed_dims * 2**i for i in range(self.num_stages))
 
         self.patch_embed = PatchEmbed(in_channels, embed_dims, patch_size, norm=patch_norm)
@@ -177,6 +186,8 @@ class SwinBackbone(BaseModule):
         if convert_weights:
             print_log("SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
                       logger="current")
+        if self.compile_options is not None:
+            compile_blocks(self.stages, self.compile_options)
         for hook in LOAD_STATE_DICT_PRE_HOOKS:
             register_load_state_dict_pre_hook(self, hook)
         self._freeze_stages()
@@ -272,7 +283,13 @@ class SwinBackbone(BaseModule):
             valid_sizes = attached_valid_sizes(x, self)
         valid = None if valid_sizes is None else check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
-        plan = ops.plan_forward(x, self, valid)  # how this forward runs; plan.stages[i]: stage i's
+        compiled = self.compile_options is not None
+        if compiled and x.device.type == "cpu" and not self._warned_cpu_compile:
+            self._warned_cpu_compile = True
+            print_log("SwinBackbone: compile=True on the CPU: compiled blocks are slower than the eager ones "
+                      "there (docs/compiled-mode.md); compile=False is faster on the CPU.", logger="current")
+        # how this forward runs; plan.stages[i]: stage i's (traced ones for compiled blocks)
+        plan = ops.plan_forward(x, self, valid, compiled_blocks=compiled)
         if valid is not None:  # images in a padded batch: patches across their edges read zeros
             x = ops.mask_input(x, valid, self.patch_size)
         x = self.patch_embed(x)  # (B, H0, W0, C)

@@ -121,9 +121,15 @@ def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
 
 
 # ------------------------------------------------------------------------------ the plan
-def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes] = None) -> Plan:
+def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes] = None,
+                 compiled_blocks: bool = False) -> Plan:
     """Decide how ``model`` computes its forward on ``x``: device, autocast dtype, grad mode,
     tracing and what the modules say (:func:`read_modules`), once per forward.
+
+    ``compiled_blocks``: the backbone's blocks are compiled regions (``compile=True``,
+    :mod:`swin_backbone.model.compiled`): the plan is decided here, eagerly, but the stages' plans
+    are those of a traced forward (plain torch ops, no row chunks, no module-output writes, no
+    selective checkpointing), which is what dynamo compiles inside a block.
 
     ``model`` is the backbone (it has ``stages``; ``patch_embed``, ``absolute_pos_embed`` and
     ``patch_size``), or any of its modules called on its own. For the backbone the plan holds one
@@ -156,8 +162,8 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     for i, stage in enumerate(stages):
         _, stage_grad, stage_stochastic, stage_attn_dropout = read_modules(stage)
         flows = flows or stage_grad
-        stage_plan = _decide_cached(device, dtype, enabled and flows, False, stage_stochastic, stage_attn_dropout,
-                                    plain, _SWITCHES)
+        stage_plan = _decide_cached(device, dtype, enabled and flows, compiled_blocks, stage_stochastic,
+                                    stage_attn_dropout, plain, _SWITCHES)
         if sizes is not None and any(v != maps[i] for v in sizes[i]):
             stage_plan = dataclasses.replace(stage_plan, valid_sizes=sizes[i])
         per_stage.append(stage_plan)

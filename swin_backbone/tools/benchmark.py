@@ -17,7 +17,10 @@ CPU (default on a machine without CUDA):
   4. the backbone's FLOPs and achieved GFLOP/s of (1) against this machine's dense fp32 matmul
      rate (2048x2048 matmuls measured in the same rounds as (1));
   5. the eval cost of image-exact batches: 2 zero-padded images of different sizes with
-     ``valid_sizes`` against the same batch without.
+     ``valid_sizes`` against the same batch without;
+  6. ``--compile`` (``only``: just these): (1) and (2) in fp32 of ours eager, ours in its
+     compiled mode (``compile=True``), mmdet eager and ``torch.compile`` of mmdet, with the
+     first (compiling) call's time.
 CUDA (``--device cuda``), input 3x800x1344, all models (ours, mmdet, timm, torchvision) in each
 row unless said otherwise:
   1. eval: bf16 autocast 1x and 8x (torch's TF32 defaults: bf16 matmuls ignore them), fp32 1x
@@ -34,7 +37,8 @@ row unless said otherwise:
      and the ``constant_pad_nd`` / ``copy_`` ops (all, and inside SDPA calls: the fused CUDA
      kernels' copies of masks whose rows are not 8-aligned);
   6. ``--compile``: ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of mmdet and
-     ours, with (5) for ours; eval bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of
+     ours, and ours in its compiled mode (``compile=True``: the blocks compiled), with the
+     first (compiling) call's time, with (5) for ours; eval bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of
      mmdet and ours against both eager in the same rounds; ``--compile only``: just these (a
      device call of its own);
   7. ``--upernet CONFIG``: a UPerNet (mmseg) training step, bf16.
@@ -83,8 +87,8 @@ import torch
 from swin_backbone import ops
 
 from . import benchmarking as B
-from .benchmarking import (PEERS, dtype_tag, eval_step, interleave, memory_row, summarize, tf32, train_step,
-                           with_switches)
+from .benchmarking import (PEERS, dtype_tag, eval_step, interleave, memory_row, summarize, tf32, timed,
+                           train_step, with_switches)
 from .common import one_line
 
 
@@ -123,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-size", type=int, nargs=2, default=(800, 1216), metavar=("H", "W"))
     parser.add_argument("--train-size", type=int, default=512, help="train images are 2 x 3 x S x S")
     parser.add_argument("--compile", nargs="?", const="also", choices=("also", "only"),
-                        help="CUDA: add torch.compile rows (minutes of compiling); '--compile only': just those")
+                        help="add torch.compile rows (minutes of compiling); '--compile only': just those")
     parser.add_argument("--upernet", metavar="CONFIG", help="a UPerNet training step of this mmseg config")
     parser.add_argument("--report", action="store_true",
                         help="with --device cuda: first the GPU report (the card, the driver and the versions), then "
@@ -174,10 +178,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(str(err))
     if args.padded and (args.ablate or args.v2 == "only"):
         parser.error(f"--padded: rows of the V1 run; not with {'--ablate' if args.ablate else '--v2 only'}")
+    if args.compile and (args.ablate or args.v2 == "only"):
+        parser.error(f"--compile: rows of the V1 run; not with {'--ablate' if args.ablate else '--v2 only'}")
     if args.report and args.device != "cuda":
         parser.error(f"--report: the GPU report; expected it with --device cuda, got --device {args.device}")
-    if args.compile and args.device != "cuda":
-        parser.error("--compile: the torch.compile rows are CUDA rows; expected it with --device cuda")
     if args.upernet and "::" not in args.upernet and not os.path.isfile(args.upernet):  # (mmseg::...: a package's)
         parser.error(f"--upernet: no such config file {args.upernet!r}")
     if args.json:
@@ -228,6 +232,9 @@ def run(args: argparse.Namespace) -> dict:
 def run_cpu(args, results: dict) -> None:
     device = "cpu"
     models = B.build_pair(device)
+    if args.compile == "only":
+        run_compiled_cpu(args, results, models)
+        return
     eh, ew = args.eval_size
     ts = args.train_size
     x_eval = torch.randn(1, 3, eh, ew, device=device)
@@ -267,6 +274,33 @@ def run_cpu(args, results: dict) -> None:
         run_padded(args, results, models)
     if args.upernet:
         results["upernet_train_bf16"] = upernet_step(args.upernet, device, args.iters, args.warmup, args.upernet_size)
+    if args.compile:
+        run_compiled_cpu(args, results, models)
+
+
+def run_compiled_cpu(args, results: dict, models: Dict[str, torch.nn.Module]) -> None:
+    """CPU ``--compile`` rows, fp32: ``compiled_forward_eval`` (1x ``--eval-size``) and
+    ``compiled_forward_backward`` (2x ``--train-size``) of ours eager, ours in its compiled mode
+    (``ours_regional``: ``compile=True``, the blocks compiled), mmdet eager and ``torch.compile``
+    (dynamic) of mmdet (``mmdet_compiled``), in the same rounds; ``first_call_s``: each one's
+    first call (the compiled ones compile in it)."""
+    device = "cpu"
+    _allow_recompiles()
+    (eh, ew), ts = args.eval_size, args.train_size
+    variants = {"ours": models["ours"], "ours_regional": B.regional_model(models["ours"])}
+    if "mmdet" in models:
+        variants.update(mmdet=models["mmdet"], mmdet_compiled=B.compile_model(models["mmdet"], dynamic=True))
+    for key, x, step in (("compiled_forward_eval", torch.randn(1, 3, eh, ew), eval_step),
+                         ("compiled_forward_backward", torch.randn(2, 3, ts, ts), train_step)):
+        for m in variants.values():
+            m.train(step is train_step)
+        fns = {k: step(m, x) for k, m in variants.items()}
+        first = {k: timed(fn, device) for k, fn in fns.items()}
+        times = interleave(fns, device, args.iters, args.warmup)
+        row = summarize(f"{key.replace('_', ' ')} {x.shape[0]}x3x{x.shape[2]}x{x.shape[3]}", times)
+        print("  first call (compiling): " + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
+        results[key] = {**row, "first_call_s": first}
+    torch._dynamo.reset()
 
 
 def run_cpu_v2(args, results: dict) -> None:
@@ -401,7 +435,9 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
     """``--compile`` rows of ``models`` (mmdet, ours) at ``size``, bf16 autocast:
 
     * ``compiled_eval_bf16_8x3x{H}x{W}``, ``compiled_train_bf16_2x3x{H}x{W}``: ``torch.compile``
-      (dynamic) of each model, one step each per round (warmup + iters rounds);
+      (dynamic) of each model, and ``ours_regional``: ours with ``compile=True`` (its blocks
+      compiled), one step each per round (warmup + iters rounds); ``first_call_s``: each one's
+      first call, which compiles;
     * ``sdpa_kernels["compiled_{eval,train}_bf16"]``: which attention ran in ours;
     * with ``cuda_graphs``, ``compiled_reduce_overhead_eval_bf16_1x3x{H}x{W}``: eval 1x with
       ``mode="reduce-overhead"`` (CUDA graphs, one input size) of each model, and each eager
@@ -413,14 +449,18 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
     bf16 = torch.bfloat16
     _allow_recompiles()
     compiled = {k: B.compile_model(m, dynamic=True) for k, m in models.items()}
+    compiled["ours_regional"] = B.regional_model(models["ours"])  # compile=True: the blocks compiled
     x8 = torch.randn(8, 3, h, w, device=device)
     x2 = torch.randn(2, 3, h, w, device=device)
     for kind, x, step in (("eval", x8, eval_step), ("train", x2, train_step)):
         for m in compiled.values():
             m.train(kind == "train")
-        times = interleave({k: step(m, x, bf16) for k, m in compiled.items()}, device, args.iters, args.warmup)
-        results[f"compiled_{kind}_bf16_{x.shape[0]}x3x{h}x{w}"] = summarize(
-            f"torch.compile {kind} bf16 {x.shape[0]}x3x{h}x{w}", times)
+        fns = {k: step(m, x, bf16) for k, m in compiled.items()}
+        compile_s = {k: timed(fn, device) for k, fn in fns.items()}  # the first call compiles
+        times = interleave(fns, device, args.iters, args.warmup)
+        row = summarize(f"torch.compile {kind} bf16 {x.shape[0]}x3x{h}x{w}", times)
+        print("  first call (compiling): " + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
+        results[f"compiled_{kind}_bf16_{x.shape[0]}x3x{h}x{w}"] = {**row, "first_call_s": compile_s}
     kernels = results.setdefault("sdpa_kernels", {})  # (no eager rows with --compile only)
     ours = compiled["ours"]  # the timed shapes: no recompiles
     kernels["compiled_eval_bf16"] = B.sdpa_kernels(ours.eval(), x8, bf16, False)

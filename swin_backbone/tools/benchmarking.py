@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import gc
 import importlib
@@ -182,6 +183,19 @@ def tf32(enabled: bool):
 def compile_model(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """``torch.compile(model, **kwargs)`` (one place, so a test can stand in for it on a CPU)."""
     return torch.compile(model, **kwargs)
+
+
+def regional_model(model: torch.nn.Module, **options) -> torch.nn.Module:
+    """A copy of the backbone ``model`` in its compiled mode (``compile=True``: its blocks
+    compiled, ``options`` passed on to ``torch.compile``, ``dynamic=True`` unless given); one
+    place, as :func:`compile_model`."""
+    from ..model.compiled import compile_blocks
+    from ..validation import check_compile
+
+    regional = copy.deepcopy(model)
+    regional.compile_options = check_compile(options or True)
+    compile_blocks(regional.stages, regional.compile_options)
+    return regional
 
 
 def eval_step(model, x, autocast_dtype=None, **kwargs):

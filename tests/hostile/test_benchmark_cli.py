@@ -35,6 +35,7 @@ ROWS = [
     ("json-in-missing-folder", "--json no/such/folder/out.json", ["--json", "existing folder"]),
     ("v2-unknown", "--v2 sometimes", ["--v2", "invalid choice"]),
     ("compile-unknown", "--compile always", ["--compile", "invalid choice"]),
+    ("compile-with-ablate", "--ablate --compile", ["--compile", "--ablate"]),
     ("padded-unknown", "--padded sometimes", ["--padded", "invalid choice"]),
     ("padded-size-zero", "--padded-size 0 1333", ["--padded-size", ">= 1", "0 1333"]),
     ("padded-with-ablate", "--ablate --padded", ["--padded", "--ablate"]),
@@ -44,7 +45,6 @@ ROWS = [
 if not CUDA:
     ROWS += [
         ("device-cuda-without-cuda", "--device cuda", ["--device", "CUDA is not available", "--device cpu"]),
-        ("compile-on-cpu", "--device cpu --compile", ["--compile", "--device cuda"]),
     ]
 
 
@@ -66,6 +66,7 @@ def test_good_arguments_pass_the_checks():
     args = benchmark.parse_args(["--device", "cpu", "--iters", "1", "--warmup", "0", "--eval-size", "8", "8",
                                  "--ablate", "--only", "SDPA", "--upernet", "mmseg::x.py"])
     assert args.iters == 1 and args.eval_size == [8, 8] and args.only == ["SDPA"]
+    assert benchmark.parse_args(["--device", "cpu", "--compile"]).compile == "also"  # CPU rows too
 
 
 def test_a_failure_is_one_line_and_status_1(capsys, monkeypatch):

@@ -258,7 +258,7 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
     """The CUDA run's V1 rows through the same code on the CPU, tiny, ``--compile`` included
     (``torch.compile`` stood in for: compiling takes minutes on a CPU): every row and key
     exists; the fp32 rows ran with TF32 as labelled, restored after; mmdet and ours compiled,
-    dynamic, then with CUDA graphs; memory children for mmdet and ours."""
+    dynamic, ours in its compiled mode, then with CUDA graphs; memory children for mmdet and ours."""
     built = {}
     fp32_states = []  # TF32 switches at each forward of ours without autocast
 
@@ -293,9 +293,16 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
         children.append((name, device, batch, tuple(size), variant, dtype))
         return 2**20
 
+    regional = []
+
+    def regional_model(model, **options):
+        regional.append(Compiled(model, options))
+        return regional[-1]
+
     real_build_pair = benchmarking.build_pair
     monkeypatch.setattr(benchmarking, "build_pair", build_pair)
     monkeypatch.setattr(benchmarking, "compile_model", compile_model)
+    monkeypatch.setattr(benchmarking, "regional_model", regional_model)
     monkeypatch.setattr(benchmarking, "peak_memory", peak_memory)
     before = _tf32_state()
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile=True,
@@ -344,8 +351,11 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
     assert [c.kwargs for c in compiled] == [dict(dynamic=True)] * 2 + [dict(mode="reduce-overhead", dynamic=False)] * 2
     assert [c.model for c in compiled] == [built["mmdet"], built["ours"]] * 2
     assert all(c.calls > 0 for c in compiled)
+    # and ours in its compiled mode (compile=True: the blocks compiled), the first call timed
+    assert [c.model for c in regional] == [built["ours"]] and regional[0].calls > 0
     for key in ("compiled_eval_bf16_8x3x64x96", "compiled_train_bf16_2x3x64x96"):
-        _check_v1_row(results[key], {"mmdet", "ours"}, key)
+        _check_v1_row(results[key], {"mmdet", "ours", "ours_regional"}, key)
+        assert set(results[key]["first_call_s"]) == {"mmdet", "ours", "ours_regional"}
     row = results["compiled_reduce_overhead_eval_bf16_1x3x64x96"]
     _check_v1_row(row, {"mmdet", "ours", "mmdet_eager", "ours_eager"}, "reduce-overhead")
     assert set(row["ours_speedup_over"]) == {"mmdet_eager", "ours_eager"} and row["cudagraph_skips"] == 0
@@ -455,6 +465,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
         return 2**20 * (2 if name == "mmdet" else 1)
 
     monkeypatch.setattr(benchmarking, "compile_model", compile_model)
+    monkeypatch.setattr(benchmarking, "regional_model", lambda model, **options: model)
     monkeypatch.setattr(benchmarking, "peak_memory", peak_memory)
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--size", "32", "32", "--padded-size", "16", "32", "--iters", "1",
@@ -468,7 +479,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     for key in ("padded_eval_bf16_2x3x32x32", "padded_train_bf16_2x3x32x32"):
         assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_without_valid_sizes"}
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
-        assert set(results[key]["samples"]) == {"mmdet", "ours"}
+        assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_regional"}  # (compile=True)
     assert compiled == [dict(dynamic=True)] * 2  # no CUDA-graph row in the prepared run
     assert results["skipped"] == [] and results["environment"]["torch"] == torch.__version__
     table = md.read_text().splitlines()
@@ -477,6 +488,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert {"eval bf16 1x3x32x32", "eval bf16 8x3x32x32", "train fwd+bwd bf16 2x3x32x32",
             "peak training memory bf16 2x3x32x32", "torch.compile eval bf16 8x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32",
+            "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (blocks compiled)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes"} <= lines
 

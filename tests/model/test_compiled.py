@@ -1,0 +1,210 @@
+"""SwinBackbone(compile=...): the blocks compiled (regional compilation, CPU inductor), outputs and
+gradients equal eager's, and no recompiles across input and batch sizes once each kind of
+forward has compiled (the graphs each kind adds are counted with dynamo's own counters)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from swin_backbone import SwinBackbone
+from swin_backbone.torch_compat import compile_unsupported_reason, torch_version
+
+# Tiny and one stage (each graph is an inductor compile of about 10-20 s on a CPU); window 4,
+# no stochastic depth (inductor's random numbers are not eager's).
+CFG = dict(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, out_indices=(0,),
+           drop_path_rate=0.0)
+
+needs_compile = pytest.mark.skipif(
+    torch_version() < (2, 2) or compile_unsupported_reason() is not None,
+    reason="compile=True needs torch >= 2.2 with a working torch.compile",
+)
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.fixture(scope="module")
+def models():
+    """``(eager, compiled)``: the same weights; the compiled one is shared by every test here."""
+    torch.manual_seed(0)
+    eager = SwinBackbone(**CFG)
+    eager.init_weights()
+    compiled = SwinBackbone(**CFG, compile=True)
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+def _run(models, x, train=False, valid_sizes=None, with_cp=False):
+    """Both models on ``x``: ``(max output difference, max over parameters of the gradient's
+    difference relative to its largest value, or None in eval)``."""
+    diffs, grads = [], []
+    outs = []
+    for model in models:
+        model.train(train)
+        model.stages[0].with_cp = with_cp
+        model.zero_grad()
+        with torch.set_grad_enabled(train):
+            out = model(x, valid_sizes)
+            if train:  # (a random projection: the sum of squares' gradient vanishes through the norms)
+                weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(1)) for o in out]
+                sum((o * w).sum() for o, w in zip(out, weights)).backward()
+        outs.append(out)
+    eager, compiled = models
+    diffs = [(a - b).abs().max().item() for a, b in zip(*outs)]
+    if train:
+        grads = [(a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
+                 for a, b in zip(eager.parameters(), compiled.parameters()) if a.grad is not None]
+        assert len(grads) == sum(1 for p in eager.parameters() if p.requires_grad)
+    for model in models:
+        model.stages[0].with_cp = False
+    return max(diffs), max(grads) if grads else None
+
+
+def test_compile_values_are_checked():
+    for bad, expected in (("yes", "compile: expected True, False or a dict"),
+                          (dict(mode="default", foo=1), "compile: expected a dict of torch.compile options"),
+                          (dict(fullgraph="no"), "compile['fullgraph']: expected True or False"),
+                          (dict(mode=3), "compile['mode']"), (dict(backend=1), "compile['backend']")):
+        with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            SwinBackbone(**CFG, compile=bad)
+
+
+@pytest.mark.skipif(torch_version() >= (2, 2), reason="the error of a torch without nn.Module.compile")
+def test_old_torch_names_the_version_needed():
+    with pytest.raises(RuntimeError, match=r"compile: needs torch >= 2\.2"):
+        SwinBackbone(**CFG, compile=True)
+
+
+@needs_compile
+def test_built_from_a_config_compiles_the_blocks_only():
+    from mmdet.registry import MODELS  # (importing swin_backbone registered SwinBackbone there)
+
+    model = MODELS.build(dict(type="SwinBackbone", **CFG, compile=dict(mode="default")))
+    assert model.compile_options == dict(dynamic=True, mode="default")
+    blocks = [b for stage in model.stages for b in stage.blocks]
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    others = [m for m in model.modules() if m not in blocks and getattr(m, "_compiled_call_impl", None) is not None]
+    assert others == []
+    # the parameters keep their names (checkpoints load as into an eager backbone)
+    assert model.state_dict().keys() == SwinBackbone(**CFG).state_dict().keys()
+    assert SwinBackbone(**CFG).compile_options is None  # eager is the default
+
+
+@needs_compile
+def test_eval_equals_eager_and_sizes_do_not_recompile(models):
+    from mmengine.logging import MMLogger
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    logger, records = MMLogger.get_current_instance(), Records()
+    logger.addHandler(records)
+    try:
+        before = _graphs()
+        diff, _ = _run(models, torch.randn(2, 3, 32, 40))
+        first = _graphs() - before
+    finally:
+        logger.removeHandler(records)
+    assert diff < 1e-4
+    # observed: 2 graphs for the stage's blocks (its plain-window and its shifted block)
+    assert 1 <= first <= 2, first
+    assert any("compile=True on the CPU" in m for m in records.messages), records.messages
+    before = _graphs()
+    for shape in ((3, 3, 48, 36), (2, 3, 61, 57), (5, 3, 17, 9)):
+        diff, _ = _run(models, torch.randn(*shape))
+        assert diff < 1e-4, shape
+    assert _graphs() == before  # 0 recompiles across sizes and batch sizes > 1
+
+
+@needs_compile
+def test_batch_of_one_compiles_once_more(models):
+    # (attention_in_windows branches on batch == 1: dynamic shapes specialise sizes 0 and 1)
+    before = _graphs()
+    diff, _ = _run(models, torch.randn(1, 3, 32, 40))
+    assert diff < 1e-4
+    assert _graphs() - before <= 2  # (as many as for batches > 1)
+    before = _graphs()
+    diff, _ = _run(models, torch.randn(1, 3, 45, 50))
+    assert diff < 1e-4
+    assert _graphs() == before
+
+
+@needs_compile
+def test_training_gradients_equal_eager_without_recompiles(models):
+    _run(models, torch.randn(2, 3, 32, 40), train=True)  # compiles the training graph(s)
+    before = _graphs()
+    for shape in ((3, 3, 44, 36), (2, 3, 29, 53)):
+        diff, grad = _run(models, torch.randn(*shape), train=True)
+        assert diff < 1e-4 and grad < 1e-3, (shape, diff, grad)
+    assert _graphs() == before
+
+
+@needs_compile
+def test_with_cp_and_ddp(models, tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    _run(models, torch.randn(2, 3, 32, 40), train=True, with_cp=True)
+    before = _graphs()
+    diff, grad = _run(models, torch.randn(3, 3, 36, 44), train=True, with_cp=True)
+    assert diff < 1e-4 and grad < 1e-3
+    assert _graphs() == before
+    eager, compiled = models
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        compiled.train()
+        ddp = DistributedDataParallel(compiled)
+        for shape in ((2, 3, 32, 40), (3, 3, 40, 28)):
+            compiled.zero_grad()
+            sum(o.square().sum() for o in ddp(torch.randn(*shape))).backward()
+    finally:
+        dist.destroy_process_group()
+    assert all(p.grad is not None for p in compiled.parameters() if p.requires_grad)
+    assert _graphs() == before
+
+
+@needs_compile
+def test_valid_sizes_packed_layout(models):
+    # The blocks get the images' packed (1, T, C) tokens: graphs of their own (eval, training),
+    # then none for other images and batches.
+    batches = [((2, 3, 48, 48), [(48, 30), (25, 48)]), ((3, 3, 44, 52), [(44, 30), (20, 52), (9, 13)]),
+               ((2, 3, 40, 40), [(40, 40), (33, 17)])]
+    for i, (shape, sizes) in enumerate(batches):
+        if i == 1:
+            before = _graphs()
+        x = torch.randn(*shape)
+        diff, _ = _run(models, x, valid_sizes=sizes)
+        assert diff < 1e-4, sizes
+        diff, grad = _run(models, x, train=True, valid_sizes=sizes)
+        assert diff < 1e-4 and grad < 1e-3, sizes
+    assert _graphs() == before
+
+
+@needs_compile
+def test_v2_compiled_equals_eager():
+    from swin_backbone import SwinV2Backbone
+
+    torch.manual_seed(0)
+    cfg = dict(CFG, pad_small_map=True)
+    eager = SwinV2Backbone(**cfg).eval()
+    eager.init_weights()
+    with torch.no_grad():  # post-norms start at zero: make them non-trivial
+        for name, p in eager.named_parameters():
+            if "norm" in name:
+                p.normal_()
+    compiled = SwinV2Backbone(**cfg, compile=True).eval()
+    compiled.load_state_dict(eager.state_dict())
+    assert all(b._compiled_call_impl is not None for b in compiled.stages[0].blocks)
+    for shape in ((2, 3, 32, 40), (3, 3, 27, 45)):
+        diff, _ = _run((eager, compiled), torch.randn(*shape))
+        assert diff < 1e-4, shape
