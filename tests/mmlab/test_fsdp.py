@@ -27,6 +27,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from mmengine.config import Config
 
 from ..helpers import FAST, ROOT, assert_losses_close, free_port, launch, losses, scalars
 
@@ -74,6 +75,17 @@ def dumped_config(work):
     return os.path.join(work, os.path.basename(FSDP_CFG))
 
 
+def assert_weights_close(got, expected, key, lr):
+    """Trained weights agree to 1e-4, except where a gradient is near 0: there AdamW's normalised
+    step is lr-sized with the sign of float noise (FSDP and DDP reduce in different orders), so a
+    few weights (at most 1 in 10,000) may differ by up to two steps of lr per iteration."""
+    diff = (got.float() - expected.float()).abs()
+    off = diff > 1e-4 + 1e-4 * expected.float().abs()
+    assert int(off.sum()) <= max(1, expected.numel() // 10000), (key, int(off.sum()), expected.numel())
+    largest = float(diff.max()) if diff.numel() else 0.0
+    assert largest <= 2 * lr * ITERS, (key, largest)
+
+
 def test_fsdp_on_two_nodes_trains_as_ddp_on_one(ddp_run, fsdp_run):
     work, outs = fsdp_run
     log = open(glob.glob(os.path.join(work, "*", "*.log"))[0]).read()
@@ -98,8 +110,9 @@ def test_fsdp_on_two_nodes_trains_as_ddp_on_one(ddp_run, fsdp_run):
     ref = torch.load(os.path.join(ddp_run, f"iter_{ITERS}.pth"), map_location="cpu", weights_only=False)["state_dict"]
     ref = {k[len("module."):] if k.startswith("module.") else k: v for k, v in ref.items()}
     assert state.keys() == ref.keys()
-    for key, value in ref.items():  # AdamW's normalised steps: lr-sized where a gradient is near 0
-        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4, msg=key)
+    lr = Config.fromfile(os.path.join(ROOT, FSDP_CFG)).optim_wrapper.optimizer.lr  # (AdamW: steps of +-lr)
+    for key, value in ref.items():
+        assert_weights_close(state[key], value, key, lr)
 
 
 def test_fsdp_checkpoint_file_reads_everywhere(tmp_path, fsdp_run, ddp_run):
