@@ -80,7 +80,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -278,6 +278,16 @@ def run_cpu(args, results: dict) -> None:
         run_compiled_cpu(args, results, models)
 
 
+def compiled_row(label: str, fns: Dict[str, Callable[[], None]], device: str, args) -> dict:
+    """A ``--compile`` row: each step's first call timed on its own (``first_call_s``: the
+    compiled ones compile in it), then ``--warmup`` + ``--iters`` interleaved rounds, summarised."""
+    first = {k: timed(fn, device) for k, fn in fns.items()}
+    times = interleave(fns, device, args.iters, args.warmup)
+    row = summarize(label, times)
+    print("  first call (compiling): " + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
+    return {**row, "first_call_s": first}
+
+
 def run_compiled_cpu(args, results: dict, models: Dict[str, torch.nn.Module]) -> None:
     """CPU ``--compile`` rows, fp32: ``compiled_forward_eval`` (1x ``--eval-size``) and
     ``compiled_forward_backward`` (2x ``--train-size``) of ours eager, ours in its compiled mode
@@ -295,11 +305,8 @@ def run_compiled_cpu(args, results: dict, models: Dict[str, torch.nn.Module]) ->
         for m in variants.values():
             m.train(step is train_step)
         fns = {k: step(m, x) for k, m in variants.items()}
-        first = {k: timed(fn, device) for k, fn in fns.items()}
-        times = interleave(fns, device, args.iters, args.warmup)
-        row = summarize(f"{key.replace('_', ' ')} {x.shape[0]}x3x{x.shape[2]}x{x.shape[3]}", times)
-        print("  first call (compiling): " + ", ".join(f"{k} {v:.1f} s" for k, v in first.items()))
-        results[key] = {**row, "first_call_s": first}
+        results[key] = compiled_row(f"{key.replace('_', ' ')} {x.shape[0]}x3x{x.shape[2]}x{x.shape[3]}", fns,
+                                    device, args)
     torch._dynamo.reset()
 
 
@@ -456,11 +463,8 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
         for m in compiled.values():
             m.train(kind == "train")
         fns = {k: step(m, x, bf16) for k, m in compiled.items()}
-        compile_s = {k: timed(fn, device) for k, fn in fns.items()}  # the first call compiles
-        times = interleave(fns, device, args.iters, args.warmup)
-        row = summarize(f"torch.compile {kind} bf16 {x.shape[0]}x3x{h}x{w}", times)
-        print("  first call (compiling): " + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
-        results[f"compiled_{kind}_bf16_{x.shape[0]}x3x{h}x{w}"] = {**row, "first_call_s": compile_s}
+        results[f"compiled_{kind}_bf16_{x.shape[0]}x3x{h}x{w}"] = compiled_row(
+            f"torch.compile {kind} bf16 {x.shape[0]}x3x{h}x{w}", fns, device, args)
     kernels = results.setdefault("sdpa_kernels", {})  # (no eager rows with --compile only)
     ours = compiled["ours"]  # the timed shapes: no recompiles
     kernels["compiled_eval_bf16"] = B.sdpa_kernels(ours.eval(), x8, bf16, False)
