@@ -46,12 +46,18 @@ def _as_float32(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------- NMS
 def nms(boxes, scores, iou_threshold, offset=0):
     """mmcv's NMS (``boxes`` (N, 4) x1y1x2y2, ``scores`` (N,)): indices kept, by descending
-    score. ``offset=1`` (the legacy +1 box size) is torchvision's NMS on boxes one pixel larger."""
+    score. ``offset=1`` (the legacy +1 box size) is torchvision's NMS on boxes one pixel larger.
+
+    Equal scores are visited in the order of mmcv's kernels, which rank with torch's default
+    (unstable) sort, where torchvision's NMS sorts stably: ranked here as mmcv ranks, then handed
+    to torchvision already sorted, so its stable sort keeps that order. (Ties do occur in training:
+    the RPN scores identical proposals alike, and their order decides which RoIs the sampler draws.)"""
     with _autocast_off(boxes):
-        boxes = boxes.float()
+        scores, order = scores.float().sort(0, descending=True)
+        boxes = boxes.float()[order]
         if offset:
             boxes = torch.cat([boxes[:, :2], boxes[:, 2:] + offset], dim=1)
-        return torchvision.ops.nms(boxes, scores.float(), float(iou_threshold))
+        return order[torchvision.ops.nms(boxes, scores, float(iou_threshold))]
 
 
 # ------------------------------------------------------------------------------ RoIAlign

@@ -317,6 +317,29 @@ def build_runner(cfg: Config):
     return RUNNERS.build(cfg)
 
 
+def rank_zero_test_json(runner) -> None:
+    """The test metrics' ``<log_dir>/<timestamp>.json`` written by rank 0 alone.
+
+    mmengine's ``LoggerHook.after_test_epoch`` logs the metrics and dumps them from every rank
+    into the same path (its other writes go through the rank-0-only visualizer). Where ranks share
+    the work dir (every multi-node job, a must here: :func:`check_shared_work_dir`) their writes
+    of different lengths can interleave into invalid JSON. On the other ranks the hook logs the
+    same line and writes nothing (the metrics are rank 0's: the evaluator broadcasts them).
+    Call after the runner is built (its process group is up)."""
+    from mmengine.dist import is_main_process
+    from mmengine.hooks import LoggerHook
+
+    def log_only(runner, metrics=None) -> None:  # LoggerHook.after_test_epoch without its dump
+        _, log_str = runner.log_processor.get_log_after_epoch(runner, len(runner.test_dataloader), "test",
+                                                              with_non_scalar=True)
+        runner.logger.info(log_str)
+
+    if not is_main_process():
+        for hook in runner.hooks:
+            if isinstance(hook, LoggerHook):
+                hook.after_test_epoch = log_only  # the Runner calls hooks by attribute
+
+
 def world_size_of_launch(launcher: str) -> int:
     """The number of processes of this launch, before any process group exists (torchrun's
     ``WORLD_SIZE``, SLURM's ``SLURM_NTASKS``, MPI's ``OMPI_COMM_WORLD_SIZE``; 1 without a launcher)."""

@@ -51,6 +51,7 @@ def main(argv=None):
         cfg.test_evaluator["output_dir"] = args.out
         cfg.test_evaluator["keep_results"] = True
     runner = R.build_runner(cfg)
+    R.rank_zero_test_json(runner)
     # README: a checkpoint matching under half the model is an error, not random weights evaluated.
     R.require_checkpoint_match_any(runner, args.checkpoint)
     if args.out and scope == "mmdet":

@@ -338,6 +338,21 @@ def test_parity_nms(device, compiled):
         assert torch.equal(x, y)
 
 
+def test_parity_nms_with_equal_scores(device, compiled):
+    """Many boxes share a score (as identical RPN proposals do): kept in mmcv's order, the order
+    the RoI sampler then draws from."""
+    def run():
+        boxes, scores = make_boxes(1000, device)
+        scores = (scores * 8).floor() / 8  # 8 distinct scores
+        boxes = torch.cat([boxes, boxes[:200]])  # and identical boxes with the same score
+        scores = torch.cat([scores, scores[:200]])
+        return [nms(boxes, scores, thr)[1] for thr in (0.3, 0.7)]
+
+    a, b = _both(compiled, run)
+    for x, y in zip(a, b):
+        assert len(x) > 50 and torch.equal(x, y)
+
+
 def _grad_outputs(op, fn):
     def run():
         out, inputs = fn()

@@ -21,8 +21,9 @@ SEG = "configs/toy/upernet_swin-toy_toy-ade.py"
 METRIC = {DET: "coco/bbox_mAP", SEG: "mIoU"}
 LOG_LINE = "has no compiled ops (mmcv-lite)"
 #: End to end, compiled mmcv against mmcv-lite: each logged loss within this relative difference.
-#: (Measured on the torch 2.1 stack: equal. NMS keeps the same boxes and torchvision's RoIAlign gives
-#: mmcv's values and gradients to the bit on the CPU; the margin is for summation order elsewhere.)
+#: (Measured on the torch 2.1 stack: equal. NMS keeps the same boxes in the same order, ties
+#: included, and torchvision's RoIAlign gives mmcv's values and gradients to the bit on the CPU;
+#: the margin is for summation order elsewhere.)
 LOSS_RTOL = 1e-5
 
 

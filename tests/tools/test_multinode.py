@@ -118,3 +118,60 @@ def test_train_on_two_nodes_needs_one_work_dir(tmp_path):
     assert "not the same folder on every node" in err and "a file system all nodes share" in err
     assert "rank 1" in err and str(tmp_path / "node1") in err
     assert "Iter(train)" not in nodes[0].stdout + nodes[0].stderr
+
+
+# ------------------------------------------------------------------ the test metrics' file
+def _test_run_rank(rank, world, port, work_dirs, fix):
+    """One rank of a 2-process gloo job: mmengine's Runner tests a one-weight model whose metric
+    is a long number on rank 1 (so its file would differ in length), each rank in its own work dir."""
+    import torch
+    import torch.distributed as dist
+    from mmengine.evaluator import BaseMetric
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    from swin_backbone.tools.runner import rank_zero_test_json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    class Model(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, inputs, data_samples=None, mode="tensor"):
+            return [dict(value=float(self.w) * len(inputs))]
+
+    class Metric(BaseMetric):
+        def process(self, data_batch, data_samples):
+            self.results.extend(data_samples)
+
+        def compute_metrics(self, results):
+            return dict(score=1.0 / 3.0 if dist.get_rank() else 0.5)
+
+    runner = Runner(model=Model(), work_dir=work_dirs[rank], launcher="pytorch",
+                    test_dataloader=dict(dataset=[dict(inputs=i) for i in range(4)], sampler=dict(type="DefaultSampler", shuffle=False),
+                                         batch_size=1, collate_fn=dict(type="default_collate")),
+                    test_cfg=dict(), test_evaluator=Metric(), default_scope="mmengine",
+                    cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None)))  # CPU DDP
+    if fix:
+        rank_zero_test_json(runner)
+    runner.test()
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["mmengine", "ours"])
+def test_test_metrics_file_is_written_by_rank_zero(tmp_path, fix):
+    """mmengine's LoggerHook writes ``<log_dir>/<timestamp>.json`` after a test from every rank, to
+    the same path: on a shared work dir (2-node tools/dist_test.sh here) the writes interleaved into
+    invalid JSON. Each rank gets a work dir of its own here, so each write shows: with
+    ``rank_zero_test_json`` (what swin-test calls) rank 1 writes none."""
+    import torch.multiprocessing as mp
+
+    work_dirs = [str(tmp_path / f"rank{r}") for r in range(2)]
+    mp.spawn(_test_run_rank, args=(2, free_port(), work_dirs, fix), nprocs=2, join=True)
+    written = [sorted(p for p in (tmp_path / f"rank{r}").rglob("*.json") if p.parent.parent == tmp_path / f"rank{r}")
+               for r in range(2)]
+    assert len(written[0]) == 1 and json.loads(written[0][0].read_text())["score"] == 0.5
+    assert len(written[1]) == (0 if fix else 1)  # mmengine's own: rank 1 writes its file too
