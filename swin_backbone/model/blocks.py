@@ -106,15 +106,10 @@ class WindowAttention(nn.Module):
         ``plan``: the stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or
         :func:`swin_backbone.ops.plan_forward`'s for the module on its own.
         """
-        qkv = ops.checkpointed(self.qkv_windows, plan, x, norm, layout)
+        qkv = self.qkv(ops.window_partition(norm(x), layout, plan))  # (B, nW * N, 3C), windows' order
         out = ops.window_attention(qkv, self.relative_position_bias_table, layout, plan, num_heads=self.num_heads,
                                    scale=self.scale, dropout_p=self.attn_drop_rate)
         return self.proj_drop(self.proj(out))
-
-    def qkv_windows(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
-        """``qkv(windows(norm(x)))``: ``(B, H * W, C)`` -> ``(B, nW * N, 3C)`` in the window layout
-        (:func:`swin_backbone.ops.window_partition`)."""
-        return self.qkv(ops.window_partition(norm(x), layout, plan))
 
     def extra_repr(self) -> str:
         return f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, window_size={self.window_size}"
@@ -233,12 +228,13 @@ class SwinStage(nn.Module):
             tokens = x.reshape(b, h * w, c)
         else:
             tokens = x.reshape(b * h * w, c).index_select(0, packed).unsqueeze(0)
-        for block in self.blocks:
-            layout = shifted if block.shift and shifted is not None else regular
-            if with_cp:
-                tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
-            else:
-                tokens = block(tokens, layout, plan)
+        with ops.lean_saves(plan):  # (training on the CPU: no norm or GELU output kept for backward)
+            for block in self.blocks:
+                layout = shifted if block.shift and shifted is not None else regular
+                if with_cp:
+                    tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
+                else:
+                    tokens = block(tokens, layout, plan)
         if packed is None:
             return tokens.view(b, h, w, c)
         # Zeros beyond each image: the next merging's cells there read what they read alone.

@@ -8,10 +8,10 @@ from .image_sizes import mask_input
 from .layouts import WindowLayout, clear_caches
 from .plan import Plan, Sizes
 from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_forward, plan_stage, resolve_attention
-from .regions import checkpointed, drop_samples, mlp_residual, output_nchw, row_chunks
+from .regions import drop_samples, lean_saves, mlp_residual, output_nchw, row_chunks
 
 __all__ = [
-    "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "checkpointed", "clear_caches",
+    "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "clear_caches",
     "continuous_position_bias", "cosine_qkv", "drop_samples", "mask_input", "mlp_residual", "output_nchw", "override",
     "plan_for", "plan_forward", "plan_stage", "resolve_attention", "row_chunks", "window_attention", "window_partition",
 ]

@@ -22,7 +22,7 @@ from torch import nn
 from ..torch_compat import scaled_dot_product_attention
 from .layouts import WindowLayout
 from .plan import Plan
-from .regions import row_chunks
+from .regions import REBUILD_ATTR, row_chunks
 from .windows import padded_size, relative_position_index, window_attention_mask
 
 
@@ -89,6 +89,8 @@ class _TokenGather(torch.autograd.Function):
     def forward(ctx, x, index, inverse, pad_slots, pad_in: bool, pad_out: bool):
         ctx.save_for_backward(inverse, pad_slots)
         ctx.pad_out = pad_out
+        # (a function of x alone: regions.lean_saves may rebuild the output from a rebuilt x)
+        setattr(ctx, REBUILD_ATTR, lambda source: gather_tokens(source, index, pad_in, pad_slots))
         return gather_tokens(x, index, pad_in, pad_slots)
 
     @staticmethod
@@ -109,7 +111,12 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
     else:
         # index_select along dim 1 is single-threaded on CPU; along dim 0 it is a parallel copy.
         rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
-        out = x.reshape(batch * length, channels).index_select(0, rows.view(-1)).view(batch, -1, channels)
+        flat = x.reshape(batch * length, channels)
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = flat.index_select(0, rows.view(-1)).view(batch, -1, channels)
+        else:  # into a tensor of its own, not a view (regions.lean_saves rebuilds _TokenGather's output)
+            out = x.new_empty(batch, index.numel(), channels)
+            torch.index_select(flat, 0, rows.view(-1), out=out.view(-1, channels))
     return out.index_fill_(1, pad_slots, 0) if pad else out
 
 

@@ -25,7 +25,7 @@ class Plan:
     tracing: bool
     attn_dropout: bool  #: attention dropout is active
     attention: str  #: the kernel: a key of :data:`~.attention.KERNELS`
-    #: training with plain modules: selective checkpointing (:func:`~.regions.checkpointed`, ``mlp_residual``)
+    #: training: norm and GELU outputs rebuilt in backward, not kept (:func:`~.regions.lean_saves`)
     save_memory: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
     #: no hook, adapter or wrapper holds a module's output (``plain`` of :func:`~.planner.read_modules`), so

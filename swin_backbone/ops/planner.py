@@ -21,7 +21,6 @@ from .image_sizes import get_packed_layout, stage_valid_sizes
 from .layouts import WindowLayout, build_window_layout, get_window_layout, register_cache
 from .attention import KERNELS
 from .plan import Plan, Sizes
-from .regions import SAVE_MATMULS
 from .windows import output_size
 
 #: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``).
@@ -39,8 +38,8 @@ class Switches:
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
-    #: training: selective activation checkpointing (qkv projection, MLP branch). None: on the CPU
-    #: only, where it was measured to pay; on CUDA it doubles a step's time (docs/performance.md).
+    #: training: no LayerNorm / GELU output kept for backward (:func:`~.regions.lean_saves`). None:
+    #: on the CPU only, where it was measured; not measured on CUDA (docs/performance.md).
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
@@ -129,7 +128,7 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     ``compiled_blocks``: the backbone's blocks are compiled regions (``compile=True``,
     :mod:`swin_backbone.model.compiled`): the plan is decided here, eagerly, but the stages' plans
     are those of a traced forward (plain torch ops, no row chunks, no module-output writes, no
-    selective checkpointing), which is what dynamo compiles inside a block.
+    lean saves), which is what dynamo compiles inside a block.
 
     ``model`` is the backbone (it has ``stages``; ``patch_embed``, ``absolute_pos_embed`` and
     ``patch_size``), or any of its modules called on its own. For the backbone the plan holds one
@@ -188,11 +187,12 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
     eager = not tracing
     chunk_bytes = (cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0
     plain = plain and eager
-    # Checkpointing and row chunks call modules more than once: exact only for plain modules.
+    # Row chunks call modules more than once: exact only for plain modules. (lean_saves calls
+    # none again: its predicate is each tensor's own autograd node.)
     return Plan(
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, attn_dropout=attn_dropout, attention=attention,
-        save_memory=plain and grad and (cpu if s.save_memory is None else s.save_memory) and SAVE_MATMULS is not None,
+        save_memory=eager and grad and (cpu if s.save_memory is None else s.save_memory),
         chunk_bytes=chunk_bytes,
         may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic,
     )
@@ -223,7 +223,7 @@ def plan_stage(
     on a ``height x width`` map: its cached window layouts (``shifted`` ``None`` without a shift;
     with the plan's per-image valid sizes, packed layouts of the images' own windows,
     :func:`~.image_sizes.packed_layout`: padding-only windows are not computed) and its plan:
-    without selective checkpointing under ``with_cp`` (the whole block is checkpointed).
+    without ``save_memory`` under ``with_cp`` (the whole block is checkpointed).
 
     Without ``pad_small_map`` (the official classifier) a map whose smaller side is <= the
     window gets windows of that side and no shift; the bias table stays ``window_size``'s."""

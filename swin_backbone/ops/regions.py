@@ -1,28 +1,21 @@
-"""How a region of the model's modules runs: in one call, by cache-sized row chunks (CPU
-inference) or under selective activation checkpointing (training), as the plan says; the
-output norms' NCHW maps (:func:`output_nchw`).
+"""How a region of the model's modules runs: in one call or by cache-sized row chunks (CPU
+inference), as the plan says; which activations training keeps (:func:`lean_saves`); the output
+norms' NCHW maps (:func:`output_nchw`).
 
-The model hands its own methods here (``qkv_windows``, ``mlp_branch``), so that these
-mechanics wrap a region of modules without an ``if`` in the model (docs/design.md).
+The model hands its own methods here (``mlp_branch``), so that these mechanics wrap a region of
+modules without an ``if`` in the model (docs/design.md).
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, List, Optional, Tuple
+import contextlib
+from typing import Callable, ContextManager, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
+from torch.nn import functional as F
 
 from .image_sizes import zero_beyond_valid
 from .plan import Plan
-
-#: Operators whose outputs selective checkpointing keeps (matmuls: their recomputation costs).
-SAVED_OPS = [torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default]
-
-#: Torch's selective activation checkpointing (torch >= 2.4), else ``None``.
-_SAC = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
-SAVE_MATMULS = None if _SAC is None else functools.partial(_SAC, SAVED_OPS)
 
 
 def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
@@ -36,12 +29,77 @@ def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
     return slices
 
 
-def checkpointed(fn: Callable[..., torch.Tensor], plan: Plan, *args) -> torch.Tensor:
-    """``fn(*args, plan)``, with :attr:`Plan.save_memory` under selective checkpointing (matmul
-    outputs kept)."""
-    if plan.save_memory:
-        return torch_checkpoint.checkpoint(fn, *args, plan, use_reentrant=False, context_fn=SAVE_MATMULS)
-    return fn(*args, plan)
+# ------------------------------------------------------------ activations kept for backward
+#: Autograd nodes whose first output backward can rebuild from what the node itself keeps:
+#: LayerNorm (from its input, mean and 1 / std) and GELU (from its input). Their outputs feed
+#: linears (``qkv`` and ``fc1`` after a norm, ``fc2`` after GELU), which would keep them too.
+_LAYER_NORM, _GELU = "NativeLayerNormBackward0", "GeluBackward0"
+
+#: A custom autograd Function whose output is a function of its first input alone (the window
+#: gather) says so by setting ``ctx.rebuild_output`` (that function): rebuilt where its input is.
+REBUILD_ATTR = "rebuild_output"
+
+#: What :func:`lean_saves` keeps in place of a rebuildable tensor: the node that made it (or its
+#: base, for a view) and the view's ``(size, stride, storage_offset)``.
+_Rebuild = Tuple[torch.autograd.graph.Node, Optional[Tuple[torch.Size, Tuple[int, ...], int]]]
+
+
+def _rebuildable(node: Optional[torch.autograd.graph.Node], depth: int = 0) -> bool:
+    name = type(node).__name__
+    if name in (_LAYER_NORM, _GELU):
+        return True
+    if depth == 0 and node is not None and hasattr(node, REBUILD_ATTR):  # (one level: a gather of a norm)
+        source, output_nr = node.next_functions[0]
+        return output_nr == 0 and _rebuildable(source, 1)
+    return False
+
+
+def _pack(t: torch.Tensor) -> Union[torch.Tensor, _Rebuild]:
+    # The node's own output (or a view of it) as it left the op: an in-place change since would
+    # have given it another node, so the node's inputs rebuild exactly what autograd would keep.
+    base = t if t._base is None else t._base
+    if base._base is None and base.grad_fn is not None and base.output_nr == 0 and _rebuildable(base.grad_fn):
+        return base.grad_fn, None if base is t else (t.size(), t.stride(), t.storage_offset())
+    return t
+
+
+def _rebuild(node: torch.autograd.graph.Node) -> torch.Tensor:
+    name = type(node).__name__
+    if name == _GELU:
+        return F.gelu(node._saved_self, approximate=node._saved_approximate)
+    if name == _LAYER_NORM:  # (x - mean) / std * weight + bias, in the statistics' dtype (fp32 for half)
+        x, mean, rstd = node._saved_input, node._saved_result1, node._saved_result2
+        weight, bias = node._saved_weight, node._saved_bias
+        out = (x.to(mean.dtype) - mean).mul_(rstd)
+        if weight is not None and bias is not None:
+            out = torch.addcmul(bias, out, weight)  # (one rounding, as torch's CPU kernel: the same bits)
+        elif weight is not None:
+            out = out.mul_(weight)
+        elif bias is not None:
+            out = out.add_(bias)
+        return out.to(x.dtype)
+    return getattr(node, REBUILD_ATTR)(_rebuild(node.next_functions[0][0]))
+
+
+def _unpack(saved: Union[torch.Tensor, _Rebuild]) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    node, view = saved
+    out = _rebuild(node)
+    return out if view is None else out.as_strided(*view)
+
+
+def lean_saves(plan: Plan) -> ContextManager[None]:
+    """Where :attr:`Plan.save_memory`: autograd keeps no LayerNorm or GELU output for backward.
+
+    The linear after each (``qkv`` after a norm and the window gather, ``fc1`` after a norm,
+    ``fc2`` after GELU, a merging's reduction) would keep its input; backward rebuilds it instead
+    from what the norm's or GELU's own node keeps anyway: pointwise, no module called again, no
+    matmul. The predicate is each tensor's own autograd node, so a hooked or replaced module's
+    output, or a tensor changed in place, is kept as usual. Else: nothing changes."""
+    if not plan.save_memory:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 def drop_samples(drop_path: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
@@ -63,7 +121,7 @@ def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]
     """``x + drop_path(branch(x))`` for caller-owned ``(B, L, C)`` ``x``, a row-wise ``branch``
     (``hidden``: its widest width) and a per-sample ``drop_path`` (:func:`drop_samples`, by
     ``image_tokens``): by cache-sized row chunks into ``x`` with :attr:`Plan.chunked` (where its
-    rows exceed one), under selective checkpointing with :attr:`Plan.save_memory`, else one call."""
+    rows exceed one), else one call."""
     # As rows: nn.Linear returns its own 2-d result, no view of it, so the in-place add below
     # records no CopySlices (whose backward zero-fills and copies a map-sized gradient).
     rows = x.reshape(-1, x.shape[-1])
@@ -74,10 +132,7 @@ def mlp_residual(x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]
             chunk = rows[part]
             chunk.add_(drop_path(branch(chunk)))
         return x
-    if plan.save_memory:
-        y = torch_checkpoint.checkpoint(branch, rows, use_reentrant=False, context_fn=SAVE_MATMULS)
-    else:
-        y = branch(rows)
+    y = branch(rows)
     # Stochastic depth drops whole samples: drop_path sees (B, L, C), never rows.
     samples = y.view(x.shape)
     dropped = drop_samples(drop_path, samples, image_tokens)

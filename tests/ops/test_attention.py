@@ -5,7 +5,7 @@ import torch
 
 from swin_backbone import ops
 from swin_backbone.model.blocks import WindowAttention
-from swin_backbone.ops import planner, regions
+from swin_backbone.ops import planner
 from swin_backbone.ops.attention import _RecomputedAttention, per_window_bias, sdpa_ready, window_attention
 from swin_backbone.ops.layouts import build_window_layout
 from swin_backbone.ops.windows import relative_position_index, window_attention_mask
@@ -231,15 +231,13 @@ def test_masked_windows_are_the_last_row_and_column():
     ((5, 3), 3, True, 7), ((3, 5), 0, True, 3),  # a smaller effective window (pad_small_map=False) reads a subset
 ])
 @pytest.mark.parametrize("kernel", ["plain", "sdpa", "recompute"])
-@pytest.mark.parametrize("save_memory", [False, True], ids=["autograd", "checkpointed-qkv"])
+@pytest.mark.parametrize("save_memory", [False, True], ids=["autograd", "lean-saves"])
 def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, window, kernel, save_memory):
     # The block's attention (norm -> qkv -> kernel -> projection), whichever kernel runs it,
-    # with its input side (norm, gather, qkv) under selective checkpointing or not, computes
-    # what the plain reference function computes (values and gradients).
+    # with its input side (norm, gather, qkv) under lean saves (the norm's output and the gathered
+    # windows rebuilt in backward) or not, computes what the plain reference function computes
+    # (values and gradients).
     from swin_backbone.ops.attention import reference_window_attention
-
-    if save_memory and regions.SAVE_MATMULS is None:
-        pytest.skip("torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
 
     torch.manual_seed(0)
     (h, w), table_window, heads = size, 7, 2
@@ -251,7 +249,8 @@ def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, wind
     x = torch.randn(2, h * w, 16, dtype=torch.float64, requires_grad=True)
     plan = ops.plan_for(x, attention=kernel, grad=True, save_memory=save_memory)
     layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype, table_window=table_window)
-    got = attn(x, norm, layout, plan)
+    with ops.lean_saves(plan):
+        got = attn(x, norm, layout, plan)
     ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, table_window, h,
                                      w, window, shift, heads, attn.scale, mask_padding)
     torch.testing.assert_close(got, ref)

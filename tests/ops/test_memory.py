@@ -1,8 +1,9 @@
 """The planner's memory and cache savings compute what plain autograd and whole tensors compute.
 
-* Training (``plan.save_memory``): the MLP residual runs under torch's selective activation
-  checkpointing: same values and gradients as plain autograd (pre-norm V1 and post-norm V2
-  branches, partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
+* Training (``plan.save_memory``): under ``ops.lean_saves`` autograd keeps no LayerNorm or GELU
+  output (nor the window gather of a norm's output); backward rebuilds them from what their own
+  nodes keep: same values and gradients as plain autograd (pre-norm V1 and post-norm V2 branches,
+  partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
 * CPU inference with plain modules (``plan.chunked``): the MLP residual and the output norms
   run by row chunks, in place: same values as whole tensors. A hook or a replaced module turns
   the chunks off (the hook sees the whole tensor once).
@@ -16,15 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from swin_backbone import SwinBackbone, SwinV2Backbone, ops
 from swin_backbone.model.blocks import DropPath, SwinBlock
 from swin_backbone.model.v2 import SwinBlockV2
-from swin_backbone.ops import planner, regions
+from swin_backbone.ops import regions
 from swin_backbone.torch_compat import autocast_enabled
 
 from ..helpers import small_arch
-
-#: Tests that force ``save_memory``: torch's selective activation checkpointing (torch >= 2.4;
-#: on older torch the planner never saves memory, so there is nothing to compare).
-needs_sac = pytest.mark.skipif(regions.SAVE_MATMULS is None,
-                               reason="torch.utils.checkpoint.create_selective_checkpoint_contexts needs torch >= 2.4")
 
 VERSIONS = {"v1": SwinBlock, "v2": SwinBlockV2}  # pre-norm (norm2 -> MLP) and post-norm (MLP -> norm2)
 
@@ -50,7 +46,8 @@ def _plain_branch(block, x):
 
 def _residual(block, x, save_memory, plain=True):
     plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=plain)
-    return ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, block.mlp.fc1.out_features, plan)
+    with ops.lean_saves(plan):  # (as a stage runs its blocks)
+        return ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, block.mlp.fc1.out_features, plan)
 
 
 @pytest.mark.parametrize("total,row_bytes,budget", [(0, 8, 32), (1, 8, 32), (2048, 3, 4096), (32768, 12, 65536),
@@ -68,8 +65,7 @@ def test_row_chunks_cover_evenly(total, row_bytes, budget):
     assert max(sizes) - min(sizes) <= 1
 
 
-# ---------------------------------------------------------------- training: selective checkpointing
-@needs_sac
+# ------------------------------------------------------------ training: no norm / GELU output kept
 @pytest.mark.parametrize("plain", [True, False], ids=["in-place-add", "out-of-place-add"])
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_mlp_residual_matches_autograd(version, plain):
@@ -93,7 +89,6 @@ def test_memory_saving_mlp_residual_matches_autograd(version, plain):
     torch.testing.assert_close(frozen, ref.detach())
 
 
-@needs_sac
 @pytest.mark.parametrize("frozen", ["mlp", "norm", "input_and_fc1"])
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_partial_gradients(version, frozen):
@@ -118,8 +113,6 @@ def test_memory_saving_partial_gradients(version, frozen):
 def test_stochastic_depth_drops_whole_samples(version, save_memory, plain):
     # DropPath zeroes a sample's branch, never single tokens: for each sample the MLP residual
     # adds either nothing or something at every token (drop rate 0.5 over 32 samples).
-    if save_memory and regions.SAVE_MATMULS is None:
-        pytest.skip("selective activation checkpointing needs torch >= 2.4")
     block = _block(version).train()
     block.drop_path = DropPath(0.5)
     torch.manual_seed(3)
@@ -171,11 +164,10 @@ def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_si
     assert len(calls) and 0.25 < sum(kept) / len(kept) < 0.75  # about half of the images' branches kept
 
 
-@needs_sac
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_replays_dropout_and_stochastic_depth(version):
-    # The recomputation in backward draws the same dropout masks and dropped paths as the
-    # forward (torch's checkpoint restores the RNG state): gradients equal plain autograd's.
+    # Dropout and stochastic depth are not rebuilt (only norms, GELU and gathers are): backward
+    # uses the forward's masks and dropped paths, gradients equal plain autograd's.
     torch.manual_seed(0)
     block = VERSIONS[version](8, 2, 4, shift=False, drop_rate=0.3, drop_path_rate=0.5).double().train()
     x = torch.randn(4, 5, 8, dtype=torch.float64, requires_grad=True)
@@ -183,8 +175,7 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
     results = []
     for save_memory in (True, False):
         torch.manual_seed(1)
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory)
-        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
+        out = _residual(block, x, save_memory)
         grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
         results.append((out, grads))
     (out, grads), (ref, ref_grads) = results
@@ -196,7 +187,6 @@ def test_memory_saving_replays_dropout_and_stochastic_depth(version):
             torch.testing.assert_close(a, b)
 
 
-@needs_sac
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_under_bf16_autocast(version):
     block = _block(version, dtype=torch.float32)
@@ -235,7 +225,6 @@ def _layer_norm_in_fp32_under_autocast(monkeypatch):
     monkeypatch.setattr(F, "layer_norm", layer_norm)
 
 
-@needs_sac
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_with_fp32_norm_on_bf16_tokens_under_autocast(version, monkeypatch):
     # The mixed case itself (bf16 tokens, fp32 LayerNorm, CUDA's fp32 LayerNorm rule): x is
@@ -257,12 +246,11 @@ def test_memory_saving_with_fp32_norm_on_bf16_tokens_under_autocast(version, mon
     assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
 
 
-@needs_sac
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_memory_saving_keeps_fewer_activations(version):
-    # Plain autograd keeps every activation of the branch until backward; selective
-    # checkpointing keeps the matmul outputs (fc1's) and recomputes the LayerNorm and GELU
-    # (their outputs are freed after the forward).
+    # Plain autograd keeps every activation of the branch until backward; lean saves keep the
+    # matmul output (fc1's) and rebuild the LayerNorm's and GELU's in backward (their outputs are
+    # freed after the forward).
     block = _block(version).eval()  # (dropout as identity: fc2 reads GELU's output itself)
     outputs = {}
 
@@ -279,16 +267,15 @@ def test_memory_saving_keeps_fewer_activations(version):
     for save_memory in (True, False):
         out = _residual(block, x, save_memory)
         kept[save_memory] = {name: not ref.expired() for name, ref in outputs.items()}
-        out.sum().backward()  # (the recomputation runs the hooks again)
+        out.sum().backward()
         del out
     assert kept[False] == {name: True for name in names}
     assert kept[True] == {name: name == "mlp.fc1" for name in names}
 
 
-@needs_sac
 def test_memory_saving_keeps_only_qkv_of_the_attention_input():
-    # The attention's input side qkv(windows(norm1(x))) under selective checkpointing keeps
-    # the qkv projection (which the attention keeps anyway), not the gathered windows it reads.
+    # The attention's input side qkv(windows(norm1(x))) under lean saves keeps the qkv
+    # projection (which the attention keeps anyway), not the gathered windows it reads.
     from swin_backbone.ops.layouts import build_window_layout
 
     block = _block("v1").eval()
@@ -300,7 +287,8 @@ def test_memory_saving_keeps_only_qkv_of_the_attention_input():
     kept, grads = {}, {}
     for save_memory in (True, False):
         plan = ops.plan_for(x, grad=True, save_memory=save_memory, attention="recompute")
-        out = block.attn(x, block.norm1, layout, plan)
+        with ops.lean_saves(plan):
+            out = block.attn(x, block.norm1, layout, plan)
         kept[save_memory] = {name: not ref.expired() for name, ref in watched.items()}
         grads[save_memory] = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], allow_unused=True)
         del out
@@ -323,13 +311,12 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@needs_sac
 @pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("rule", ["cpu", "cuda"])
 def test_memory_saving_serves_autocast_training(rule, version, monkeypatch):
     # Under bf16 autocast the residual stream is bf16 while the norms' parameters are fp32:
-    # every block's MLP branch still runs under selective checkpointing (recomputed in
-    # backward: one GELU per block there), with the LayerNorm in the dtype autocast gives it
+    # every block's GELU output is still rebuilt in backward (one GELU per block there, not kept
+    # in the forward), with the LayerNorm in the dtype autocast gives it
     # (the input's on the CPU, fp32 on CUDA), and values and gradients equal plain autograd's.
     if rule == "cuda":
         _layer_norm_in_fp32_under_autocast(monkeypatch)
@@ -353,28 +340,25 @@ def test_memory_saving_serves_autocast_training(rule, version, monkeypatch):
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_training_graph_can_be_walked_twice_without_memory_saving(version):
+def test_training_graph_can_be_walked_twice(version):
     # A training forward's graph serves two backward passes (retain_graph=True) with memory
     # saving off, as plain autograd's does: the second adds the same gradients again. With it
-    # on (the default), torch's selective checkpointing frees its saved matmul outputs in the
-    # first backward and says so in the second (docs/design.md, "The planner").
+    # on (the default on the CPU) too: the rebuilt outputs come from saved tensors the first
+    # backward keeps with retain_graph.
     torch.manual_seed(0)
     model = (SwinBackbone if version == "v1" else SwinV2Backbone)(
         arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.0,
         out_indices=(0, 1)).double()
     x = torch.randn(1, 3, 24, 20, dtype=torch.float64)
-    with ops.override(save_memory=False):
-        loss = sum(o.square().mean() for o in model(x))
-    loss.backward(retain_graph=True)
-    once = [p.grad.clone() for p in model.parameters()]
-    loss.backward()
-    for a, b in zip(once, model.parameters()):
-        torch.testing.assert_close(b.grad, 2 * a)
-    if ops.regions.SAVE_MATMULS is not None:
-        loss = sum(o.square().mean() for o in model(x))
+    for save_memory in (False, True):
+        model.zero_grad()
+        with ops.override(save_memory=save_memory):
+            loss = sum(o.square().mean() for o in model(x))
         loss.backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match="selective activation checkpoint"):
-            loss.backward()
+        once = [p.grad.clone() for p in model.parameters()]
+        loss.backward()
+        for a, b in zip(once, model.parameters()):
+            torch.testing.assert_close(b.grad, 2 * a)
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
@@ -517,3 +501,50 @@ def test_a_hooked_or_replaced_module_sees_whole_tensors(version):
         (replaced,) = model(x)
     assert seen == [(2 * 8 * 7, 32)]
     torch.testing.assert_close(replaced, ref)
+
+
+# ------------------------------------------------------------ lean saves: what is rebuilt
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rebuilt_norm_and_gelu_outputs_equal_the_forwards(dtype, affine):
+    # What backward gets in place of a LayerNorm / GELU output (a rebuild from what its own node
+    # keeps) equals the output itself; a view of it (a linear's 2-d view, the merging's (B, H, W,
+    # 4C) map seen as rows) is that view of the rebuild.
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(24, elementwise_affine=affine).to(dtype)
+    if affine:
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.3)
+            norm.bias.normal_(0, 0.3)
+    x = (torch.randn(2, 5, 7, 24) * 3 + 1).to(dtype).requires_grad_()
+    out = norm(x)
+    # (fp32 / fp64: the same bits as torch 2.14's CPU kernel; within an ulp or so in general)
+    tol = dict() if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(regions._unpack(regions._pack(out)), out, **tol)
+    rows = out.view(-1, 24)[3:40]
+    packed = regions._pack(rows)
+    assert not isinstance(packed, torch.Tensor)  # (rebuilt, not kept)
+    torch.testing.assert_close(regions._unpack(packed), rows, **tol)
+    h = torch.randn(3, 50, dtype=dtype, requires_grad=True) * 2
+    for approximate in ("none", "tanh"):
+        act = nn.functional.gelu(h, approximate=approximate)
+        assert torch.equal(regions._unpack(regions._pack(act)), act)
+
+
+def test_lean_saves_keep_what_they_cannot_rebuild():
+    # Kept as they are: a module output a forward hook replaced, a norm output changed in place,
+    # a leaf, another op's output. Gradients through a block whose norm2 and act carry such
+    # hooks equal plain autograd's.
+    x = torch.randn(4, 6, requires_grad=True)
+    norm_out = nn.functional.layer_norm(x, (6,))
+    for t in (norm_out * 2, norm_out.clone().mul_(2), x, torch.exp(x)):
+        assert regions._pack(t) is t
+    block = _block("v1")
+    block.norm2.register_forward_hook(lambda m, args, out: out * 0.5)
+    block.mlp.act.register_forward_hook(lambda m, args, out: out.mul_(1.5))
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    params = [x, *block.norm2.parameters(), *block.mlp.parameters()]
+    ref = torch.autograd.grad(_residual(block, x, False, plain=False).square().sum(), params)
+    got = torch.autograd.grad(_residual(block, x, True, plain=False).square().sum(), params)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from swin_backbone import SwinBackbone, ops
-from swin_backbone.ops import planner, regions
+from swin_backbone.ops import planner
 from swin_backbone.ops import layouts as L, windows as W
 
 from ..helpers import small_arch
@@ -24,21 +24,19 @@ def decide(device, dtype, grad, tracing, stochastic, attn_dropout):
 
 def test_decisions_per_situation():
     f32 = torch.float32
-    sac = regions.SAVE_MATMULS is not None  # torch >= 2.4: selective activation checkpointing
     cpu_eval = decide("cpu", f32, False, False, False, False)
     assert cpu_eval.attention == "sdpa" and cpu_eval.chunk_bytes > 0 and not cpu_eval.save_memory
     cpu_train = decide("cpu", f32, True, False, True, False)
-    assert cpu_train.attention == "recompute" and cpu_train.save_memory == sac and cpu_train.chunk_bytes > 0
+    assert cpu_train.attention == "recompute" and cpu_train.save_memory and cpu_train.chunk_bytes > 0
     assert not cpu_eval.align_masks and not cpu_train.align_masks
     assert decide("cpu", f32, True, False, True, True).attention == "plain"  # attention dropout
     # CUDA: 'auto' is memory-efficient SDPA (no measurement), in training and inference.
     cuda = decide("cuda", torch.bfloat16, True, False, False, False)
     assert cuda.attention == "sdpa" and cuda.align_masks
-    # Selective checkpointing only where it was measured to pay (CPU); on CUDA (H200) it doubled a
-    # training step: off unless asked for.
+    # Lean saves (no norm / GELU output kept) only where measured (CPU): off on CUDA unless asked for.
     assert not cuda.save_memory
     with planner.override(save_memory=True):
-        assert decide("cuda", torch.bfloat16, True, False, False, False).save_memory == sac
+        assert decide("cuda", torch.bfloat16, True, False, False, False).save_memory
     assert cuda.chunk_bytes == 0 and not cuda.tracing
     assert decide("cuda", torch.bfloat16, False, False, False, False).attention == "sdpa"
     traced = decide("cpu", f32, True, True, False, False)
@@ -53,6 +51,9 @@ def test_decisions_per_situation():
         off = decide("cpu", f32, True, False, True, False)
         assert off.attention == "plain" and not off.save_memory
     assert decide("cpu", f32, False, False, False, False) == cpu_eval  # restored
+    # With hooks or replaced modules too (lean saves call no module again): not while tracing.
+    hooked = planner._decide_cached("cpu", f32, True, False, True, False, False, planner._SWITCHES)
+    assert hooked.save_memory and not hooked.may_write_module_outputs
 
 
 def test_torchscript_tracing_plans_plain_attention():
@@ -173,8 +174,8 @@ def test_tracing_on_cuda_plans_by_the_situation(grad):
     assert planner._decide("cuda", bf16, grad, True, True, True, False, switches).attention == "plain"
 
 
-def test_checkpointed_stages_skip_selective_checkpointing():
-    # A stage that with_cp checkpoints whole block by block needs no checkpoint inside.
+def test_checkpointed_stages_skip_lean_saves():
+    # A stage that with_cp checkpoints block by block keeps nothing inside them: no lean saves.
     x = torch.zeros(1, 14, 14, 32)
     plan = ops.plan_for(x, grad=True, save_memory=True)
     assert ops.plan_stage(plan,

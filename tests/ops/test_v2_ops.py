@@ -1,6 +1,6 @@
 """Swin V2's post-norm MLP residual and cosine attention inputs give the plain modules' values
-and gradients on every path the plan names (selective checkpointing of the MLP residual is
-tested for pre-norm V1 and post-norm V2 blocks alike in test_memory.py)."""
+and gradients on every path the plan names (lean saves, the norm and GELU outputs rebuilt in
+backward, are tested for pre-norm V1 and post-norm V2 blocks alike in test_memory.py)."""
 import pytest
 import torch
 
@@ -23,9 +23,10 @@ def test_post_norm_mlp_residual_in_pure_bf16():
     ref = x + block.norm2(block.mlp(x))
     params = [x, block.norm2.weight]
     ref_grads = torch.autograd.grad(ref.float().sum(), params)
-    for save_memory in (True, False) if ops.regions.SAVE_MATMULS is not None else (False,):
+    for save_memory in (True, False):
         plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=True)
-        out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
+        with ops.lean_saves(plan):
+            out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
         for a, b in zip(torch.autograd.grad(out.float().sum(), params), ref_grads):
@@ -35,7 +36,7 @@ def test_post_norm_mlp_residual_in_pure_bf16():
 @pytest.mark.parametrize("situation", ["inference", "training", "dropout"])
 def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
     # The forward's plan for each situation: CPU inference adds into the tokens in place by
-    # row chunks; training (with or without dropout) saves memory where torch can; both give
+    # row chunks; training (with or without dropout) keeps no norm / GELU output; both give
     # the modules' values and gradients.
     import dataclasses
 
@@ -46,13 +47,14 @@ def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
         plan = ops.plan_forward(x, block)
     assert plan.grad == grad and plan.attn_dropout is False
     assert plan.chunked == (situation == "inference") and plan.may_write_module_outputs
-    assert plan.save_memory == (grad and ops.regions.SAVE_MATMULS is not None)
+    assert plan.save_memory == grad
     with torch.set_grad_enabled(grad):
         torch.manual_seed(1)
         ref = x + block.drop_path(block.mlp_branch(x))
         torch.manual_seed(1)
         tokens = x.detach().clone() if situation == "inference" else x * 1
-        got = ops.mlp_residual(tokens, block.mlp_branch, block.drop_path, None, 32, plan)
+        with ops.lean_saves(plan):
+            got = ops.mlp_residual(tokens, block.mlp_branch, block.drop_path, None, 32, plan)
     torch.testing.assert_close(got, ref)
     if situation == "inference":  # (one chunk's rows: the residual is added into the MLP's output)
         assert got.grad_fn is None and not torch.equal(tokens, got)

@@ -52,12 +52,11 @@ def test_benchmark_ablation(tmp_path):
 
 
 def test_benchmark_ablation_memory(tmp_path):
-    # Turning selective checkpointing off keeps more activations for backward. (Training at 256:
-    # at 64 x 64 selective checkpointing's own cache outweighs what it frees.)
-    results, stdout = _run(tmp_path, "--ablate", "--only", "checkpointing of the MLP", "--train-size", "256")
-    rows = _check_ablation(results["ablation"], {"no selective checkpointing of the MLP"}, memory=True,
+    # Turning lean saves off keeps more activations for backward (the norms' and GELU's outputs).
+    results, stdout = _run(tmp_path, "--ablate", "--only", "lean saves", "--train-size", "256")
+    rows = _check_ablation(results["ablation"], {"no lean saves (norm / GELU outputs kept)"}, memory=True,
                            train_size=256)
-    assert rows["no selective checkpointing of the MLP"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
+    assert rows["no lean saves (norm / GELU outputs kept)"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
     assert "v2_ablation" not in results and "Swin V2" not in stdout  # V2 only with --v2
 
 
@@ -88,17 +87,16 @@ def _check_ablation(ablation, variants, memory, train_size=64):
 def test_benchmark_v2_ablation(tmp_path):
     """--ablate --v2 only: SwinV2Backbone's ablation alone, with memory measured by the V2 memory
     child (``--memory-child v2:ours --ablate-variant V``)."""
-    results, stdout = _run(tmp_path, "--ablate", "--v2", "only", "--only", "checkpointing of the MLP",
+    results, stdout = _run(tmp_path, "--ablate", "--v2", "only", "--only", "lean saves",
                            "--train-size", "256")  # (as V1's above)
     assert "ablation" not in results  # 'only': no V1 ablation
-    rows = _check_ablation(results["v2_ablation"], {"no selective checkpointing of the MLP"}, memory=True,
+    rows = _check_ablation(results["v2_ablation"], {"no lean saves (norm / GELU outputs kept)"}, memory=True,
                            train_size=256)
     assert "Swin V2 ablation of SwinV2Backbone tiny, window 8" in stdout
     for name in rows:
         assert name in stdout
-    # The switch reaches V2's blocks too: without selective checkpointing of their MLP -> norm
-    # branches more activations are kept for backward.
-    assert rows["no selective checkpointing of the MLP"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
+    # The switch reaches V2's blocks too: without lean saves their GELU outputs are kept.
+    assert rows["no lean saves (norm / GELU outputs kept)"]["peak_bytes"] > rows["defaults"]["peak_bytes"]
 
 
 def test_benchmark_ablation_v1_then_v2_only_some_variants(tmp_path):
