@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_compat import scaled_dot_product_attention
+from ..torch_compat import is_compiling, scaled_dot_product_attention
 from .layouts import WindowLayout
 from .plan import Plan
 from .regions import REBUILD_ATTR, row_chunks
@@ -112,7 +112,8 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
         # index_select along dim 1 is single-threaded on CPU; along dim 0 it is a parallel copy.
         rows = index if batch == 1 else (index + torch.arange(0, batch * length, length, device=index.device)[:, None])
         flat = x.reshape(batch * length, channels)
-        if torch.is_grad_enabled() and x.requires_grad:
+        # (out=: torch 2.1's meta kernel sizes it wrongly; autograd records no out= op)
+        if (torch.is_grad_enabled() and x.requires_grad) or x.device.type == "meta" or is_compiling():
             out = flat.index_select(0, rows.view(-1)).view(batch, -1, channels)
         else:  # into a tensor of its own, not a view (regions.lean_saves rebuilds _TokenGather's output)
             out = x.new_empty(batch, index.numel(), channels)
