@@ -12,6 +12,7 @@ from .regions import drop_samples, lean_saves, mlp_residual, output_nchw, row_ch
 
 __all__ = [
     "KERNELS", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "clear_caches",
-    "continuous_position_bias", "cosine_qkv", "drop_samples", "mask_input", "mlp_residual", "output_nchw", "override",
-    "plan_for", "plan_forward", "plan_stage", "resolve_attention", "row_chunks", "window_attention", "window_partition",
+    "continuous_position_bias", "cosine_qkv", "drop_samples", "lean_saves", "mask_input", "mlp_residual",
+    "output_nchw", "override", "plan_for", "plan_forward", "plan_stage", "resolve_attention", "row_chunks",
+    "window_attention", "window_partition",
 ]
