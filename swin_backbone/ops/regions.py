@@ -35,35 +35,49 @@ def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
 #: linears (``qkv`` and ``fc1`` after a norm, ``fc2`` after GELU), which would keep them too.
 _LAYER_NORM, _GELU = "NativeLayerNormBackward0", "GeluBackward0"
 
+#: A dtype cast (autocast's, before a linear: on CUDA a LayerNorm computes and returns fp32 and
+#: the linear keeps the bf16 copy): rebuilt as the cast of its rebuilt input.
+_CAST = "ToCopyBackward0"
+
 #: A custom autograd Function whose output is a function of its first input alone (the window
 #: gather) says so by setting ``ctx.rebuild_output`` (that function): rebuilt where its input is.
 REBUILD_ATTR = "rebuild_output"
 
 #: What :func:`lean_saves` keeps in place of a rebuildable tensor: the node that made it (or its
-#: base, for a view) and the view's ``(size, stride, storage_offset)``.
-_Rebuild = Tuple[torch.autograd.graph.Node, Optional[Tuple[torch.Size, Tuple[int, ...], int]]]
+#: base, for a view), the view's ``(size, stride, storage_offset)`` and the tensor's dtype.
+_Rebuild = Tuple[torch.autograd.graph.Node, Optional[Tuple[torch.Size, Tuple[int, ...], int]], torch.dtype]
 
 
-def _rebuildable(node: Optional[torch.autograd.graph.Node], depth: int = 0) -> bool:
+def _source(node: Optional[torch.autograd.graph.Node], depth: int = 0) -> Optional[torch.autograd.graph.Node]:
+    """The LayerNorm / GELU node ``node`` rebuilds from (through at most one cast and one gather of
+    its first output), or ``None`` where it is no such chain."""
     name = type(node).__name__
     if name in (_LAYER_NORM, _GELU):
-        return True
-    if depth == 0 and node is not None and hasattr(node, REBUILD_ATTR):  # (one level: a gather of a norm)
+        return node
+    if depth < 2 and node is not None and (name == _CAST or hasattr(node, REBUILD_ATTR)):
         source, output_nr = node.next_functions[0]
-        return output_nr == 0 and _rebuildable(source, 1)
-    return False
+        return _source(source, depth + 1) if output_nr == 0 else None
+    return None
 
 
 def _pack(t: torch.Tensor) -> Union[torch.Tensor, _Rebuild]:
     # The node's own output (or a view of it) as it left the op: an in-place change since would
     # have given it another node, so the node's inputs rebuild exactly what autograd would keep.
     base = t if t._base is None else t._base
-    if base._base is None and base.grad_fn is not None and base.output_nr == 0 and _rebuildable(base.grad_fn):
-        return base.grad_fn, None if base is t else (t.size(), t.stride(), t.storage_offset())
+    if base._base is None and base.grad_fn is not None and base.output_nr == 0:
+        source = _source(base.grad_fn)
+        # (a cast is rebuilt as a dtype change: one that moved devices is kept)
+        if source is not None and (source is base.grad_fn or _saved_input(source).device == t.device):
+            return base.grad_fn, None if base is t else (t.size(), t.stride(), t.storage_offset()), t.dtype
     return t
 
 
-def _rebuild(node: torch.autograd.graph.Node) -> torch.Tensor:
+def _saved_input(node: torch.autograd.graph.Node) -> torch.Tensor:
+    return node._saved_self if type(node).__name__ == _GELU else node._saved_input
+
+
+def _rebuild(node: torch.autograd.graph.Node, dtype: torch.dtype) -> torch.Tensor:
+    """``node``'s first output again (a cast's in ``dtype``, the dtype of what was kept)."""
     name = type(node).__name__
     if name == _GELU:
         return F.gelu(node._saved_self, approximate=node._saved_approximate)
@@ -78,14 +92,15 @@ def _rebuild(node: torch.autograd.graph.Node) -> torch.Tensor:
         elif bias is not None:
             out = out.add_(bias)
         return out.to(x.dtype)
-    return getattr(node, REBUILD_ATTR)(_rebuild(node.next_functions[0][0]))
+    source = _rebuild(node.next_functions[0][0], dtype)
+    return source.to(dtype) if name == _CAST else getattr(node, REBUILD_ATTR)(source)
 
 
 def _unpack(saved: Union[torch.Tensor, _Rebuild]) -> torch.Tensor:
     if isinstance(saved, torch.Tensor):
         return saved
-    node, view = saved
-    out = _rebuild(node)
+    node, view, dtype = saved
+    out = _rebuild(node, dtype)
     return out if view is None else out.as_strided(*view)
 
 
@@ -93,7 +108,8 @@ def lean_saves(plan: Plan) -> ContextManager[None]:
     """Where :attr:`Plan.save_memory`: autograd keeps no LayerNorm or GELU output for backward.
 
     The linear after each (``qkv`` after a norm and the window gather, ``fc1`` after a norm,
-    ``fc2`` after GELU, a merging's reduction) would keep its input; backward rebuilds it instead
+    ``fc2`` after GELU, a merging's reduction) would keep its input, or autocast's cast of it (CUDA
+    runs LayerNorm in fp32 and the linear in bf16); backward rebuilds it instead
     from what the norm's or GELU's own node keeps anyway: pointwise, no module called again, no
     matmul. The predicate is each tensor's own autograd node, so a hooked or replaced module's
     output, or a tensor changed in place, is kept as usual. Else: nothing changes."""
