@@ -39,7 +39,8 @@ class Switches:
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
     #: training: no LayerNorm / GELU output kept for backward (:func:`~.regions.lean_saves`). None:
-    #: on the CPU only, where it was measured; not measured on CUDA (docs/performance.md).
+    #: the backbone's ``save_memory`` argument, whose default is the CPU only (on an H200 they cost
+    #: 15% of a bf16 training step: docs/performance.md).
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
@@ -139,15 +140,19 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     """
     device, dtype, enabled = x.device.type, compute_dtype(x), torch.is_grad_enabled()
     plain, needs_grad, stochastic, attn_dropout = read_modules(model)
+    switches = _SWITCHES
+    preference = getattr(model, "save_memory", None)  # (the backbone's argument; an override comes first)
+    if switches.save_memory is None and preference is not None:
+        switches = dataclasses.replace(switches, save_memory=preference)
     stages = getattr(model, "stages", None)
     if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():  # dynamo or TorchScript records it
         if valid_sizes is not None:
             raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
                              "torch.jit.trace); per-image valid sizes run eagerly")
-        plan = _decide(device, dtype, enabled, True, stochastic, attn_dropout, False, _SWITCHES)
+        plan = _decide(device, dtype, enabled, True, stochastic, attn_dropout, False, switches)
         return plan if stages is None else dataclasses.replace(plan, stages=(plan,) * len(stages))
     grad = enabled and (x.requires_grad or needs_grad)
-    plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, plain, _SWITCHES)
+    plan = _decide_cached(device, dtype, grad, False, stochastic, attn_dropout, plain, switches)
     if stages is None:
         return plan
     # Stage i computes a gradient where x or a parameter before it, or one of its own, requires one.
@@ -162,7 +167,7 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
         _, stage_grad, stage_stochastic, stage_attn_dropout = read_modules(stage)
         flows = flows or stage_grad
         stage_plan = _decide_cached(device, dtype, enabled and flows, compiled_blocks, stage_stochastic,
-                                    stage_attn_dropout, plain, _SWITCHES)
+                                    stage_attn_dropout, plain, switches)
         if sizes is not None and any(v != maps[i] for v in sizes[i]):
             stage_plan = dataclasses.replace(stage_plan, valid_sizes=sizes[i])
         per_stage.append(stage_plan)

@@ -263,3 +263,23 @@ def test_ops_and_model_imports_form_no_circle():
 
     circles = sorted(m for m in edges if reaches(m, m, set()))
     assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_the_backbones_save_memory_argument_decides_lean_saves():
+    # save_memory=None: the planner's device default (the CPU: on); True / False: on or off
+    # whatever the device; an ops.override comes first. Bad values name the argument.
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 32, 32)
+    seen = {}
+    for value in (None, True, False):
+        model = SwinBackbone(arch=None, embed_dims=8, depths=(2,), num_heads=(1,), window_size=4,
+                             out_indices=(0,), save_memory=value).train()
+        seen[value] = [stage.save_memory for stage in ops.plan_forward(x, model).stages]
+        with ops.override(save_memory=True):
+            assert ops.plan_forward(x, model).stages[0].save_memory
+        with torch.no_grad():
+            assert not ops.plan_forward(x, model).stages[0].save_memory  # (inference keeps nothing anyway)
+    assert seen == {None: [True], True: [True], False: [False]}
+    for bad in ("yes", 2, "False"):
+        with pytest.raises(ValueError, match=r"^save_memory: expected True or False, got"):
+            SwinBackbone(arch=None, embed_dims=8, depths=(2,), num_heads=(1,), out_indices=(0,), save_memory=bad)
