@@ -394,6 +394,17 @@ def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant
 
 
 # ----------------------------------------------------------------------- rows and results
+def step_peak_cuda(fn: Callable[[], None]) -> int:
+    """Bytes of CUDA memory ``fn`` allocated at its peak above what was allocated before it (one
+    call, in this process: the steps' models stay resident, so only the step's own memory counts)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet") -> dict:
     """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios);
     ``reference`` not among them (mmdet not installed): over ours."""

@@ -12,9 +12,13 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
 3. the padded detection batch (``--padded-size``: an 800x1333 landscape beside a 1333x800
    portrait, 41% padding), eval and training bf16: mmdet, ours with ``valid_sizes``, ours
    without;
-4. ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of ours and mmdet, and ours with
-   ``compile=True`` (its blocks compiled), each with its first, compiling call's time (minutes of
-   compiling: last, and skipped with a note once ``--budget`` is spent).
+4. lean saves on this device: training bf16 at 2 images, ours with ``save_memory=True`` beside
+   ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
+5. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
+   ``compile=True`` (its blocks compiled, dynamic) and ours eager, each compiled one with its
+   first, compiling call's time (minutes of compiling: last, and skipped with a note once
+   ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
+   minutes (``swin-benchmark --device cuda --compile only`` times it).
 
 The JSON and the Markdown are rewritten after every row, so a run cut short keeps the rows it
 finished. On the CPU (``--device cpu``) every row runs the same code at whatever size is given.
@@ -75,6 +79,16 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours compile=True (blocks compiled) | | | | "
                              f"{med['ours_regional'] * 1e3:.1f} ms | **{row['speedup_over_mmdet']['ours_regional']:.2f}x**"
                              " (first call: " + ", ".join(f"{k} {v:.0f} s" for k, v in first.items()) + ") |")
+            if "ours_eager" in med:  # (the whole of ours not compiled: eager beside compiled mmdet)
+                lines.append(f"| {label(key, row)}, ours eager | | | | {med['ours_eager'] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet']['ours_eager']:.2f}x** |")
+            if "ours_save_memory" in med:  # the lean-saves row
+                peak = row.get("peak_bytes", {})
+                mem = (f", peak {peak['ours_save_memory'] / 2**20:.0f} MiB against {peak['ours'] / 2**20:.0f} MiB"
+                       + (f" (mmdet {peak['mmdet'] / 2**20:.0f} MiB)" if "mmdet" in peak else "")) if peak else ""
+                lines.append(f"| {label(key, row)}, ours save_memory=True | | | | "
+                             f"{med['ours_save_memory'] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet']['ours_save_memory']:.2f}x**{mem} |")
         elif key == "peak_memory":
             cells = [f"{row[f'{k}_bytes'] / 2**20:.0f} MiB" if f"{k}_bytes" in row else "" for k in COLUMNS]
             ratio = row.get("ratio_over_mmdet")
@@ -130,13 +144,28 @@ def run(args: argparse.Namespace) -> dict:
         row.update({f"ratio_over_{k}": mem["ours"] / v for k, v in mem.items() if k != "ours"})
         results["peak_memory"] = row
 
+    def lean_saves() -> None:
+        for m in models.values():
+            m.train()
+        x = torch.randn(2, 3, h, w, device=args.device)
+        step = B.train_step(models["ours"], x, bf16)
+        fns = {k: B.train_step(m, x, bf16) for k, m in models.items() if k != "ours"}
+        fns.update(ours=step, ours_save_memory=B.with_switches(step, dict(save_memory=True)))
+        times = B.interleave(fns, args.device, args.iters, args.warmup)
+        row = B.summarize(f"lean_saves train fwd+bwd bf16 2x3x{h}x{w}", times)
+        if args.device == "cuda":
+            row["peak_bytes"] = {k: B.step_peak_cuda(fn) for k, fn in fns.items()}
+        results[f"lean_saves_train_bf16_2x3x{h}x{w}"] = row
+
     steps: List[Callable[[], None]] = [
         lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),
         memory,
         lambda: benchmark.run_padded(args, results, models, bf16),
-        lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False),
+        lean_saves,
+        lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False, whole_ours=False,
+                                       dynamic=False),
     ]
-    names = ["eval / training rows", "peak memory", "padded batch", "torch.compile rows"]
+    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "torch.compile rows"]
     for name, step in zip(names, steps):
         if time.perf_counter() - start > args.budget * 60:
             results["skipped"] = results["skipped"] + [f"{name} (the {args.budget} min budget was spent)"]

@@ -469,9 +469,13 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert results["peak_memory"]["ratio_over_mmdet"] == 0.5
     for key in ("padded_eval_bf16_2x3x32x32", "padded_train_bf16_2x3x32x32"):
         assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_without_valid_sizes"}
+    lean = results["lean_saves_train_bf16_2x3x32x32"]
+    assert set(lean["samples"]) == {"mmdet", "ours", "ours_save_memory"}
+    assert "peak_bytes" not in lean  # (CUDA only: the process's own peak)
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
-        assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_regional"}  # (compile=True)
-    assert compiled == [dict(dynamic=True)] * 2  # no CUDA-graph row in the prepared run
+        # mmdet compiled, ours with compile=True, ours eager (the whole of ours is not compiled here)
+        assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}
+    assert compiled == [dict(dynamic=False)]  # mmdet alone; no CUDA-graph row in the prepared run
     assert results["skipped"] == [] and results["environment"]["torch"] == torch.__version__
     table = md.read_text().splitlines()
     assert table[2].startswith("| measure | mmdet ") and "| SwinBackbone " in table[2]
@@ -480,6 +484,8 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
             "peak training memory bf16 2x3x32x32", "torch.compile eval bf16 8x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (blocks compiled)",
+            "torch.compile eval bf16 8x3x32x32, ours eager",
+            "lean saves train fwd+bwd bf16 2x3x32x32", "lean saves train fwd+bwd bf16 2x3x32x32, ours save_memory=True",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes"} <= lines
 
@@ -489,7 +495,7 @@ def test_gpu_report_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypat
     monkeypatch.setattr(benchmarking, "build_peers", lambda device, size: {})
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--budget", "0", "--json", str(out), "--markdown", str(md)]) == 0
-    assert len(json.loads(out.read_text())["skipped"]) == 4
+    assert len(json.loads(out.read_text())["skipped"]) == 5
     assert "Not run: torch.compile rows (the 0.0 min budget was spent)" in md.read_text()
 
 
