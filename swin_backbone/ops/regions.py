@@ -124,7 +124,8 @@ def drop_samples(drop_path: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
     layout's ``(1, T, C)`` image by image (its :attr:`~.layouts.WindowLayout.image_tokens`), each
     ``(1, T_b, C)`` as it is alone, so stochastic depth drops each image's branch on its own."""
     # Per image only where it can drop: an nn.Identity or a module in eval mode returns its input.
-    if image_tokens is None or isinstance(drop_path, nn.Identity) or not getattr(drop_path, "training", True):
+    # (Those checks first: under torch.compile, reading image_tokens guards on the image count.)
+    if isinstance(drop_path, nn.Identity) or not getattr(drop_path, "training", True) or image_tokens is None:
         return drop_path(x)
     images = x.split(image_tokens, dim=1)
     dropped = [drop_path(image) for image in images]

@@ -176,7 +176,7 @@ def test_with_cp_and_ddp(models, tmp_path):
 @needs_compile
 def test_valid_sizes_packed_layout(models):
     # The blocks get the images' packed (1, T, C) tokens: graphs of their own (eval, training),
-    # then none for other images and batches.
+    # then none for other images and batches, 2 or 3 images.
     batches = [((2, 3, 48, 48), [(48, 30), (25, 48)]), ((3, 3, 44, 52), [(44, 30), (20, 52), (9, 13)]),
                ((2, 3, 40, 40), [(40, 40), (33, 17)])]
     for i, (shape, sizes) in enumerate(batches):
@@ -187,8 +187,12 @@ def test_valid_sizes_packed_layout(models):
         assert diff < 1e-4, sizes
         diff, grad = _run(models, x, train=True, valid_sizes=sizes)
         assert diff < 1e-4 and grad < 1e-3, sizes
-    if _graphs() != before:  # (known since 25c9531: the packed layout's per-image token counts are guarded)
-        pytest.xfail(f"valid_sizes: other image sizes compiled {_graphs() - before} new graphs (docs/compiled-mode.md)")
+    # Stochastic depth off: drop_samples reads the per-image token counts only where it drops, so
+    # the image count is not guarded. What can remain: dynamic shapes' "duck sizing" (a packed
+    # layout's window count equal to its count of padding slots at the first compile), seen when
+    # this test runs alone (4 graphs), not after the others (docs/compiled-mode.md).
+    if _graphs() != before:
+        pytest.xfail(f"valid_sizes: other image sizes compiled {_graphs() - before} new graphs (duck sizing)")
 
 
 @needs_compile
