@@ -75,8 +75,8 @@ class SwinBackbone(BaseModule):
         compile: ``True`` or a dict of ``torch.compile`` options (``mode``, ``backend``,
             ``fullgraph``, ...; ``dynamic`` defaults to ``True``): the blocks are compiled
             (regional compilation, docs/compiled-mode.md); ``False`` (the default): eager.
-            Compiled blocks were measured slower than the eager ones, on the CPU and on a GPU
-            (a log line says so).
+            Compiled blocks were measured slower than the eager ones on a GPU, and compiling the
+            whole model slower on the CPU (a log line says so).
         save_memory: in training, keep no LayerNorm or GELU output for backward (backward rebuilds
             them from their inputs: pointwise, no matmul, every module run once). ``None`` (the
             default): on the CPU only, where it costs no measured time; ``True``: on every device
@@ -298,8 +298,8 @@ class SwinBackbone(BaseModule):
         if compiled and not self._warned_compile:
             self._warned_compile = True
             print_log(f"SwinBackbone: compile=True on {x.device.type}: compiled blocks were measured slower than the "
-                      "eager ones (CPU; H200 GPU: eval 1.16x, training 1.48x the eager time; "
-                      "docs/compiled-mode.md); compile=False is faster.", logger="current")
+                      "eager ones on an H200 GPU (eval 1.16x, training 1.48x the eager time), and compiling the whole "
+                      "model was slower on the CPU (docs/compiled-mode.md); compile=False is faster.", logger="current")
         # how this forward runs; plan.stages[i]: stage i's (traced ones for compiled blocks)
         plan = ops.plan_forward(x, self, valid, compiled_blocks=compiled)
         if valid is not None:  # images in a padded batch: patches across their edges read zeros
