@@ -18,7 +18,7 @@ ValidSizes = Optional[Sizes]
 
 def packed_layout(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
-    align: bool = False, table_window: int = 0,
+    align: bool = False, table_window: int = 0, traced: bool = False,
 ) -> WindowLayout:
     """The windows of a batch's images, each as it is alone, packed into one row of tokens.
 
@@ -31,6 +31,11 @@ def packed_layout(
     ``(B * height * width)`` map the tokens are, and :attr:`~.layouts.WindowLayout.image_tokens`
     each image's ``h_b * w_b``; the layout itself is one row (height 1, width ``T``). Built on
     the CPU from the images' cached layouts, one copy per tensor to ``device``.
+
+    ``traced`` (for compiled blocks): padding slots read an appended zero token (index ``T``), as
+    a traced layout's do, rather than being listed in ``pad_slots``: a compiled block then has no
+    tensor sized by the padding-slot count, whose size dynamic shapes could equate with another
+    (a recompile when they later differ).
     """
     n = window * window
     parts = [get_window_layout(h, w, window, shift, True, CPU, dtype, align, False, table_window)
@@ -53,13 +58,16 @@ def packed_layout(
             if part.mask is not None:
                 buffer.narrow(0, first, part.num_windows).narrow(-1, 0, n).copy_(part.mask)
         mask = mask_rows(to_device(buffer, device), n)
+    index = torch.cat(index)
+    if traced and pad_slots:
+        index[torch.cat(pad_slots)] = tokens
     return WindowLayout(
         height=1, width=tokens, window=window, shift=shift, num_windows=num_windows,
-        table_window=parts[0].table_window, has_padding=bool(pad_slots), index=to_device(torch.cat(index), device),
+        table_window=parts[0].table_window, has_padding=bool(pad_slots) or traced, index=to_device(index, device),
         inverse=to_device(torch.cat(inverse), device),
-        pad_slots=to_device(torch.cat(pad_slots), device) if pad_slots else None, mask=mask,
+        pad_slots=to_device(torch.cat(pad_slots), device) if pad_slots and not traced else None, mask=mask,
         bias_index=to_device(parts[0].bias_index, device), rows=to_device(torch.cat(rows), device),
-        image_tokens=tuple(h * w for h, w in valid_sizes),
+        image_tokens=tuple(h * w for h, w in valid_sizes), traced=traced,
     )
 
 

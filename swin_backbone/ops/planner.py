@@ -239,7 +239,7 @@ def plan_stage(
     for offset in (0, shift) if shift > 0 else (0,):
         if plan.valid_sizes is not None:  # (never while tracing: plan_forward refuses sizes then)
             layout = get_packed_layout(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
-                                       plan.align_masks, window_size)
+                                       plan.align_masks, window_size, plan.tracing)
         else:
             args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks,
                     plan.tracing, window_size)

@@ -263,8 +263,8 @@ def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
     valid = ops.plan_for(x, grad=False, valid_sizes=sizes)
     _, regular2, shifted2 = ops.plan_stage(valid,
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7)
-    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7)
+    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False)
+    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False)
     assert L.get_window_layout.cache_info().misses == 4  # image 0 (= the map) hit; image 1's two built
     assert V.get_packed_layout.cache_info().misses == 2
     # a window no larger than the map with no shift: no shifted layout at all
@@ -392,3 +392,20 @@ def test_every_cache_of_the_ops_has_one_owner():
     assert len(found) >= 6, found
     missing = [name for name, cache in found if not any(cache is c for c in L._CACHES)]
     assert not missing, missing
+
+
+def test_traced_packed_layout_gathers_what_the_eager_one_does():
+    # Compiled blocks get packed layouts whose padding slots read an appended zero token (no
+    # pad_slots tensor, whose size dynamic shapes could equate with another): the same windows,
+    # and the same tokens back.
+    from swin_backbone.ops.attention import gather_tokens
+
+    sizes = ((13, 20), (9, 11))
+    for shift in (0, 3):
+        eager = V.packed_layout(13, 20, 7, shift, sizes, torch.device("cpu"), torch.float32, False, 7)
+        traced = V.packed_layout(13, 20, 7, shift, sizes, torch.device("cpu"), torch.float32, False, 7, traced=True)
+        assert eager.pad_slots is not None and traced.pad_slots is None and traced.traced and traced.has_padding
+        x = torch.randn(2, eager.width, 5)
+        windows = gather_tokens(x, eager.index, eager.has_padding, eager.pad_slots)
+        assert torch.equal(gather_tokens(x, traced.index, True, None, True), windows)
+        assert torch.equal(gather_tokens(windows, traced.inverse, False, None, True), x)
