@@ -318,6 +318,17 @@ def sdpa_kernels(model, x, autocast_dtype, train: bool, changes: Optional[Dict[s
 
 
 # ---------------------------------------------------------------------------- peak memory
+def step_peak_cuda(fn: Callable[[], None]) -> int:
+    """Bytes of CUDA memory ``fn`` allocated at its peak above what was allocated before it (one
+    call, in this process: the steps' models stay resident, so only the step's own memory counts)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def memory_child(name: str, device: str, batch: int, size: Sequence[int], changes: Dict[str, object],
                  dtype: Optional[str]) -> None:
     """Run in a fresh process: peak memory of one fwd+bwd of ``name``'s model (``v2:NAME``: a
@@ -337,12 +348,7 @@ def memory_child(name: str, device: str, batch: int, size: Sequence[int], change
     step = with_switches(train_step(model, x, getattr(torch, dtype) if dtype else None), changes)
     if device == "cuda":
         step()  # warm-up: cuBLAS / autotuning workspaces are not activations
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = step_peak_cuda(step)
     else:
         gc.collect()
         base = _reset_peak_rss()
@@ -394,17 +400,6 @@ def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant
 
 
 # ----------------------------------------------------------------------- rows and results
-def step_peak_cuda(fn: Callable[[], None]) -> int:
-    """Bytes of CUDA memory ``fn`` allocated at its peak above what was allocated before it (one
-    call, in this process: the steps' models stay resident, so only the step's own memory counts)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet") -> dict:
     """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios);
     ``reference`` not among them (mmdet not installed): over ours."""
