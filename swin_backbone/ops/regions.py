@@ -66,14 +66,13 @@ def _pack(t: torch.Tensor) -> Union[torch.Tensor, _Rebuild]:
     base = t if t._base is None else t._base
     if base._base is None and base.grad_fn is not None and base.output_nr == 0:
         source = _source(base.grad_fn)
-        # (a cast is rebuilt as a dtype change: one that moved devices is kept)
-        if source is not None and (source is base.grad_fn or _saved_input(source).device == t.device):
+        if source is not None and source is not base.grad_fn:  # (a cast / gather of it: kept where the
+            # cast moved devices, as it is rebuilt as a dtype change)
+            kept = source._saved_self if type(source).__name__ == _GELU else source._saved_input
+            source = source if kept.device == t.device else None
+        if source is not None:
             return base.grad_fn, None if base is t else (t.size(), t.stride(), t.storage_offset()), t.dtype
     return t
-
-
-def _saved_input(node: torch.autograd.graph.Node) -> torch.Tensor:
-    return node._saved_self if type(node).__name__ == _GELU else node._saved_input
 
 
 def _rebuild(node: torch.autograd.graph.Node, dtype: torch.dtype) -> torch.Tensor:
