@@ -1,16 +1,17 @@
 """Regional compilation of the backbone (``compile=True``; docs/compiled-mode.md).
 
-torch's regional-compilation recipe: the repeated blocks are compiled, the rest of the forward
-(planner, window layouts, patch embedding and merging, output norms) stays eager. Each block gets
-``nn.Module.compile`` (its ``__call__`` compiled, hooks included, parameter names unchanged); the
-blocks of a class share one code object, and with ``inline_inbuilt_nn_modules`` (torch >= 2.5's
-default) their parameters are graph inputs, so blocks of equal shapes share one compiled graph.
+torch's regional-compilation recipe: the modules that hold the work are compiled (the repeated
+blocks, the patch mergings, the patch embedding and the output norms); the planner, the window
+layouts and the gathers between the stages stay eager. Each of these modules gets
+``nn.Module.compile`` (its ``__call__`` compiled, hooks included, parameter names unchanged); they
+share one code object, and with ``inline_inbuilt_nn_modules`` (torch >= 2.5's default) their
+parameters are graph inputs, so modules of one class and equal shapes share one compiled graph.
 The planner decides each stage's plan eagerly as a traced one (``plan_forward(...,
 compiled_blocks=True)``), and the window layouts reach the compiled blocks as inputs.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, List, Mapping
 
 import torch
 from torch import nn
@@ -19,10 +20,11 @@ from ..torch_compat import compile_unsupported_reason, torch_version
 
 #: torch with ``nn.Module.compile``.
 MIN_TORCH = (2, 2)
-#: Compiled graphs a block's code may hold (dynamo's default, 8, is per code object: the blocks
-#: of every stage share it, and each stage's widths, batch 1 or more, eval and training are
-#: graphs of their own; past the limit dynamo would silently run the blocks eagerly).
-RECOMPILE_LIMIT = 128
+#: Compiled graphs the compiled modules' code may hold (dynamo's default, 8, is per code object:
+#: every compiled module shares ``nn.Module._call_impl``'s, and each class, stage width, batch 1
+#: or more, eval and training is a graph of its own; past the limit dynamo would silently run the
+#: modules eagerly).
+RECOMPILE_LIMIT = 256
 
 
 def check_can_compile() -> None:
@@ -35,16 +37,25 @@ def check_can_compile() -> None:
         raise RuntimeError(f"compile: torch.compile cannot run here ({reason}); use compile=False")
 
 
-def compile_blocks(stages: nn.ModuleList, options: Mapping[str, Any]) -> int:
-    """``block.compile(**options)`` for every block of ``stages``; returns how many."""
+def compiled_regions(backbone: nn.Module) -> List[nn.Module]:
+    """The modules ``compile=True`` compiles, in forward order: the patch embedding, each stage's
+    blocks and patch merging, the output norms (``norm{i}``)."""
+    regions: List[nn.Module] = [backbone.patch_embed]
+    for stage in backbone.stages:
+        regions.extend(stage.blocks)
+        if stage.downsample is not None:
+            regions.append(stage.downsample)
+    return regions + [getattr(backbone, f"norm{i}") for i in backbone.out_indices]
+
+
+def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
+    """``module.compile(**options)`` for every module of :func:`compiled_regions`; returns how many."""
     check_can_compile()
-    count = 0
-    for stage in stages:
-        for block in stage.blocks:
-            block.compile(**options)
-            count += 1
+    regions = compiled_regions(backbone)
+    for module in regions:
+        module.compile(**options)
     allow_recompiles()
-    return count
+    return len(regions)
 
 
 def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:

@@ -179,8 +179,10 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
     """:func:`plan_forward`'s decision from the situation alone."""
     cpu = device == "cpu"
     if tracing:
-        # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself.
-        attention = "plain" if grad or attn_dropout or not s.sdpa or torch.jit.is_tracing() else "sdpa"
+        # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself. In
+        # training only CUDA's SDPA (memory-efficient) gives the bias its gradient.
+        attention = ("plain" if (grad and device != "cuda") or attn_dropout or not s.sdpa or torch.jit.is_tracing()
+                     else "sdpa")
     elif attn_dropout or not s.sdpa:
         attention = "plain"
     elif grad and cpu:
@@ -243,7 +245,10 @@ def plan_stage(
         else:
             args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks,
                     plan.tracing, window_size)
-            layout = build_window_layout(*args) if plan.tracing else get_window_layout(*args)
+            # (A traced forward's sizes may be symbolic: built each time. The compiled blocks' planner
+            # runs eagerly with ints: their traced-form layouts are cached as eager ones are.)
+            traced_now = is_compiling() or torch.jit.is_tracing()
+            layout = build_window_layout(*args) if traced_now else get_window_layout(*args)
         layouts.append(layout)
     if with_cp and plan.save_memory:
         plan = dataclasses.replace(plan, save_memory=False)

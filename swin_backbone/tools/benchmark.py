@@ -37,7 +37,7 @@ row unless said otherwise:
      and the ``constant_pad_nd`` / ``copy_`` ops (all, and inside SDPA calls: the fused CUDA
      kernels' copies of masks whose rows are not 8-aligned);
   6. ``--compile``: ``torch.compile`` (dynamic) eval bf16 8x and training bf16 2x of mmdet and
-     ours, and ours in its compiled mode (``compile=True``: the blocks compiled), with the
+     ours, and ours in its compiled mode (``compile=True``: its regions compiled), with the
      first (compiling) call's time, with (5) for ours; eval bf16 1x with ``mode="reduce-overhead"`` (CUDA graphs) of
      mmdet and ours against both eager in the same rounds; ``--compile only``: just these (a
      device call of its own);
@@ -291,7 +291,7 @@ def compiled_row(label: str, fns: Dict[str, Callable[[], None]], device: str, ar
 def run_compiled_cpu(args, results: dict, models: Dict[str, torch.nn.Module]) -> None:
     """CPU ``--compile`` rows, fp32: ``compiled_forward_eval`` (1x ``--eval-size``) and
     ``compiled_forward_backward`` (2x ``--train-size``) of ours eager, ours in its compiled mode
-    (``ours_regional``: ``compile=True``, the blocks compiled), mmdet eager and ``torch.compile``
+    (``ours_regional``: ``compile=True``, its regions compiled), mmdet eager and ``torch.compile``
     (dynamic) of mmdet (``mmdet_compiled``), in the same rounds; ``first_call_s``: each one's
     first call (the compiled ones compile in it)."""
     device = "cpu"
@@ -463,7 +463,7 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
     compiled = {k: B.compile_model(m, dynamic=dynamic) for k, m in models.items() if whole_ours or k != "ours"}
     if not whole_ours:
         compiled["ours_eager"] = models["ours"]
-    compiled["ours_regional"] = B.regional_model(models["ours"])  # compile=True: the blocks compiled
+    compiled["ours_regional"] = B.regional_model(models["ours"])  # compile=True: its regions compiled
     x8 = torch.randn(8, 3, h, w, device=device)
     x2 = torch.randn(2, 3, h, w, device=device)
     for kind, x, step in (("eval", x8, eval_step), ("train", x2, train_step)):

@@ -186,15 +186,15 @@ def compile_model(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
 
 
 def regional_model(model: torch.nn.Module, **options) -> torch.nn.Module:
-    """A copy of the backbone ``model`` in its compiled mode (``compile=True``: its blocks
+    """A copy of the backbone ``model`` in its compiled mode (``compile=True``: its regions
     compiled, ``options`` passed on to ``torch.compile``, ``dynamic=True`` unless given); one
     place, as :func:`compile_model`."""
-    from ..model.compiled import compile_blocks
+    from ..model.compiled import compile_regions
     from ..validation import check_compile
 
     regional = copy.deepcopy(model)
     regional.compile_options = check_compile(options or True)
-    compile_blocks(regional.stages, regional.compile_options)
+    compile_regions(regional, regional.compile_options)
     return regional
 
 

@@ -15,7 +15,7 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
 4. lean saves on this device: training bf16 at 2 images, ours with ``save_memory=True`` beside
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
 5. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
-   ``compile=True`` (its blocks compiled, dynamic) and ours eager, each compiled one with its
+   ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
    ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
    minutes (``swin-benchmark --device cuda --compile only`` times it).
@@ -74,9 +74,9 @@ def markdown(results: dict) -> List[str]:
                     row["speedup_over_ours"]["ours_without_valid_sizes"] ** -1)
                 lines.append(f"| {label(key, row)}, ours without valid_sizes | | | | "
                              f"{med['ours_without_valid_sizes'] * 1e3:.1f} ms | valid_sizes **{gain:.2f}x** faster |")
-            if "ours_regional" in med:  # the compiled rows: ours with compile=True (its blocks compiled)
+            if "ours_regional" in med:  # the compiled rows: ours with compile=True (its regions compiled)
                 first = row.get("first_call_s", {})
-                lines.append(f"| {label(key, row)}, ours compile=True (blocks compiled) | | | | "
+                lines.append(f"| {label(key, row)}, ours compile=True (regions compiled) | | | | "
                              f"{med['ours_regional'] * 1e3:.1f} ms | **{row['speedup_over_mmdet']['ours_regional']:.2f}x**"
                              " (first call: " + ", ".join(f"{k} {v:.0f} s" for k, v in first.items()) + ") |")
             if "ours_eager" in med:  # (the whole of ours not compiled: eager beside compiled mmdet)

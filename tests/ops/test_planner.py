@@ -6,6 +6,7 @@ kernel, never the math one; tracing sees plain ops only; frozen stages run as in
 whatever is handed to SDPA meets the fused CUDA kernels' conditions (checked on the CPU by
 inspecting the calls, with the planner's CUDA alignment turned on).
 """
+import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,8 @@ def test_decisions_per_situation():
     traced = decide("cpu", f32, True, True, False, False)
     assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
     assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
-    assert decide("cuda", f32, True, True, False, False).attention == "plain"
+    # Traced training on CUDA: SDPA (memory-efficient / cuDNN kernels give the bias its gradient).
+    assert decide("cuda", f32, True, True, False, False).attention == "sdpa"
     assert decide("cuda", f32, False, True, False, False).attention == "sdpa"
     with ops.override(sdpa=False, chunk_bytes=0):
         off = decide("cpu", f32, False, False, False, False)
@@ -165,12 +167,14 @@ def test_tracing_sees_only_plain_ops(train):
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_tracing_on_cuda_plans_by_the_situation(grad):
-    # torch.compile / torch.export on CUDA: 'auto' gives what tracing gives on any device
-    # (SDPA in inference, plain ops for a training graph); attention dropout: plain ops.
+    # torch.compile / torch.export on CUDA: SDPA in inference and in training (CUDA's kernels
+    # give the bias its gradient; on the CPU a training graph has plain ops); attention
+    # dropout: plain ops.
     bf16, switches = torch.bfloat16, planner.Switches()
-    plain = "plain" if grad else "sdpa"
     compiled = planner._decide("cuda", bf16, grad, True, False, False, False, switches)
-    assert compiled.attention == plain and compiled.tracing and not compiled.save_memory
+    assert compiled.attention == "sdpa" and compiled.tracing and not compiled.save_memory
+    assert planner._decide("cpu", bf16, grad, True, False, False, False, switches).attention == (
+        "plain" if grad else "sdpa")
     assert planner._decide("cuda", bf16, grad, True, True, True, False, switches).attention == "plain"
 
 
@@ -184,6 +188,28 @@ def test_checkpointed_stages_skip_lean_saves():
     assert not ops.plan_stage(plan,
         height=14, width=14, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
         device=x.device, with_cp=True)[0].save_memory
+
+
+def test_compiled_blocks_layouts_are_cached_and_traced_ones_are_built():
+    # compile=True: the planner runs eagerly and hands the compiled blocks traced-form layouts;
+    # they are cached like eager ones (built once per size, not on every forward). While
+    # torch.jit.trace records, sizes may be symbolic: built each time.
+    x = torch.zeros(1, 14, 14, 32)
+    plan = dataclasses.replace(ops.plan_for(x), tracing=True)
+    kwargs = dict(height=14, width=13, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
+                  device=x.device)
+    _, regular, shifted = ops.plan_stage(plan, **kwargs)
+    again = ops.plan_stage(plan, **kwargs)
+    assert regular.traced and shifted.traced and again[1] is regular and again[2] is shifted
+    seen = []
+
+    def fn(t):
+        seen.append(ops.plan_stage(plan, **kwargs)[1])
+        return t * 2
+
+    torch.jit.trace(fn, torch.randn(2), check_trace=False)
+    assert seen[0].traced and seen[0] is not regular
+    assert torch.equal(seen[0].index, regular.index) and torch.equal(seen[0].mask, regular.mask)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])

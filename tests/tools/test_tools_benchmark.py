@@ -342,7 +342,7 @@ def test_benchmark_cuda_rows_run_on_the_cpu(monkeypatch):
     assert [c.kwargs for c in compiled] == [dict(dynamic=True)] * 2 + [dict(mode="reduce-overhead", dynamic=False)] * 2
     assert [c.model for c in compiled] == [built["mmdet"], built["ours"]] * 2
     assert all(c.calls > 0 for c in compiled)
-    # and ours in its compiled mode (compile=True: the blocks compiled), the first call timed
+    # and ours in its compiled mode (compile=True: its regions compiled), the first call timed
     assert [c.model for c in regional] == [built["ours"]] and regional[0].calls > 0
     for key in ("compiled_eval_bf16_8x3x64x96", "compiled_train_bf16_2x3x64x96"):
         _check_v1_row(results[key], {"mmdet", "ours", "ours_regional"}, key)
@@ -483,7 +483,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert {"eval bf16 1x3x32x32", "eval bf16 8x3x32x32", "train fwd+bwd bf16 2x3x32x32",
             "peak training memory bf16 2x3x32x32", "torch.compile eval bf16 8x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32",
-            "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (blocks compiled)",
+            "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (regions compiled)",
             "torch.compile eval bf16 8x3x32x32, ours eager",
             "lean saves train fwd+bwd bf16 2x3x32x32", "lean saves train fwd+bwd bf16 2x3x32x32, ours save_memory=True",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
