@@ -44,6 +44,8 @@ class Switches:
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
+    #: eager: windows that need no mask attend without one (None: the CPU only; unmeasured on CUDA)
+    split_masks: Optional[bool] = None
 
 
 _SWITCHES = Switches()
@@ -200,6 +202,7 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, attn_dropout=attn_dropout, attention=attention,
         save_memory=eager and grad and (cpu if s.save_memory is None else s.save_memory),
+        split_masks=eager and (cpu if s.split_masks is None else s.split_masks),
         chunk_bytes=chunk_bytes,
         may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic,
     )
@@ -241,10 +244,10 @@ def plan_stage(
     for offset in (0, shift) if shift > 0 else (0,):
         if plan.valid_sizes is not None:  # (never while tracing: plan_forward refuses sizes then)
             layout = get_packed_layout(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
-                                       plan.align_masks, window_size, plan.tracing)
+                                       plan.align_masks, window_size, plan.tracing, plan.split_masks)
         else:
             args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks,
-                    plan.tracing, window_size)
+                    plan.tracing, window_size, plan.split_masks)
             # (A traced forward's sizes may be symbolic: built each time. The compiled blocks' planner
             # runs eagerly with ints: their traced-form layouts are cached as eager ones are.)
             traced_now = is_compiling() or torch.jit.is_tracing()

@@ -14,6 +14,8 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    without;
 4. lean saves on this device: training bf16 at 2 images, ours with ``save_memory=True`` beside
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
+   and ours with ``split_masks=True`` (the windows that need no mask attend without one: the
+   CPU's default) in that row and in eval bf16 at 8 images;
 5. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
@@ -89,6 +91,10 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours save_memory=True | | | | "
                              f"{med['ours_save_memory'] * 1e3:.1f} ms | "
                              f"**{row['speedup_over_mmdet']['ours_save_memory']:.2f}x**{mem} |")
+            if "ours_split_masks" in med:  # (the CPU's default, switched on here)
+                lines.append(f"| {label(key, row)}, ours split_masks=True | | | | "
+                             f"{med['ours_split_masks'] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet']['ours_split_masks']:.2f}x** |")
         elif key == "peak_memory":
             cells = [f"{row[f'{k}_bytes'] / 2**20:.0f} MiB" if f"{k}_bytes" in row else "" for k in COLUMNS]
             ratio = row.get("ratio_over_mmdet")
@@ -150,12 +156,22 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(2, 3, h, w, device=args.device)
         step = B.train_step(models["ours"], x, bf16)
         fns = {k: B.train_step(m, x, bf16) for k, m in models.items() if k != "ours"}
-        fns.update(ours=step, ours_save_memory=B.with_switches(step, dict(save_memory=True)))
+        fns.update(ours=step, ours_save_memory=B.with_switches(step, dict(save_memory=True)),
+                   ours_split_masks=B.with_switches(step, dict(split_masks=True)))
         times = B.interleave(fns, args.device, args.iters, args.warmup)
         row = B.summarize(f"lean_saves train fwd+bwd bf16 2x3x{h}x{w}", times)
         if args.device == "cuda":
             row["peak_bytes"] = {k: B.step_peak_cuda(fn) for k, fn in fns.items()}
         results[f"lean_saves_train_bf16_2x3x{h}x{w}"] = row
+        # The unmasked windows without a mask (the CPU's default) in eval too.
+        for m in models.values():
+            m.eval()
+        x = torch.randn(8, 3, h, w, device=args.device)
+        step = B.eval_step(models["ours"], x, bf16)
+        fns = {k: B.eval_step(m, x, bf16) for k, m in models.items() if k != "ours"}
+        fns.update(ours=step, ours_split_masks=B.with_switches(step, dict(split_masks=True)))
+        times = B.interleave(fns, args.device, args.iters, args.warmup)
+        results[f"split_masks_eval_bf16_8x3x{h}x{w}"] = B.summarize(f"split_masks eval bf16 8x3x{h}x{w}", times)
 
     steps: List[Callable[[], None]] = [
         lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),

@@ -242,6 +242,7 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
         for q, k, v, mask in calls:
             assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
             assert mask is not None and mask.dtype == q.dtype
+            assert mask.dim() == 4  # (CPU SDPA runs its math kernel, 3x slower, for a 3-d mask)
             assert mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1]), mask.stride()
         if autocast:
             assert {q.dtype for q, *_ in calls} == {torch.bfloat16}
@@ -249,7 +250,8 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
     # The masks were built once in the compute dtype (bf16 under autocast) and cached.
     dtype = torch.bfloat16 if autocast else torch.float32
     before = L.get_window_layout.cache_info()
-    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7)  # stage 1 of 61x75
+    # (stage 1 of 61x75; on the CPU the unmasked windows come first: split)
+    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7, True)
     assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
 

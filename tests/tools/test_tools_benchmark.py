@@ -470,7 +470,8 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     for key in ("padded_eval_bf16_2x3x32x32", "padded_train_bf16_2x3x32x32"):
         assert set(results[key]["samples"]) == {"mmdet", "ours", "ours_without_valid_sizes"}
     lean = results["lean_saves_train_bf16_2x3x32x32"]
-    assert set(lean["samples"]) == {"mmdet", "ours", "ours_save_memory"}
+    assert set(lean["samples"]) == {"mmdet", "ours", "ours_save_memory", "ours_split_masks"}
+    assert set(results["split_masks_eval_bf16_8x3x32x32"]["samples"]) == {"mmdet", "ours", "ours_split_masks"}
     assert "peak_bytes" not in lean  # (CUDA only: the process's own peak)
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
         # mmdet compiled, ours with compile=True, ours eager (the whole of ours is not compiled here)
@@ -486,6 +487,8 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
             "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (regions compiled)",
             "torch.compile eval bf16 8x3x32x32, ours eager",
             "lean saves train fwd+bwd bf16 2x3x32x32", "lean saves train fwd+bwd bf16 2x3x32x32, ours save_memory=True",
+            "lean saves train fwd+bwd bf16 2x3x32x32, ours split_masks=True",
+            "split masks eval bf16 8x3x32x32, ours split_masks=True",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes"} <= lines
 
