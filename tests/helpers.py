@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -237,12 +237,15 @@ CONFIG_ROOT = os.path.join(ROOT, "swin_backbone", ".mim", "configs")  # ./config
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_ROOT, "**", "*.py"), recursive=True) if "_base_" not in p)
 
 
-def build_config(path):
-    """A shipped config and the model its default scope's registry builds from it."""
+def build_config(path, edit: Optional[Callable[[object], None]] = None):
+    """A shipped config and the model its default scope's registry builds from it (``edit``: a
+    change made to the config first)."""
     from mmengine.config import Config
     from mmengine.registry import DefaultScope
 
     cfg = Config.fromfile(path)
+    if edit is not None:
+        edit(cfg)
     scope = cfg.default_scope
     registry = __import__(f"{scope}.registry", fromlist=["MODELS"]).MODELS
     with DefaultScope.overwrite_default_scope(scope):

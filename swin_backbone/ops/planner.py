@@ -44,8 +44,9 @@ class Switches:
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
-    #: eager: windows that need no mask attend without one (None: the CPU only; unmeasured on CUDA)
-    split_masks: Optional[bool] = None
+    #: eager: windows that need no mask attend without one (off: no CPU gain measured, CUDA unmeasured;
+    #: docs/performance.md, "Straddling-only masks")
+    split_masks: bool = False
 
 
 _SWITCHES = Switches()
@@ -202,7 +203,7 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, attn_dropout=attn_dropout, attention=attention,
         save_memory=eager and grad and (cpu if s.save_memory is None else s.save_memory),
-        split_masks=eager and (cpu if s.split_masks is None else s.split_masks),
+        split_masks=eager and s.split_masks,
         chunk_bytes=chunk_bytes,
         may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic,
     )

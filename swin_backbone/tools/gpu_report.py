@@ -14,8 +14,8 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    without;
 4. lean saves on this device: training bf16 at 2 images, ours with ``save_memory=True`` beside
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
-   and ours with ``split_masks=True`` (the windows that need no mask attend without one: the
-   CPU's default) in that row and in eval bf16 at 8 images;
+   and ours with ``split_masks=True`` (opt-in: the windows that need no mask attend without
+   one) in that row and in eval bf16 at 8 images;
 5. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
@@ -91,7 +91,7 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours save_memory=True | | | | "
                              f"{med['ours_save_memory'] * 1e3:.1f} ms | "
                              f"**{row['speedup_over_mmdet']['ours_save_memory']:.2f}x**{mem} |")
-            if "ours_split_masks" in med:  # (the CPU's default, switched on here)
+            if "ours_split_masks" in med:  # (opt-in, switched on here)
                 lines.append(f"| {label(key, row)}, ours split_masks=True | | | | "
                              f"{med['ours_split_masks'] * 1e3:.1f} ms | "
                              f"**{row['speedup_over_mmdet']['ours_split_masks']:.2f}x** |")
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.device == "cuda":
             row["peak_bytes"] = {k: B.step_peak_cuda(fn) for k, fn in fns.items()}
         results[f"lean_saves_train_bf16_2x3x{h}x{w}"] = row
-        # The unmasked windows without a mask (the CPU's default) in eval too.
+        # The unmasked windows without a mask (opt-in) in eval too.
         for m in models.values():
             m.eval()
         x = torch.randn(8, 3, h, w, device=args.device)

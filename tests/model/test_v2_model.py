@@ -186,7 +186,8 @@ def test_any_size(size):
 
 def test_every_kernel_gives_the_same_v2_features():
     # SDPA (inference), plain matmul + softmax, and the CPU recompute kernel (training) with its
-    # hand-written backward all serve V2 unchanged: same features, same gradients.
+    # hand-written backward, on masks of every window or (split_masks) of the masked ones only,
+    # all serve V2 unchanged: same features, same gradients.
     model = _randomize(SwinV2Backbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4,
                                       out_indices=(0, 1), drop_path_rate=0.0))
     x = torch.randn(2, 3, 37, 45)
@@ -198,7 +199,7 @@ def test_every_kernel_gives_the_same_v2_features():
         torch.testing.assert_close(a, b, rtol=ATOL, atol=ATOL)
     grads = []
     model.double()  # float64: weight gradients sum many tokens; fp32 ordering noise would hide bugs
-    for switches in (dict(), dict(recompute_attention=False, save_memory=False)):
+    for switches in (dict(), dict(recompute_attention=False, save_memory=False), dict(split_masks=True)):
         model.zero_grad()
         with ops.override(**switches):
             outs = model.train()(x.double())
@@ -207,7 +208,8 @@ def test_every_kernel_gives_the_same_v2_features():
         for a, b in zip(outs, fused):
             torch.testing.assert_close(a.float(), b, rtol=ATOL, atol=ATOL)
     for name, g in grads[0].items():
-        torch.testing.assert_close(g, grads[1][name], msg=lambda m: f"{name}: {m}")
+        for other in grads[1:]:
+            torch.testing.assert_close(g, other[name], msg=lambda m: f"{name}: {m}")
     assert grads[0]["stages.0.blocks.1.attn.cpb_mlp.0.weight"].abs().sum() > 0
     assert grads[0]["stages.0.blocks.1.attn.logit_scale"].abs().sum() > 0
 

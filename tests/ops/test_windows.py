@@ -258,17 +258,27 @@ def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.rows is None
-    # (on the CPU the windows that need no mask come first: split)
-    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7, True)
-    assert shifted.plain_windows == 2 and shifted.mask.shape[0] == shifted.num_windows - 2
+    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7, False)
+    assert shifted.plain_windows == 0 and shifted.mask.shape[0] == shifted.num_windows
     sizes = ((13, 20), (9, 11))
     valid = ops.plan_for(x, grad=False, valid_sizes=sizes)
     _, regular2, shifted2 = ops.plan_stage(valid,
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False, True)
-    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False, True)
+    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False, False)
+    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False, False)
     assert L.get_window_layout.cache_info().misses == 4  # image 0 (= the map) hit; image 1's two built
     assert V.get_packed_layout.cache_info().misses == 2
+    # Split masks (opt-in): the split layouts, cached beside the others; the packed ones from the
+    # images' split layouts (image 0's is the map's).
+    with ops.override(split_masks=True):
+        _, _, shifted3 = ops.plan_stage(ops.plan_for(x, grad=False),
+            height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
+        packed = ops.plan_stage(ops.plan_for(x, grad=False, valid_sizes=sizes),
+            height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)[2]
+    assert shifted3 is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7, True)
+    assert shifted3.plain_windows == 2 and shifted3.mask.shape[0] == shifted3.num_windows - 2
+    assert packed is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False, True)
+    assert packed.plain_windows > 0 and L.get_window_layout.cache_info().misses == 8  # the map's 2, image 1's 2
     # a window no larger than the map with no shift: no shifted layout at all
     assert ops.plan_stage(plan,
         height=13, width=20, window_size=7, shift_size=0, pad_small_map=True, mask_padding=True,

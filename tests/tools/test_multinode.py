@@ -158,7 +158,11 @@ def _test_run_rank(rank, world, port, work_dirs, fix):
                     cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None)))  # CPU DDP
     if fix:
         rank_zero_test_json(runner)
-    runner.test()
+    try:
+        runner.test()
+    finally:  # (a group left to the interpreter's exit may abort a rank: "terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fix", [False, True], ids=["mmengine", "ours"])

@@ -385,7 +385,9 @@ def test_saved_results_rewrite_the_json_as_rows_finish(tmp_path):
 def test_benchmark_cuda_compile_only_runs_just_the_compiled_rows(monkeypatch):
     # `--compile only`: a device call of its own for the compiled rows (no eager rows, no
     # memory children), so the GPU run can be split over calls of 10 minutes.
+    # (compiling stood in for, both ways: which rows run is the point; tests/model/test_compiled.py compiles)
     monkeypatch.setattr(benchmarking, "compile_model", lambda model, **kwargs: model)
+    monkeypatch.setattr(benchmarking, "regional_model", lambda model, **options: model)
     monkeypatch.setattr(benchmarking, "peak_memory", lambda *a, **k: pytest.fail("no memory rows with --compile only"))
     args = argparse.Namespace(device="cpu", iters=1, warmup=0, no_peers=True, skip_memory=False, compile="only",
                               upernet=None, padded=None)
