@@ -191,8 +191,10 @@ def attention_in_windows(
             q, k, v = heads.reshape(3, batch, masked * num_heads, n, head_dim).unbind(0)
             attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, masked * num_heads, n, n)
         parts.append(run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale))
-    out = [part.view(batch, -1, num_heads, n, head_dim).transpose(2, 3) for part in parts]  # (B, w, N, nH, d)
-    return (out[0] if len(out) == 1 else torch.cat(out, 1)).reshape(batch, tokens, three_c // 3)
+    out = parts[0].view(batch, -1, num_heads, n, head_dim).transpose(2, 3)  # (B, w, N, nH, d)
+    if len(parts) == 2:
+        out = torch.cat((out, parts[1].view(batch, -1, num_heads, n, head_dim).transpose(2, 3)), 1)
+    return out.reshape(batch, tokens, three_c // 3)
 
 
 def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor, dropout_p: float,
