@@ -62,7 +62,6 @@ def packed_layout(
                 buffer.narrow(0, first + part.plain_windows, part.mask.shape[0]).narrow(-1, 0, n).copy_(part.mask)
         if split:
             index, inverse, pad_slots, buffer, plain = masked_last(index, inverse, pad_slots, buffer)
-            buffer, plain = (None, 0) if plain == num_windows else (buffer, plain)
     mask = None if buffer is None else mask_rows(to_device(buffer, device), n)
     if traced and pad_slots is not None:
         index[pad_slots] = tokens

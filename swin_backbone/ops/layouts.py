@@ -74,13 +74,17 @@ class WindowLayout:
 
 def masked_last(
     index: torch.Tensor, inverse: torch.Tensor, pad_slots: Optional[torch.Tensor], buffer: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, int]:
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], int]:
     """A window layout reordered so that the windows whose mask is all zeros come first:
     ``(index, inverse, pad_slots, buffer, plain)``, ``buffer`` (a :func:`~.windows.mask_buffer`,
-    ``(nW, N, R)``) keeping the masked windows' rows only, ``plain`` the unmasked windows' count.
-    Attention then needs no mask for ``plain`` windows (:func:`~.attention.attention_in_windows`)."""
+    ``(nW, N, R)``) keeping the masked windows' rows only (``None``, ``plain`` 0 where no window
+    is masked), ``plain`` the unmasked windows' count. Attention then needs no mask for ``plain``
+    windows (:func:`~.attention.attention_in_windows`)."""
     num_windows, n = buffer.shape[0], buffer.shape[1]
     masked = buffer.flatten(1).ne(0).any(1)
+    plain = num_windows - int(masked.sum())
+    if plain == num_windows:
+        return index, inverse, pad_slots, None, 0
     order = torch.cat((torch.nonzero(~masked).squeeze(1), torch.nonzero(masked).squeeze(1)))
     rank = torch.empty_like(order)
     rank[order] = torch.arange(num_windows)
@@ -88,7 +92,6 @@ def masked_last(
     def moved(position: torch.Tensor) -> torch.Tensor:  # window-layout positions, old -> new
         return rank[position // n] * n + position % n
 
-    plain = num_windows - int(masked.sum())
     return (index.view(num_windows, n)[order].reshape(-1), moved(inverse),
             None if pad_slots is None else moved(pad_slots), buffer[order[plain:]], plain)
 
@@ -129,7 +132,6 @@ def build_window_layout(
         buffer = mask_buffer(labels, dtype, align)
         if split:
             index, inverse, pad_slots, buffer, plain = masked_last(index, inverse, pad_slots, buffer)
-            buffer, plain = (None, 0) if plain == num_windows else (buffer, plain)
     # The whole (8-aligned) buffer is copied, so that the mask's rows stay aligned on the device.
     mask = None if buffer is None else mask_rows(to_device(buffer, device), window * window)
     return WindowLayout(has_padding=has_padding, index=to_device(index, device), inverse=to_device(inverse, device),

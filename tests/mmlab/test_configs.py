@@ -133,15 +133,14 @@ FORWARD = {
 def _fewer_proposals(cfg):
     """64 RPN proposals and 64 sampled RoIs per image in place of 1000 and 512 (a cascade's three
     heads of four convolutions each took a minute on 2000 RoIs): the backbone sees the same."""
-    model = cfg.model
-    for key in ("rpn_proposal",):
-        if key in model.get("train_cfg", {}):
-            model.train_cfg[key].max_per_img = 64
-    rcnn = model.get("train_cfg", {}).get("rcnn")
-    for stage in rcnn if isinstance(rcnn, list) else [rcnn] if rcnn else []:
+    train, test = cfg.model.get("train_cfg", {}), cfg.model.get("test_cfg", {})
+    if "rpn_proposal" in train:
+        train.rpn_proposal.max_per_img = 64
+    rcnn = train.get("rcnn") or []
+    for stage in rcnn if isinstance(rcnn, list) else [rcnn]:  # (a cascade has one per stage)
         stage.sampler.num = 64
-    if "rpn" in model.get("test_cfg", {}):
-        model.test_cfg.rpn.max_per_img = 64
+    if "rpn" in test:
+        test.rpn.max_per_img = 64
 
 
 @pytest.mark.parametrize("name", sorted(FORWARD))

@@ -246,6 +246,12 @@ def test_split_layouts_are_the_windows_reordered_unmasked_first(size, shift, mas
     assert torch.equal(windows.view(2, -1, n, 3), gather_tokens(x, natural.index, natural.has_padding,
                                                                natural.pad_slots).view(2, -1, n, 3)[:, order])
     assert torch.equal(gather_tokens(windows, split.inverse, False, None), x)
+    # no masked window: the layout unchanged, no mask
+    from swin_backbone.ops.layouts import masked_last
+
+    zeros = torch.zeros(natural.num_windows, n, n)
+    kept = masked_last(natural.index, natural.inverse, natural.pad_slots, zeros)
+    assert kept[0] is natural.index and kept[1] is natural.inverse and kept[3:] == (None, 0)
 
 
 def test_masked_windows_are_the_last_row_and_column():
