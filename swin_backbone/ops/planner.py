@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -95,9 +95,10 @@ PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity
 PLAIN_SWIN_MODULES: List[type] = []
 
 
-def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
-    """What the modules of ``model`` say, in one walk: ``(plain, needs_grad, stochastic, attention
-    dropout)``.
+def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Facts, List[Facts]]:
+    """What the modules of ``model`` say, each module read once: ``(plain, needs_grad,
+    stochastic, attention dropout)`` of the whole ``model``, and the same of each of ``parts``
+    (submodules of ``model``: the backbone's stages) on its own.
 
     ``plain``: every submodule is exactly a plain class holding ``nn.Parameter``s
     (``functional_call`` swaps in tensors for one call), with no forward hook (nor a global one):
@@ -107,20 +108,54 @@ def read_modules(model: nn.Module) -> Tuple[bool, bool, bool, bool]:
     them is attention dropout.
     """
     hooks = nn.modules.module
-    plain = not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
-    types = PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES)
-    needs_grad = stochastic = attn = False
-    for m in model.modules():
+    rest = _read(_submodules(model, parts), model)
+    each = [_read(_submodules(part), None) for part in parts]
+    whole = (not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks) and all(f[0] for f in each) and rest[0],
+             *(any(f[i] for f in each) or rest[i] for i in (1, 2, 3)))
+    return whole, each
+
+
+#: :func:`read_modules`' answer for a module tree: ``(plain, needs_grad, stochastic, attention dropout)``.
+Facts = Tuple[bool, bool, bool, bool]
+
+
+def _submodules(root: nn.Module, skip: Sequence[nn.Module] = ()) -> List[nn.Module]:
+    """``root`` and its submodules, each once, not entering ``skip`` (in no particular order:
+    an explicit stack, a fraction of ``modules()``' nested generators' time)."""
+    seen, found, stack = {id(m) for m in skip}, [], [root]
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            found.append(m)
+            stack.extend(child for child in m._modules.values() if child is not None)
+    return found
+
+
+def _read(modules: List[nn.Module], root: Optional[nn.Module]) -> Facts:
+    """:data:`Facts` of ``modules``; ``root`` (among them, or None) is exempt from the
+    plainness of its type, hooks and parameters (the model's own, called as a whole)."""
+    types = frozenset(PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES))
+    plain, needs_grad, stochastic, attn = True, False, False, False
+    for m in modules:
         if m.training:
-            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
-            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
+            own = type(m) in types
+            attn = attn or _rate(m, "attn_drop_rate", own) > 0
+            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or _rate(m, "drop_prob", own) > 0
         for p in m._parameters.values():
             if p is not None:
                 needs_grad = needs_grad or p.requires_grad
-                plain = plain and (m is model or isinstance(p, nn.Parameter))
-        if m is not model:
+                plain = plain and (m is root or isinstance(p, nn.Parameter))
+        if m is not root:
             plain = plain and type(m) in types and not m._forward_hooks and not m._forward_pre_hooks
     return plain, needs_grad, stochastic or attn, attn
+
+
+def _rate(m: nn.Module, name: str, own: bool) -> float:
+    """``m``'s rate ``name`` (0 without one). The plain classes' (``own``) are instance attributes,
+    read without ``nn.Module.__getattr__``, whose miss raises and formats an AttributeError (most of
+    a training forward's reading); any other class's by ``getattr`` (properties, ``__getattr__``)."""
+    return m.__dict__.get(name, 0.0) if own else getattr(m, name, 0.0)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -142,12 +177,13 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
     become each stage's sizes (``None`` where all fill that map).
     """
     device, dtype, enabled = x.device.type, compute_dtype(x), torch.is_grad_enabled()
-    plain, needs_grad, stochastic, attn_dropout = read_modules(model)
+    stages = getattr(model, "stages", None)
+    parts = () if stages is None else (model.patch_embed, *stages)
+    (plain, needs_grad, stochastic, attn_dropout), part_facts = read_modules(model, parts)
     switches = _SWITCHES
     preference = getattr(model, "save_memory", None)  # (the backbone's argument; an override comes first)
     if switches.save_memory is None and preference is not None:
         switches = dataclasses.replace(switches, save_memory=preference)
-    stages = getattr(model, "stages", None)
     if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():  # dynamo or TorchScript records it
         if valid_sizes is not None:
             raise ValueError("valid_sizes: expected None while tracing (torch.compile / torch.export / "
@@ -160,14 +196,13 @@ def plan_forward(x: torch.Tensor, model: nn.Module, valid_sizes: Optional[Sizes]
         return plan
     # Stage i computes a gradient where x or a parameter before it, or one of its own, requires one.
     pos = model.absolute_pos_embed
-    flows = x.requires_grad or read_modules(model.patch_embed)[1] or (pos is not None and pos.requires_grad)
+    flows = x.requires_grad or part_facts[0][1] or (pos is not None and pos.requires_grad)
     sizes = maps = None
     if valid_sizes is not None:
         sizes = stage_valid_sizes(valid_sizes, model.patch_size, len(stages))
         maps = output_size(x.shape[-2], x.shape[-1], model.patch_size, len(stages))
     per_stage = []
-    for i, stage in enumerate(stages):
-        _, stage_grad, stage_stochastic, stage_attn_dropout = read_modules(stage)
+    for i, (_, stage_grad, stage_stochastic, stage_attn_dropout) in enumerate(part_facts[1:]):
         flows = flows or stage_grad
         stage_plan = _decide_cached(device, dtype, enabled and flows, compiled_blocks, stage_stochastic,
                                     stage_attn_dropout, plain, switches)

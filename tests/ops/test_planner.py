@@ -15,6 +15,8 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import planner
 from swin_backbone.ops import layouts as L, windows as W
 
+from swin_backbone.model.blocks import DropPath
+
 from ..helpers import small_arch
 
 
@@ -310,3 +312,81 @@ def test_the_backbones_save_memory_argument_decides_lean_saves():
     for bad in ("yes", 2, "False"):
         with pytest.raises(ValueError, match=r"^save_memory: expected True or False, got"):
             SwinBackbone(arch=None, embed_dims=8, depths=(2,), num_heads=(1,), out_indices=(0,), save_memory=bad)
+
+
+def _facts_by_modules(model, root=True):
+    """read_modules' facts written out with ``modules()`` and ``getattr`` (the reference)."""
+    hooks = torch.nn.modules.module
+    types = planner.PLAIN_TORCH_MODULES + tuple(planner.PLAIN_SWIN_MODULES)
+    plain = not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    grad = stochastic = attn = False
+    for m in model.modules():
+        if m.training:
+            attn = attn or getattr(m, "attn_drop_rate", 0.0) > 0
+            stochastic = stochastic or (isinstance(m, torch.nn.Dropout) and m.p > 0) or getattr(m, "drop_prob", 0.0) > 0
+        for p in m._parameters.values():
+            if p is not None:
+                grad = grad or p.requires_grad
+                plain = plain and ((root and m is model) or isinstance(p, torch.nn.Parameter))
+        if not (root and m is model):
+            plain = plain and type(m) in types and not m._forward_hooks and not m._forward_pre_hooks
+    return plain, grad, stochastic or attn, attn
+
+
+def _rated(cls, name, value):
+    """A subclass of ``cls`` whose ``name`` rate is a property (not an instance attribute)."""
+    return type(f"Rated{cls.__name__}", (cls,), {name: property(lambda self: value)})
+
+
+@pytest.mark.parametrize("change", ["none", "hook_on_a_part", "hook_in_a_stage", "hook_outside_the_parts", "global_hook",
+                                    "tensor_not_parameter", "frozen_stage", "dropout", "drop_path", "attn_dropout",
+                                    "attn_dropout_property", "drop_path_property", "subclass_outside_the_parts"])
+@pytest.mark.parametrize("train", [False, True])
+def test_read_modules_in_one_walk_says_what_each_module_says(change, train):
+    # The backbone's facts, read once per module (stages apart), equal every module's own reading.
+    model = SwinBackbone(**small_arch())
+    handle = None
+    block = model.stages[1].blocks[0]
+    if change == "hook_on_a_part":
+        handle = model.patch_embed.register_forward_hook(lambda *a: None)
+    elif change == "hook_in_a_stage":
+        handle = block.mlp.fc1.register_forward_pre_hook(lambda *a: None)
+    elif change == "hook_outside_the_parts":
+        handle = model.norm0.register_forward_hook(lambda *a: None)
+    elif change == "global_hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    elif change == "tensor_not_parameter":
+        block.mlp.fc2._parameters["weight"] = block.mlp.fc2.weight.detach()  # (as torch.func.functional_call)
+    elif change == "frozen_stage":
+        model.stages[0].requires_grad_(False)
+    elif change == "dropout":
+        block.mlp.drop1 = torch.nn.Dropout(0.1)
+    elif change == "drop_path":
+        block.drop_path = DropPath(0.2)
+    elif change == "attn_dropout":
+        block.attn.attn_drop_rate = 0.1
+    elif change == "attn_dropout_property":
+        block.attn.__class__ = _rated(type(block.attn), "attn_drop_rate", 0.1)
+    elif change == "drop_path_property":
+        rated = _rated(DropPath, "drop_prob", 0.3)
+        block.drop_path = rated.__new__(rated)  # (DropPath's __init__ would set the property)
+        torch.nn.Module.__init__(block.drop_path)
+    elif change == "subclass_outside_the_parts":
+        model.norm3.__class__ = type("Norm", (torch.nn.LayerNorm,), {})
+    model.train(train)
+    try:
+        parts = (model.patch_embed, *model.stages)
+        whole, each = planner.read_modules(model, parts)
+        assert whole == _facts_by_modules(model)
+        assert planner.read_modules(model) == (whole, [])
+        assert [f[1:] for f in each] == [_facts_by_modules(p, root=False)[1:] for p in parts]
+        expected_plain = change in ("none", "frozen_stage", "dropout", "drop_path", "attn_dropout")
+        assert whole[0] == expected_plain
+        assert whole[2] == (train and change in ("dropout", "drop_path", "attn_dropout", "attn_dropout_property",
+                                                 "drop_path_property"))
+        assert whole[3] == (train and change in ("attn_dropout", "attn_dropout_property"))
+        if change == "frozen_stage":
+            assert not each[1][1] and each[2][1]
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -430,3 +430,22 @@ def test_traced_packed_layout_gathers_what_the_eager_one_does():
         windows = gather_tokens(x, eager.index, eager.has_padding, eager.pad_slots)
         assert torch.equal(gather_tokens(x, traced.index, True, None, True), windows)
         assert torch.equal(gather_tokens(windows, traced.inverse, False, None, True), x)
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_batched_gather_reads_cached_rows(batch):
+    # A batch gathers each map's tokens from one flat index whose per-map offsets are computed
+    # once per layout and batch size (cached), not in every forward.
+    from swin_backbone.ops import attention as A
+
+    layout = L.get_window_layout(9, 12, 4, 2, True, torch.device("cpu"), torch.float32, False, False, 4, False)
+    x = torch.randn(batch, 9 * 12, 5)
+    windows = A.gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots)
+    for i in range(batch):
+        assert torch.equal(windows[i:i + 1], A.gather_tokens(x[i:i + 1], layout.index, layout.has_padding,
+                                                             layout.pad_slots))
+    rows = A.batch_rows(layout.index, batch, 9 * 12)
+    assert rows is A.batch_rows(layout.index, batch, 9 * 12)
+    assert torch.equal(rows, layout.index + torch.arange(batch)[:, None] * (9 * 12))
+    L.clear_caches()
+    assert A.batch_rows.cache_info().currsize == 0
