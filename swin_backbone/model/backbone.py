@@ -28,9 +28,9 @@ PRETRAINED_INIT = "SwinBackbonePretrained"
 
 #: What the first compiled forward logs, by device type (docs/compiled-mode.md; '': any other).
 COMPILE_NOTES = {
-    "cuda": "measured faster than eager on an H200 (eval 8x3x800x1344 1.21x, training 2x3x800x1344 1.13x), after "
-            "about 1 minute (eval) and 2.5 minutes (training) of compiling; compiled mmdet's eval (static shapes) "
-            "was still 1.41x faster",
+    "cuda": "measured faster than eager on an H200 (eval 8x3x800x1344 1.21-1.24x, training 2x3x800x1344 1.02-1.13x), "
+            "after about 1 minute (eval) and 2.5 minutes (training) of compiling; compiled mmdet (static shapes) "
+            "was still 1.41x faster in eval, 1.48x in training",
     "cpu": "slower than eager on the CPU (compiling the whole model was measured slower; compile=False is faster)",
     "": "not measured on this device",
 }
@@ -86,9 +86,9 @@ class SwinBackbone(BaseModule):
             ``fullgraph``, ...; ``dynamic`` defaults to ``True``): the blocks, patch embedding,
             mergings and output norms are compiled (regional compilation,
             docs/compiled-mode.md); ``False`` (the default): eager.
-            On an H200 the compiled mode was measured faster than eager (eval 1.21x, training
-            1.13x), after about a minute of compiling per kind of forward; on the CPU compiling
-            was slower (a log line says which, by device).
+            On an H200 the compiled mode was measured faster than eager (eval 1.21-1.24x,
+            training 1.02-1.13x), after about a minute of compiling per kind of forward; on the
+            CPU compiling was slower (a log line says which, by device).
         save_memory: in training, keep no LayerNorm or GELU output for backward (backward rebuilds
             them from their inputs: pointwise, no matmul, every module run once). ``None`` (the
             default): on the CPU only, where it costs no measured time; ``True``: on every device

@@ -44,8 +44,8 @@ class Switches:
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
-    #: eager: windows that need no mask attend without one (off: no CPU gain measured, CUDA unmeasured;
-    #: docs/performance.md, "Straddling-only masks")
+    #: eager: windows that need no mask attend without one (off: no gain on the CPU, slower on an H200;
+    #: its cached masks are 11x smaller: docs/performance.md, "Straddling-only masks")
     split_masks: bool = False
 
 
