@@ -241,6 +241,21 @@ def timed(fn: Callable[[], None], device: str) -> float:
     return time.perf_counter() - start
 
 
+def host_and_step(fn: Callable[[], None], device: str, iters: int) -> Tuple[float, float]:
+    """Medians over ``iters`` calls of ``(host, step)`` seconds: until ``fn``'s Python returns (on
+    CUDA its kernels launched, not waited for), and until its kernels are done. Equal: the GPU
+    waits on the host (fewer, cheaper host calls are what speed the step up)."""
+    host, step = [], []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+        sync(device)
+        step.append(time.perf_counter() - start)
+    return statistics.median(host), statistics.median(step)
+
+
 def interleave(fns: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int) -> Dict[str, List[float]]:
     for _ in range(warmup):
         for fn in fns.values():

@@ -16,7 +16,10 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
    and ours with ``split_masks=True`` (opt-in: the windows that need no mask attend without
    one) in that row and in eval bf16 at 8 images;
-5. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
+5. host time: of eval bf16 at 1 image and training bf16 at 2, the time until the step's Python
+   returns (its kernels launched) against the step, ours and mmdet (equal: the GPU waits on the
+   host; on the CPU they are equal by nature);
+6. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
    ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
@@ -95,6 +98,14 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours split_masks=True | | | | "
                              f"{med['ours_split_masks'] * 1e3:.1f} ms | "
                              f"**{row['speedup_over_mmdet']['ours_split_masks']:.2f}x** |")
+        elif key == "host_time":
+            for kind, batch in (("eval", 1), ("train", 2)):
+                times = {k: row[f"{k}_{kind}_{batch}x"] for k in COLUMNS if f"{k}_{kind}_{batch}x" in row}
+                cells = [f"{t['host_s'] * 1e3:.1f} of {t['step_s'] * 1e3:.1f} ms" if t else ""
+                         for t in (times.get(k) for k in COLUMNS)]
+                what = "eval bf16 1x" if kind == "eval" else "train fwd+bwd bf16 2x"
+                lines.append(f"| host time of a step, {what}{row['size']} (until its Python returns, of the step) | "
+                             + " | ".join(cells) + " | |")
         elif key == "peak_memory":
             cells = [f"{row[f'{k}_bytes'] / 2**20:.0f} MiB" if f"{k}_bytes" in row else "" for k in COLUMNS]
             ratio = row.get("ratio_over_mmdet")
@@ -173,15 +184,29 @@ def run(args: argparse.Namespace) -> dict:
         times = B.interleave(fns, args.device, args.iters, args.warmup)
         results[f"split_masks_eval_bf16_8x3x{h}x{w}"] = B.summarize(f"split_masks eval bf16 8x3x{h}x{w}", times)
 
+    def host_time() -> None:
+        row: Dict[str, object] = {}
+        for kind, batch, step in (("eval", 1, B.eval_step), ("train", 2, B.train_step)):
+            x = torch.randn(batch, 3, h, w, device=args.device)
+            for name, m in models.items():
+                m.train(kind == "train")
+                fn = step(m, x, bf16)
+                for _ in range(args.warmup):
+                    fn()
+                row[f"{name}_{kind}_{batch}x"] = dict(zip(("host_s", "step_s"),
+                                                          B.host_and_step(fn, args.device, 2 * args.iters + 1)))
+        results["host_time"] = {"size": f"3x{h}x{w}", **row}
+
     steps: List[Callable[[], None]] = [
         lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),
         memory,
         lambda: benchmark.run_padded(args, results, models, bf16),
         lean_saves,
+        host_time,
         lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False, whole_ours=False,
                                        dynamic=False),
     ]
-    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "torch.compile rows"]
+    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "host time", "torch.compile rows"]
     for name, step in zip(names, steps):
         if time.perf_counter() - start > args.budget * 60:
             results["skipped"] = results["skipped"] + [f"{name} (the {args.budget} min budget was spent)"]

@@ -475,6 +475,10 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert set(lean["samples"]) == {"mmdet", "ours", "ours_save_memory", "ours_split_masks"}
     assert set(results["split_masks_eval_bf16_8x3x32x32"]["samples"]) == {"mmdet", "ours", "ours_split_masks"}
     assert "peak_bytes" not in lean  # (CUDA only: the process's own peak)
+    host = results["host_time"]
+    assert host["size"] == "3x32x32"
+    for key in ("mmdet_eval_1x", "ours_eval_1x", "mmdet_train_2x", "ours_train_2x"):
+        assert 0 < host[key]["host_s"] <= host[key]["step_s"], key
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
         # mmdet compiled, ours with compile=True, ours eager (the whole of ours is not compiled here)
         assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}
@@ -492,7 +496,9 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
             "lean saves train fwd+bwd bf16 2x3x32x32, ours split_masks=True",
             "split masks eval bf16 8x3x32x32, ours split_masks=True",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
-            "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes"} <= lines
+            "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes",
+            "host time of a step, eval bf16 1x3x32x32 (until its Python returns, of the step)",
+            "host time of a step, train fwd+bwd bf16 2x3x32x32 (until its Python returns, of the step)"} <= lines
 
 
 def test_gpu_report_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypatch):
@@ -500,7 +506,7 @@ def test_gpu_report_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypat
     monkeypatch.setattr(benchmarking, "build_peers", lambda device, size: {})
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--budget", "0", "--json", str(out), "--markdown", str(md)]) == 0
-    assert len(json.loads(out.read_text())["skipped"]) == 5
+    assert len(json.loads(out.read_text())["skipped"]) == 6
     assert "Not run: torch.compile rows (the 0.0 min budget was spent)" in md.read_text()
 
 
