@@ -95,10 +95,13 @@ PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity
 PLAIN_SWIN_MODULES: List[type] = []
 
 
+#: What the modules of a tree say: ``(plain, needs_grad, stochastic, attention dropout)``.
+Facts = Tuple[bool, bool, bool, bool]
+
+
 def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Facts, List[Facts]]:
-    """What the modules of ``model`` say, each module read once: ``(plain, needs_grad,
-    stochastic, attention dropout)`` of the whole ``model``, and the same of each of ``parts``
-    (submodules of ``model``: the backbone's stages) on its own.
+    """What the modules of ``model`` say, each module read once: :data:`Facts` of the whole
+    ``model``, and of each of ``parts`` (submodules of ``model``: the backbone's stages) on its own.
 
     ``plain``: every submodule is exactly a plain class holding ``nn.Parameter``s
     (``functional_call`` swaps in tensors for one call), with no forward hook (nor a global one):
@@ -108,54 +111,39 @@ def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Fac
     them is attention dropout.
     """
     hooks = nn.modules.module
-    rest = _read(_submodules(model, parts), model)
-    each = [_read(_submodules(part), None) for part in parts]
-    whole = (not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks) and all(f[0] for f in each) and rest[0],
-             *(any(f[i] for f in each) or rest[i] for i in (1, 2, 3)))
-    return whole, each
-
-
-#: :func:`read_modules`' answer for a module tree: ``(plain, needs_grad, stochastic, attention dropout)``.
-Facts = Tuple[bool, bool, bool, bool]
-
-
-def _submodules(root: nn.Module, skip: Sequence[nn.Module] = ()) -> List[nn.Module]:
-    """``root`` and its submodules, each once, not entering ``skip`` (in no particular order:
-    an explicit stack, a fraction of ``modules()``' nested generators' time)."""
-    seen, found, stack = {id(m) for m in skip}, [], [root]
-    while stack:
-        m = stack.pop()
-        if id(m) not in seen:
-            seen.add(id(m))
-            found.append(m)
-            stack.extend(child for child in m._modules.values() if child is not None)
-    return found
-
-
-def _read(modules: List[nn.Module], root: Optional[nn.Module]) -> Facts:
-    """:data:`Facts` of ``modules``; ``root`` (among them, or None) is exempt from the
-    plainness of its type, hooks and parameters (the model's own, called as a whole)."""
     types = frozenset(PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES))
-    plain, needs_grad, stochastic, attn = True, False, False, False
-    for m in modules:
-        if m.training:
+    facts: List[Facts] = []
+    for tree in (*parts, model):  # the parts, then the rest of the model (its root exempt: called as a whole)
+        seen = set(map(id, parts)) if tree is model else set()
+        plain, needs_grad, stochastic, attn = True, False, False, False
+        stack = [tree]  # (an explicit stack: a fraction of modules()' nested generators' time)
+        while stack:
+            m = stack.pop()
+            if m is None or (id(m) in seen and m is not tree):
+                continue
+            seen.add(id(m))
+            stack.extend(m._modules.values())
             own = type(m) in types
-            attn = attn or _rate(m, "attn_drop_rate", own) > 0
-            stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or _rate(m, "drop_prob", own) > 0
-        for p in m._parameters.values():
-            if p is not None:
-                needs_grad = needs_grad or p.requires_grad
-                plain = plain and (m is root or isinstance(p, nn.Parameter))
-        if m is not root:
-            plain = plain and type(m) in types and not m._forward_hooks and not m._forward_pre_hooks
-    return plain, needs_grad, stochastic or attn, attn
-
-
-def _rate(m: nn.Module, name: str, own: bool) -> float:
-    """``m``'s rate ``name`` (0 without one). The plain classes' (``own``) are instance attributes,
-    read without ``nn.Module.__getattr__``, whose miss raises and formats an AttributeError (most of
-    a training forward's reading); any other class's by ``getattr`` (properties, ``__getattr__``)."""
-    return m.__dict__.get(name, 0.0) if own else getattr(m, name, 0.0)
+            if m.training:
+                # The plain classes' rates are instance attributes: read without nn.Module.__getattr__,
+                # whose miss raises and formats an AttributeError (most of a training forward's reading).
+                attn_rate = m.__dict__.get("attn_drop_rate", 0.0) if own else getattr(m, "attn_drop_rate", 0.0)
+                drop_rate = m.__dict__.get("drop_prob", 0.0) if own else getattr(m, "drop_prob", 0.0)
+                attn = attn or attn_rate > 0
+                stochastic = stochastic or (isinstance(m, nn.Dropout) and m.p > 0) or drop_rate > 0
+            for p in m._parameters.values():
+                if p is not None:
+                    needs_grad = needs_grad or p.requires_grad
+                    plain = plain and (m is model or isinstance(p, nn.Parameter))
+            if m is not model:
+                plain = plain and own and not m._forward_hooks and not m._forward_pre_hooks
+        facts.append((plain, needs_grad, stochastic or attn, attn))
+    *each, (plain, needs_grad, stochastic, attn) = facts
+    plain = plain and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    for part_plain, part_grad, part_stochastic, part_attn in each:
+        plain, needs_grad = plain and part_plain, needs_grad or part_grad
+        stochastic, attn = stochastic or part_stochastic, attn or part_attn
+    return (plain, needs_grad, stochastic, attn), each
 
 
 # ------------------------------------------------------------------------------ the plan
