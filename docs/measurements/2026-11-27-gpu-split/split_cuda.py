@@ -92,37 +92,33 @@ with B.tf32(False):
 size = (64, 96) if small else (800, 1344)
 x = torch.randn(2, 3, *size, device=dev)
 row = {}
+
+
+def host_and_step(fn):
+    """``fn``'s host and whole time in ms: the 6th of 10 sorted calls, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    launched, total = [], []
+    for _ in range(10):
+        B.sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        B.sync(dev)
+        launched.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    return sorted(launched)[5] * 1e3, sorted(total)[5] * 1e3
+
+
 for name, model in (("ours", ours), ("mmdet", mmdet)):
     if model is None:
         continue
     model.train()
-    step = B.train_step(model, x, torch.bfloat16)
-    for _ in range(3):
-        step()
-    launched, total = [], []
-    for _ in range(10):
-        B.sync(dev)
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        B.sync(dev)
-        launched.append(t1 - t0)
-        total.append(time.perf_counter() - t0)
-    row[name] = dict(host_ms=sorted(launched)[5] * 1e3, step_ms=sorted(total)[5] * 1e3)
+    host, step = host_and_step(B.train_step(model, x, torch.bfloat16))
+    row[name] = dict(host_ms=host, step_ms=step)
     model.eval()  # (mmdet's returns None)
-    ev = B.eval_step(model, x[:1], torch.bfloat16)
-    for _ in range(3):
-        ev()
-    launched, total = [], []
-    for _ in range(10):
-        B.sync(dev)
-        t0 = time.perf_counter()
-        ev()
-        t1 = time.perf_counter()
-        B.sync(dev)
-        launched.append(t1 - t0)
-        total.append(time.perf_counter() - t0)
-    row[name].update(eval1_host_ms=sorted(launched)[5] * 1e3, eval1_ms=sorted(total)[5] * 1e3)
+    host, step = host_and_step(B.eval_step(model, x[:1], torch.bfloat16))
+    row[name].update(eval1_host_ms=host, eval1_ms=step)
     print(name, row[name], flush=True)
 res["host_time_bf16"] = row
 save()
