@@ -99,14 +99,16 @@ class _TokenGather(torch.autograd.Function):
         return gather_tokens(grad, inverse, ctx.pad_out, pad_slots), None, None, None, None, None
 
 
-@size_cache(maxsize=64)
 def batch_rows(index: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """``index`` into each of ``batch`` maps of ``length`` rows, as rows of the flattened
-    ``(batch * length, C)``: ``(n,)`` -> ``(batch, n)``. Cached by the (cached) layout tensor
-    itself, so a forward launches no index arithmetic (on a GPU, where a training step waits on
-    the host, two kernel launches per gather); 64 entries hold a size's layouts in both
-    directions at a few batch sizes."""
+    ``(batch * length, C)``: ``(n,)`` -> ``(batch, n)``."""
     return index + torch.arange(0, batch * length, length, device=index.device)[:, None]
+
+
+#: Cached :func:`batch_rows`, keyed by the (cached) layout tensor itself: an eager forward
+#: launches no index arithmetic (on a GPU, where a training step waits on the host, two kernel
+#: launches per gather); 64 entries hold a size's layouts in both directions at a few batch sizes.
+get_batch_rows = size_cache(maxsize=64)(batch_rows)
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Optional[torch.Tensor],
@@ -120,9 +122,7 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
         out = x.index_select(1, index)
     else:
         # index_select along dim 1 is single-threaded on CPU; along dim 0 it is a parallel copy.
-        rows = index if batch == 1 else (
-            index + torch.arange(0, batch * length, length, device=index.device)[:, None] if is_compiling()
-            else batch_rows(index, batch, length))
+        rows = index if batch == 1 else (batch_rows if is_compiling() else get_batch_rows)(index, batch, length)
         flat = x.reshape(batch * length, channels)
         # (out=: torch 2.1's meta kernel sizes it wrongly; autograd records no out= op)
         if (torch.is_grad_enabled() and x.requires_grad) or x.device.type == "meta" or is_compiling():

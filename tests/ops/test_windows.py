@@ -444,8 +444,8 @@ def test_batched_gather_reads_cached_rows(batch):
     for i in range(batch):
         assert torch.equal(windows[i:i + 1], A.gather_tokens(x[i:i + 1], layout.index, layout.has_padding,
                                                              layout.pad_slots))
-    rows = A.batch_rows(layout.index, batch, 9 * 12)
-    assert rows is A.batch_rows(layout.index, batch, 9 * 12)
+    rows = A.get_batch_rows(layout.index, batch, 9 * 12)
+    assert rows is A.get_batch_rows(layout.index, batch, 9 * 12)
     assert torch.equal(rows, layout.index + torch.arange(batch)[:, None] * (9 * 12))
     L.clear_caches()
-    assert A.batch_rows.cache_info().currsize == 0
+    assert A.get_batch_rows.cache_info().currsize == 0
