@@ -100,9 +100,8 @@ def markdown(results: dict) -> List[str]:
                              f"**{row['speedup_over_mmdet']['ours_split_masks']:.2f}x** |")
         elif key == "host_time":
             for kind, batch in (("eval", 1), ("train", 2)):
-                times = {k: row[f"{k}_{kind}_{batch}x"] for k in COLUMNS if f"{k}_{kind}_{batch}x" in row}
                 cells = [f"{t['host_s'] * 1e3:.1f} of {t['step_s'] * 1e3:.1f} ms" if t else ""
-                         for t in (times.get(k) for k in COLUMNS)]
+                         for t in (row.get(f"{k}_{kind}_{batch}x") for k in COLUMNS)]
                 what = "eval bf16 1x" if kind == "eval" else "train fwd+bwd bf16 2x"
                 lines.append(f"| host time of a step, {what}{row['size']} (until its Python returns, of the step) | "
                              + " | ".join(cells) + " | |")
