@@ -38,7 +38,8 @@ class PatchEmbed(nn.Module):
 
 class DropPath(nn.Module):
     """Stochastic depth: in training, zero a sample's branch with probability ``drop_prob`` and
-    scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; timm's / torchvision's ``mode='row'``)."""
+    scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; per sample, as timm's and
+    torchvision's ``mode='row'``; drawn as mmcv's ``drop_path``)."""
 
     def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()
@@ -48,8 +49,11 @@ class DropPath(nn.Module):
         if not self.training or self.drop_prob == 0.0:
             return x
         keep = 1.0 - self.drop_prob
-        noise = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep).div_(keep)
-        return x * noise
+        # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
+        # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
+        # symbolic: the blocks of a stage share one graph whatever their rates.
+        noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)
+        return x * noise.add_(keep).floor_().div_(keep)
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}"

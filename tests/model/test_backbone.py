@@ -172,6 +172,32 @@ def test_training_gradients_match_reference(size, device):
         torch.testing.assert_close(g, converted[name], msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("lib", ["mmdet", "mmseg"])
+def test_stochastic_depth_draws_as_the_reference(lib):
+    # Training with stochastic depth: from one seed, ours drops the samples mmdet's / mmseg's
+    # SwinTransformer drops (mmcv's draw, floor(keep + U), at the same calls), so swapping the
+    # backbone keeps a seeded run's trajectory. Whole windows (no padding, which mmdet does not
+    # mask), training gradients through the dropped branches.
+    arch = dict(embed_dims=32, depths=(2, 2), num_heads=(2, 4), window_size=7, out_indices=(0, 1))
+    torch.manual_seed(0)
+    ref = _reference(lib, **arch, drop_path_rate=0.5)
+    ref.init_weights()
+    ours = SwinBackbone(arch=None, **arch, drop_path_rate=0.5)
+    swin_backbone.load_checkpoint(ours, ref.state_dict(), strict=True)
+    ref.train()
+    ours.train()
+    x = torch.randn(4, 3, 112, 112)
+    outs = {}
+    for name, model, seed in (("ref", ref, 1), ("ours", ours, 1), ("ours, another seed", ours, 2)):
+        torch.manual_seed(seed)
+        outs[name] = model(x)
+        sum(o.square().mean() for o in outs[name]).backward()
+    for e, g in zip(outs["ref"], outs["ours"]):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    # (the draws matter: another seed drops other samples)
+    assert any((a - b).abs().max() > 1e-2 for a, b in zip(outs["ref"], outs["ours, another seed"]))
+
+
 def test_full_tiny_parity_batch3():
     ref = _reference("mmdet", drop_path_rate=0.0)
     ref.init_weights()

@@ -184,6 +184,28 @@ def test_with_cp_and_ddp(models, tmp_path):
 
 
 @needs_compile
+def test_stochastic_depth_rates_share_a_graph():
+    # Four blocks of one stage at rates 0, 0.1, 0.2, 0.3 (the first an nn.Identity): the three
+    # DropPath blocks share one training graph, their rates graph inputs rather than constants
+    # dynamo specialises (which compiled one graph per rate: 6 here). Then none for other sizes.
+    # (Its own width: no graph of the shared fixture's model fits it.)
+    torch.manual_seed(0)
+    cfg = dict(CFG, embed_dims=24, depths=(4,), drop_path_rate=0.3)
+    model = SwinBackbone(**cfg, compile=True).train()
+    assert [getattr(b.drop_path, "drop_prob", 0.0) for b in model.stages[0].blocks] == pytest.approx([0, 0.1, 0.2, 0.3])
+    before = _graphs()
+    for shape in ((2, 3, 32, 40), (3, 3, 36, 44)):
+        model.zero_grad()
+        sum(o.square().sum() for o in model(torch.randn(*shape))).backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        if shape[0] == 2:
+            # the patch embedding, the Identity block, the DropPath blocks, the output norm
+            assert _graphs() - before == 4
+            before = _graphs()
+    assert _graphs() == before
+
+
+@needs_compile
 def test_valid_sizes_packed_layout(models):
     # The blocks get the images' packed (1, T, C) tokens: graphs of their own (eval, training),
     # then none for other images and batches, 2 or 3 images.
