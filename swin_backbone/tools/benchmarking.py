@@ -52,19 +52,19 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def build_pair(device: str, seed: int = 0) -> Dict[str, torch.nn.Module]:
+def build_pair(device: str, seed: int = 0, drop_path_rate: float = 0.0) -> Dict[str, torch.nn.Module]:
     """mmdet's SwinTransformer and ours (Swin-T) with identical weights; without mmdet, ours
-    alone (its own initialisation, seeded)."""
+    alone (its own initialisation, seeded). Stochastic depth off unless ``drop_path_rate``."""
     torch.manual_seed(seed)
     if not installed("mmdet"):
-        ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.0)
+        ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=drop_path_rate)
         ours.init_weights()
         return {"ours": ours.to(device)}
     from mmdet.models.backbones import SwinTransformer
 
-    ref = SwinTransformer(**ARCH, drop_path_rate=0.0)
+    ref = SwinTransformer(**ARCH, drop_path_rate=drop_path_rate)
     ref.init_weights()
-    ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.0)
+    ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=drop_path_rate)
     load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
     return {"mmdet": ref.to(device), "ours": ours.to(device)}
 

@@ -16,10 +16,13 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
    and ours with ``split_masks=True`` (opt-in: the windows that need no mask attend without
    one) in that row and in eval bf16 at 8 images;
-5. host time: of eval bf16 at 1 image and training bf16 at 2, the time until the step's Python
+5. stochastic depth as the detection configs set it (``drop_path_rate=0.2``, Swin-T's): training
+   bf16 at 2 images, mmdet and ours both at that rate (the branches still run; the draws add a
+   few small kernels per block, on the host a GPU step waits on), beside ours at rate 0;
+6. host time: of eval bf16 at 1 image and training bf16 at 2, the time until the step's Python
    returns (its kernels launched) against the step, ours and mmdet (equal: the GPU waits on the
    host; on the CPU they are equal by nature);
-6. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
+7. ``torch.compile`` eval bf16 8x and training bf16 2x: mmdet compiled (static shapes), ours with
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
    ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
@@ -45,6 +48,8 @@ from .common import one_line
 
 #: The timed rows of (1), as :data:`~swin_backbone.tools.benchmark.CUDA_ROWS`.
 ROWS = [("eval", 1, torch.bfloat16, None), ("eval", 8, torch.bfloat16, None), ("train", 2, torch.bfloat16, None)]
+#: The stochastic-depth row's rate: mmdet's Swin-T detection configs'.
+DROP_PATH_RATE = 0.2
 #: The columns of the table, in docs/performance.md's order: model -> its name there.
 COLUMNS = {"mmdet": "mmdet", "timm": "timm", "torchvision": "torchvision", "ours": "SwinBackbone"}
 
@@ -94,6 +99,9 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours save_memory=True | | | | "
                              f"{med['ours_save_memory'] * 1e3:.1f} ms | "
                              f"**{row['speedup_over_mmdet']['ours_save_memory']:.2f}x**{mem} |")
+            if "ours_rate_0" in med:  # the stochastic-depth row: ours at rate 0 beside both at the rate
+                lines.append(f"| {label(key, row)}, ours at rate 0 | | | | {med['ours_rate_0'] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet']['ours_rate_0']:.2f}x** |")
             if "ours_split_masks" in med:  # (opt-in, switched on here)
                 lines.append(f"| {label(key, row)}, ours split_masks=True | | | | "
                              f"{med['ours_split_masks'] * 1e3:.1f} ms | "
@@ -183,6 +191,16 @@ def run(args: argparse.Namespace) -> dict:
         times = B.interleave(fns, args.device, args.iters, args.warmup)
         results[f"split_masks_eval_bf16_8x3x{h}x{w}"] = B.summarize(f"split_masks eval bf16 8x3x{h}x{w}", times)
 
+    def stochastic_depth() -> None:
+        x = torch.randn(2, 3, h, w, device=args.device)
+        fns = {}
+        for k, m in {**B.build_pair(args.device, drop_path_rate=DROP_PATH_RATE), "ours_rate_0": models["ours"]}.items():
+            m.train()
+            fns[k] = B.train_step(m, x, bf16)
+        times = B.interleave(fns, args.device, args.iters, args.warmup)
+        results[f"drop_path_{DROP_PATH_RATE}_train_bf16_2x3x{h}x{w}"] = B.summarize(
+            f"drop_path {DROP_PATH_RATE} train fwd+bwd bf16 2x3x{h}x{w}", times)
+
     def host_time() -> None:
         row: Dict[str, object] = {}
         for kind, batch, step in (("eval", 1, B.eval_step), ("train", 2, B.train_step)):
@@ -201,11 +219,13 @@ def run(args: argparse.Namespace) -> dict:
         memory,
         lambda: benchmark.run_padded(args, results, models, bf16),
         lean_saves,
+        stochastic_depth,
         host_time,
         lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False, whole_ours=False,
                                        dynamic=False),
     ]
-    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "host time", "torch.compile rows"]
+    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "stochastic depth", "host time",
+             "torch.compile rows"]
     for name, step in zip(names, steps):
         if time.perf_counter() - start > args.budget * 60:
             results["skipped"] = results["skipped"] + [f"{name} (the {args.budget} min budget was spent)"]

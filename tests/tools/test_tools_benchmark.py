@@ -475,6 +475,8 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     assert set(lean["samples"]) == {"mmdet", "ours", "ours_save_memory", "ours_split_masks"}
     assert set(results["split_masks_eval_bf16_8x3x32x32"]["samples"]) == {"mmdet", "ours", "ours_split_masks"}
     assert "peak_bytes" not in lean  # (CUDA only: the process's own peak)
+    # stochastic depth at the configs' rate: mmdet and ours at 0.2, ours at 0 beside them
+    assert set(results["drop_path_0.2_train_bf16_2x3x32x32"]["samples"]) == {"mmdet", "ours", "ours_rate_0"}
     host = results["host_time"]
     assert host["size"] == "3x32x32"
     for key in ("mmdet_eval_1x", "ours_eval_1x", "mmdet_train_2x", "ours_train_2x"):
@@ -495,6 +497,7 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
             "lean saves train fwd+bwd bf16 2x3x32x32", "lean saves train fwd+bwd bf16 2x3x32x32, ours save_memory=True",
             "lean saves train fwd+bwd bf16 2x3x32x32, ours split_masks=True",
             "split masks eval bf16 8x3x32x32, ours split_masks=True",
+            "drop path 0.2 train fwd+bwd bf16 2x3x32x32", "drop path 0.2 train fwd+bwd bf16 2x3x32x32, ours at rate 0",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding)",
             "padded eval bf16 2x3x32x32 (images 16x32 + 32x16, 50% padding), ours without valid_sizes",
             "host time of a step, eval bf16 1x3x32x32 (until its Python returns, of the step)",
@@ -506,7 +509,7 @@ def test_gpu_report_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypat
     monkeypatch.setattr(benchmarking, "build_peers", lambda device, size: {})
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--budget", "0", "--json", str(out), "--markdown", str(md)]) == 0
-    assert len(json.loads(out.read_text())["skipped"]) == 6
+    assert len(json.loads(out.read_text())["skipped"]) == 7
     assert "Not run: torch.compile rows (the 0.0 min budget was spent)" in md.read_text()
 
 
