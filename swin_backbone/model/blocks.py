@@ -51,9 +51,10 @@ class DropPath(nn.Module):
         keep = 1.0 - self.drop_prob
         # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
         # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
-        # symbolic: the blocks of a stage share one graph whatever their rates.
-        noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)
-        return x * noise.add_(keep).floor_().div_(keep)
+        # symbolic: the blocks of a stage share one graph whatever their rates. Drawn in fp32
+        # (a bf16 U keeps 0.8986 of the samples at keep = 0.9), then cast.
+        noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device)
+        return x * noise.add_(keep).floor_().div_(keep).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}"

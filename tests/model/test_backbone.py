@@ -198,6 +198,19 @@ def test_stochastic_depth_draws_as_the_reference(lib):
     assert any((a - b).abs().max() > 1e-2 for a, b in zip(outs["ref"], outs["ours, another seed"]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_drop_path_keeps_its_rate_in_every_dtype(dtype):
+    # 2M samples (a keep share's spread is 2e-4): the share kept is 1 - rate in every dtype (a
+    # draw in bf16 keeps 0.8986 at rate 0.1), the survivors scaled by 1 / keep, in x's dtype.
+    from swin_backbone.model.blocks import DropPath
+
+    torch.manual_seed(0)
+    out = DropPath(0.1).train()(torch.ones(2_000_000, 1, 1, dtype=dtype))
+    assert out.dtype == dtype
+    assert abs((out != 0).double().mean().item() - 0.9) < 1e-3
+    assert set(out.unique().tolist()) == {0.0, torch.tensor(1 / 0.9, dtype=dtype).item()}
+
+
 def test_full_tiny_parity_batch3():
     ref = _reference("mmdet", drop_path_rate=0.0)
     ref.init_weights()
