@@ -208,7 +208,8 @@ def test_drop_path_keeps_its_rate_in_every_dtype(dtype):
     out = DropPath(0.1).train()(torch.ones(2_000_000, 1, 1, dtype=dtype))
     assert out.dtype == dtype
     assert abs((out != 0).double().mean().item() - 0.9) < 1e-3
-    assert set(out.unique().tolist()) == {0.0, torch.tensor(1 / 0.9, dtype=dtype).item()}
+    # (in fp32: torch 2.0 has no CPU unique for fp16)
+    assert set(out.float().unique().tolist()) == {0.0, torch.tensor(1 / 0.9, dtype=dtype).float().item()}
 
 
 def test_full_tiny_parity_batch3():
