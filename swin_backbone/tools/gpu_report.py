@@ -50,6 +50,13 @@ from .common import one_line
 ROWS = [("eval", 1, torch.bfloat16, None), ("eval", 8, torch.bfloat16, None), ("train", 2, torch.bfloat16, None)]
 #: The stochastic-depth row's rate: mmdet's Swin-T detection configs'.
 DROP_PATH_RATE = 0.2
+#: Ours changed one way, as a row's extra lines: its key in a row's timings -> its name in the table.
+VARIANTS = {
+    "ours_eager": "ours eager",  # the compiled rows: the whole of ours not compiled, beside compiled mmdet
+    "ours_save_memory": "ours save_memory=True",  # the lean-saves row (with CUDA's peak memory)
+    "ours_rate_0": "ours at rate 0",  # the stochastic-depth row: ours without it
+    "ours_split_masks": "ours split_masks=True",  # (opt-in, switched on here)
+}
 #: The columns of the table, in docs/performance.md's order: model -> its name there.
 COLUMNS = {"mmdet": "mmdet", "timm": "timm", "torchvision": "torchvision", "ours": "SwinBackbone"}
 
@@ -89,23 +96,14 @@ def markdown(results: dict) -> List[str]:
                 lines.append(f"| {label(key, row)}, ours compile=True (regions compiled) | | | | "
                              f"{med['ours_regional'] * 1e3:.1f} ms | **{row['speedup_over_mmdet']['ours_regional']:.2f}x**"
                              " (first call: " + ", ".join(f"{k} {v:.0f} s" for k, v in first.items()) + ") |")
-            if "ours_eager" in med:  # (the whole of ours not compiled: eager beside compiled mmdet)
-                lines.append(f"| {label(key, row)}, ours eager | | | | {med['ours_eager'] * 1e3:.1f} ms | "
-                             f"**{row['speedup_over_mmdet']['ours_eager']:.2f}x** |")
-            if "ours_save_memory" in med:  # the lean-saves row
-                peak = row.get("peak_bytes", {})
-                mem = (f", peak {peak['ours_save_memory'] / 2**20:.0f} MiB against {peak['ours'] / 2**20:.0f} MiB"
+            for variant, name in VARIANTS.items():  # ours changed one way, beside the row's models
+                if variant not in med:
+                    continue
+                peak = row.get("peak_bytes", {}) if variant == "ours_save_memory" else {}
+                mem = (f", peak {peak[variant] / 2**20:.0f} MiB against {peak['ours'] / 2**20:.0f} MiB"
                        + (f" (mmdet {peak['mmdet'] / 2**20:.0f} MiB)" if "mmdet" in peak else "")) if peak else ""
-                lines.append(f"| {label(key, row)}, ours save_memory=True | | | | "
-                             f"{med['ours_save_memory'] * 1e3:.1f} ms | "
-                             f"**{row['speedup_over_mmdet']['ours_save_memory']:.2f}x**{mem} |")
-            if "ours_rate_0" in med:  # the stochastic-depth row: ours at rate 0 beside both at the rate
-                lines.append(f"| {label(key, row)}, ours at rate 0 | | | | {med['ours_rate_0'] * 1e3:.1f} ms | "
-                             f"**{row['speedup_over_mmdet']['ours_rate_0']:.2f}x** |")
-            if "ours_split_masks" in med:  # (opt-in, switched on here)
-                lines.append(f"| {label(key, row)}, ours split_masks=True | | | | "
-                             f"{med['ours_split_masks'] * 1e3:.1f} ms | "
-                             f"**{row['speedup_over_mmdet']['ours_split_masks']:.2f}x** |")
+                lines.append(f"| {label(key, row)}, {name} | | | | {med[variant] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet'][variant]:.2f}x**{mem} |")
         elif key == "host_time":
             for kind, batch in (("eval", 1), ("train", 2)):
                 cells = [f"{t['host_s'] * 1e3:.1f} of {t['step_s'] * 1e3:.1f} ms" if t else ""
