@@ -431,7 +431,7 @@ def _allow_recompiles(limit: int = 32) -> None:
     setattr(config, name, max(getattr(config, name), limit))
 
 
-def _cudagraph_skips() -> int:
+def cudagraph_skips() -> int:
     """How often inductor has so far declined to use CUDA graphs for a compiled graph."""
     from torch._dynamo.utils import counters
 
@@ -486,12 +486,12 @@ def run_compiled(args, results: dict, models: Dict[str, torch.nn.Module], size: 
         x1 = torch.randn(1, 3, h, w, device=device)
         fns = {k: eval_step(m, x1, bf16) for k, m in graphed.items()}
         fns.update({f"{k}_eager": eval_step(m, x1, bf16) for k, m in models.items()})
-        skips = _cudagraph_skips()
+        skips = cudagraph_skips()
         # CUDA graph trees record on a call after the compiling one and replay from the next: 3 warm-up rounds.
         times = interleave(fns, device, args.iters, max(args.warmup, 3))
         row = summarize(f"torch.compile reduce-overhead eval bf16 1x3x{h}x{w}", times)
         results[f"compiled_reduce_overhead_eval_bf16_1x3x{h}x{w}"] = {**row,
-                                                                       "cudagraph_skips": _cudagraph_skips() - skips}
+                                                                       "cudagraph_skips": cudagraph_skips() - skips}
     torch._dynamo.reset()  # frees the compiled graphs and CUDA graph pools before the rows that follow
 
 

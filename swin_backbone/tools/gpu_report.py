@@ -26,10 +26,19 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
    ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
-   minutes (``swin-benchmark --device cuda --compile only`` times it).
+   minutes (``swin-benchmark --device cuda --compile only`` times it);
+8. CUDA graphs (``mode="reduce-overhead"``, static shapes), for the steps that wait on the host:
+   training bf16 2x, then eval bf16 1x: mmdet compiled so, ours with ``compile=dict(mode=
+   "reduce-overhead", dynamic=False)`` (its regions, each a CUDA graph) and ours eager, with
+   first calls and how many graphs inductor ran without CUDA graphs. Not yet run on a GPU; a
+   full run's budget leaves it out: run it alone in a call of its own (``--steps cudagraphs``,
+   about 5 minutes of compiling on an H200 by the compiled rows' first calls). An error in it is
+   recorded in the JSON (``cudagraphs_error``), not raised.
 
-The JSON and the Markdown are rewritten after every row, so a run cut short keeps the rows it
-finished. On the CPU (``--device cpu``) every row runs the same code at whatever size is given.
+``--steps`` runs some of them (names: :data:`STEPS`). The JSON and the Markdown are rewritten
+after every row, so a run cut short keeps the rows it finished. On the CPU (``--device cpu``)
+every row runs the same code at whatever size is given (CUDA graphs are CUDA's: there inductor
+runs the graphs without them).
 """
 from __future__ import annotations
 
@@ -57,6 +66,12 @@ VARIANTS = {
     "ours_rate_0": "ours at rate 0",  # the stochastic-depth row: ours without it
     "ours_split_masks": "ours split_masks=True",  # (opt-in, switched on here)
 }
+#: The steps of the module docstring, in order: ``--steps`` name -> its name in the notes.
+STEPS = {"rows": "eval / training rows", "memory": "peak memory", "padded": "padded batch", "lean": "lean saves",
+         "drop_path": "stochastic depth", "host": "host time", "compile": "torch.compile rows",
+         "cudagraphs": "CUDA graphs rows"}
+#: The CUDA-graph step's compile options (ours: its ``compile`` argument; mmdet: ``torch.compile``'s).
+CUDA_GRAPHS = dict(mode="reduce-overhead", dynamic=False)
 #: The columns of the table, in docs/performance.md's order: model -> its name there.
 COLUMNS = {"mmdet": "mmdet", "timm": "timm", "torchvision": "torchvision", "ours": "SwinBackbone"}
 
@@ -91,11 +106,13 @@ def markdown(results: dict) -> List[str]:
                     row["speedup_over_ours"]["ours_without_valid_sizes"] ** -1)
                 lines.append(f"| {label(key, row)}, ours without valid_sizes | | | | "
                              f"{med['ours_without_valid_sizes'] * 1e3:.1f} ms | valid_sizes **{gain:.2f}x** faster |")
-            if "ours_regional" in med:  # the compiled rows: ours with compile=True (its regions compiled)
+            if "ours_regional" in med:  # the compiled rows: ours in its compiled mode (its regions compiled)
                 first = row.get("first_call_s", {})
-                lines.append(f"| {label(key, row)}, ours compile=True (regions compiled) | | | | "
-                             f"{med['ours_regional'] * 1e3:.1f} ms | **{row['speedup_over_mmdet']['ours_regional']:.2f}x**"
-                             " (first call: " + ", ".join(f"{k} {v:.0f} s" for k, v in first.items()) + ") |")
+                skips = f"; {row['cudagraph_skips']} graphs without CUDA graphs" if row.get("cudagraph_skips") else ""
+                lines.append(f"| {label(key, row)}, ours {row.get('ours_compile', 'compile=True')} (regions compiled)"
+                             f" | | | | {med['ours_regional'] * 1e3:.1f} ms | "
+                             f"**{row['speedup_over_mmdet']['ours_regional']:.2f}x** (first call: "
+                             + ", ".join(f"{k} {v:.0f} s" for k, v in first.items()) + f"{skips}) |")
             for variant, name in VARIANTS.items():  # ours changed one way, beside the row's models
                 if variant not in med:
                     continue
@@ -132,7 +149,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget", type=float, default=7.0, metavar="MIN",
                         help="minutes after which the rows not yet started are skipped (default: %(default)s)")
+    parser.add_argument("--steps", default=",".join(STEPS), metavar="NAMES",
+                        help="comma-separated steps to run, in their order (default: all: %(default)s)")
     args = parser.parse_args(argv)
+    args.steps = [name.strip() for name in args.steps.split(",") if name.strip()]
+    unknown = [name for name in args.steps if name not in STEPS]
+    if unknown or not args.steps:
+        parser.error(f"--steps: expected comma-separated names of {', '.join(STEPS)}, got {unknown or args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device: 'cuda' asked for, but CUDA is not available on this machine; expected --device cpu")
     for option, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
@@ -212,23 +235,46 @@ def run(args: argparse.Namespace) -> dict:
                                                           B.host_and_step(fn, args.device, 2 * args.iters + 1)))
         results["host_time"] = {"size": f"3x{h}x{w}", **row}
 
-    steps: List[Callable[[], None]] = [
-        lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),
-        memory,
-        lambda: benchmark.run_padded(args, results, models, bf16),
-        lean_saves,
-        stochastic_depth,
-        host_time,
-        lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False, whole_ours=False,
-                                       dynamic=False),
-    ]
-    names = ["eval / training rows", "peak memory", "padded batch", "lean saves", "stochastic depth", "host time",
-             "torch.compile rows"]
-    for name, step in zip(names, steps):
+    def cuda_graphs() -> None:
+        # Each compiled graph replayed as one CUDA graph: the launches a step waits on leave the host.
+        graphed = {k: B.compile_model(m, **CUDA_GRAPHS) for k, m in models.items() if k != "ours"}
+        graphed.update(ours_regional=B.regional_model(models["ours"], **CUDA_GRAPHS), ours_eager=models["ours"])
+        # (CUDA graph trees record on the call after the compiling one and replay from the next)
+        timing = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 2)})
+        ours_compile = "compile=dict(" + ", ".join(f"{k}={v!r}" for k, v in CUDA_GRAPHS.items()) + ")"
+        try:
+            for kind, batch, step in (("train", 2, B.train_step), ("eval", 1, B.eval_step)):
+                x = torch.randn(batch, 3, h, w, device=args.device)
+                for m in graphed.values():
+                    m.train(kind == "train")
+                skips = benchmark.cudagraph_skips()
+                key = f"compiled_reduce_overhead_{kind}_bf16_{batch}x3x{h}x{w}"
+                row = benchmark.compiled_row(key.replace("_", " "), {k: step(m, x, bf16) for k, m in graphed.items()},
+                                             args.device, timing)
+                results[key] = {**row, "cudagraph_skips": benchmark.cudagraph_skips() - skips,
+                                "ours_compile": ours_compile}
+        except Exception as err:  # (a path not yet run on a GPU: its error is a result, not the end of the run)
+            results["cudagraphs_error"] = f"{type(err).__name__}: {one_line(err)}"
+            print(f"CUDA graphs rows: {results['cudagraphs_error']}", flush=True)
+        finally:
+            torch._dynamo.reset()  # (frees the graphs and their CUDA graph pools)
+
+    steps: Dict[str, Callable[[], None]] = {
+        "rows": lambda: benchmark.run_rows(args, results, {**models, **peers}, ROWS, (h, w)),
+        "memory": memory,
+        "padded": lambda: benchmark.run_padded(args, results, models, bf16),
+        "lean": lean_saves,
+        "drop_path": stochastic_depth,
+        "host": host_time,
+        "compile": lambda: benchmark.run_compiled(args, results, models, (h, w), cuda_graphs=False, whole_ours=False,
+                                                  dynamic=False),
+        "cudagraphs": cuda_graphs,
+    }
+    for name in (name for name in STEPS if name in args.steps):
         if time.perf_counter() - start > args.budget * 60:
-            results["skipped"] = results["skipped"] + [f"{name} (the {args.budget} min budget was spent)"]
+            results["skipped"] = results["skipped"] + [f"{STEPS[name]} (the {args.budget} min budget was spent)"]
             continue
-        step()
+        steps[name]()
         write_markdown(args, results)
     results["seconds"] = round(time.perf_counter() - start, 1)
     write_markdown(args, results)

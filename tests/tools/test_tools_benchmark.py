@@ -447,10 +447,14 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     """The prepared GPU script end to end on the CPU, tiny (``torch.compile`` stood in for: it
     takes minutes on a CPU; memory children stood in for, see the next test): every row of its
     docstring for ours, mmdet, timm and torchvision, the JSON, and the Markdown table."""
-    compiled, children = [], []
+    compiled, regional, children = [], [], []
 
     def compile_model(model, **kwargs):
         compiled.append(kwargs)
+        return model
+
+    def regional_model(model, **options):
+        regional.append(options)
         return model
 
     def peak_memory(name, device, batch, size, variant=None, dtype=None):
@@ -458,11 +462,11 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
         return 2**20 * (2 if name == "mmdet" else 1)
 
     monkeypatch.setattr(benchmarking, "compile_model", compile_model)
-    monkeypatch.setattr(benchmarking, "regional_model", lambda model, **options: model)
+    monkeypatch.setattr(benchmarking, "regional_model", regional_model)
     monkeypatch.setattr(benchmarking, "peak_memory", peak_memory)
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--size", "32", "32", "--padded-size", "16", "32", "--iters", "1",
-                            "--warmup", "0", "--json", str(out), "--markdown", str(md)]) == 0
+                            "--warmup", "0", "--budget", "60", "--json", str(out), "--markdown", str(md)]) == 0
     results = json.loads(out.read_text())
     everyone = {"mmdet", "ours", "timm", "torchvision"}
     for key in ("eval_bf16_1x3x32x32", "eval_bf16_8x3x32x32", "train_bf16_2x3x32x32"):
@@ -484,7 +488,15 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
         # mmdet compiled, ours with compile=True, ours eager (the whole of ours is not compiled here)
         assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}
-    assert compiled == [dict(dynamic=False)]  # mmdet alone; no CUDA-graph row in the prepared run
+    # CUDA graphs last: mmdet compiled with them, ours' regions (compile=dict(mode=..., dynamic=False)), ours eager
+    for key in ("compiled_reduce_overhead_train_bf16_2x3x32x32", "compiled_reduce_overhead_eval_bf16_1x3x32x32"):
+        assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}, key
+        assert results[key]["cudagraph_skips"] >= 0 and set(results[key]["first_call_s"]) == {
+            "mmdet", "ours_eager", "ours_regional"}
+    assert "cudagraphs_error" not in results
+    assert compiled == [dict(dynamic=False), gpu_report.CUDA_GRAPHS]  # mmdet alone; the whole of ours never
+    assert regional == [{}, gpu_report.CUDA_GRAPHS] and gpu_report.CUDA_GRAPHS == dict(mode="reduce-overhead",
+                                                                                         dynamic=False)
     assert results["skipped"] == [] and results["environment"]["torch"] == torch.__version__
     table = md.read_text().splitlines()
     assert table[2].startswith("| measure | mmdet ") and "| SwinBackbone " in table[2]
@@ -493,6 +505,9 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
             "peak training memory bf16 2x3x32x32", "torch.compile eval bf16 8x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32",
             "torch.compile train fwd+bwd bf16 2x3x32x32, ours compile=True (regions compiled)",
+            "torch.compile reduce overhead train fwd+bwd bf16 2x3x32x32, ours compile=dict(mode='reduce-overhead', "
+            "dynamic=False) (regions compiled)",
+            "torch.compile reduce overhead eval bf16 1x3x32x32, ours eager",
             "torch.compile eval bf16 8x3x32x32, ours eager",
             "lean saves train fwd+bwd bf16 2x3x32x32", "lean saves train fwd+bwd bf16 2x3x32x32, ours save_memory=True",
             "lean saves train fwd+bwd bf16 2x3x32x32, ours split_masks=True",
@@ -509,8 +524,29 @@ def test_gpu_report_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypat
     monkeypatch.setattr(benchmarking, "build_peers", lambda device, size: {})
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     assert gpu_report.main(["--device", "cpu", "--budget", "0", "--json", str(out), "--markdown", str(md)]) == 0
-    assert len(json.loads(out.read_text())["skipped"]) == 7
+    assert len(json.loads(out.read_text())["skipped"]) == len(gpu_report.STEPS) == 8
     assert "Not run: torch.compile rows (the 0.0 min budget was spent)" in md.read_text()
+
+
+def test_gpu_report_runs_the_steps_asked_for(tmp_path, monkeypatch, capsys):
+    """``--steps`` runs those steps alone (a device call of their own), and names the steps
+    it knows when given another."""
+    monkeypatch.setattr(benchmarking, "regional_model", lambda model, **options: model)
+    monkeypatch.setattr(benchmarking, "compile_model", lambda model, **options: model)
+    out, md = tmp_path / "g.json", tmp_path / "g.md"
+    assert gpu_report.main(["--device", "cpu", "--size", "32", "32", "--iters", "1", "--warmup", "0",
+                            "--steps", "cudagraphs, host", "--json", str(out), "--markdown", str(md)]) == 0
+    results = json.loads(out.read_text())
+    rows = {k for k, v in results.items() if isinstance(v, dict) and ("samples" in v or k == "host_time")}
+    assert rows == {"host_time", "compiled_reduce_overhead_train_bf16_2x3x32x32",
+                    "compiled_reduce_overhead_eval_bf16_1x3x32x32"}
+    assert results["skipped"] == []
+    for bad, given in (("host,cudagraph", "['cudagraph']"), (",", "[]")):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_report.parse_args(["--device", "cpu", "--steps", bad])
+        assert exit_info.value.code == 2
+        assert f"--steps: expected comma-separated names of rows, memory, padded, lean, drop_path, host, compile, " \
+               f"cudagraphs, got {given}" in capsys.readouterr().err
 
 
 def test_memory_child_of_a_peer():
