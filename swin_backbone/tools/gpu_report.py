@@ -150,7 +150,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=7.0, metavar="MIN",
                         help="minutes after which the rows not yet started are skipped (default: %(default)s)")
     parser.add_argument("--steps", default=",".join(STEPS), metavar="NAMES",
-                        help="comma-separated steps to run, in their order (default: all: %(default)s)")
+                        help="comma-separated steps to run; they run in the order listed here (default: all: %(default)s)")
     args = parser.parse_args(argv)
     args.steps = [name.strip() for name in args.steps.split(",") if name.strip()]
     unknown = [name for name in args.steps if name not in STEPS]
