@@ -96,6 +96,17 @@ def _dynamo_is_compiling() -> bool:
 is_compiling: Callable[[], bool] = getattr(_compiler, "is_compiling", None) or _dynamo_is_compiling
 
 
+def run_eagerly(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compile`` runs it: eagerly, the graph broken before it
+    (``torch.compiler.disable``; torch 2.0: dynamo's own)."""
+    disable = getattr(_compiler, "disable", None)
+    if disable is None:
+        import torch._dynamo
+
+        disable = torch._dynamo.disable
+    return disable(fn)
+
+
 @functools.lru_cache(maxsize=None)
 def compile_unsupported_reason() -> Optional[str]:
     """``None`` where ``torch.compile`` can trace on this Python, else why not (torch 2.0 refuses

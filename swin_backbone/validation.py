@@ -340,22 +340,25 @@ def check_image(name: str, image: object) -> None:
 
 #: ``torch.compile`` keyword arguments a backbone's ``compile=dict(...)`` may pass on.
 COMPILE_OPTIONS = ("mode", "backend", "fullgraph", "dynamic", "options", "disable")
+#: The backbone's own keys of ``compile=dict(...)``: ``regions`` (``False``: the whole backbone compiled).
+COMPILE_OWN = ("regions",)
 
 
 def check_compile(value: object) -> Optional[Dict[str, object]]:
     """The backbone's ``compile``: ``False`` / ``None`` (eager: ``None`` returned), ``True`` or a
-    dict of ``torch.compile`` keyword arguments (:data:`COMPILE_OPTIONS`); returns the options with
-    ``dynamic=True`` unless given."""
+    dict of ``torch.compile`` keyword arguments (:data:`COMPILE_OPTIONS`) and ``regions``
+    (:data:`COMPILE_OWN`); returns the options with ``dynamic=True`` unless given."""
     if value is None or value is False:
         return None
     if value is True:
         return {"dynamic": True}
+    expected = f"a dict of torch.compile options {COMPILE_OPTIONS} and 'regions'"
     if not isinstance(value, dict):
-        fail("compile", f"True, False or a dict of torch.compile options {COMPILE_OPTIONS}", value)
-    unknown = sorted(str(k) for k in value if k not in COMPILE_OPTIONS)
+        fail("compile", f"True, False or {expected}", value)
+    unknown = sorted(str(k) for k in value if k not in COMPILE_OPTIONS + COMPILE_OWN)
     if unknown:
-        fail("compile", f"a dict of torch.compile options {COMPILE_OPTIONS}", f"unknown keys {unknown}")
-    for flag in ("fullgraph", "dynamic", "disable"):
+        fail("compile", expected, f"unknown keys {unknown}")
+    for flag in ("fullgraph", "dynamic", "disable", "regions"):
         if flag in value and value[flag] is not None:
             check_flag(f"compile['{flag}']", value[flag])
     if "mode" in value and value["mode"] is not None and not isinstance(value["mode"], str):
@@ -364,4 +367,7 @@ def check_compile(value: object) -> Optional[Dict[str, object]]:
         fail("compile['backend']", "a backend name (str, e.g. 'inductor', 'eager') or a callable", value["backend"])
     if "options" in value and value["options"] is not None and not isinstance(value["options"], dict):
         fail("compile['options']", "a dict of backend options or None", value["options"])
-    return {"dynamic": True, **value}
+    options = {"dynamic": True, **value}
+    if options.get("regions") is not None:
+        options["regions"] = bool(options["regions"])
+    return options

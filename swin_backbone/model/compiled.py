@@ -11,7 +11,7 @@ compiled_blocks=True)``), and the window layouts reach the compiled blocks as in
 """
 from __future__ import annotations
 
-from typing import Any, List, Mapping
+from typing import Any, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -48,14 +48,45 @@ def compiled_regions(backbone: nn.Module) -> List[nn.Module]:
     return regions + [getattr(backbone, f"norm{i}") for i in backbone.out_indices]
 
 
+def compiles_regions(options: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a backbone compiled with ``options`` compiles its regions (``None``: eager; ``regions=False``:
+    the backbone is compiled whole, its forward traced as one graph, as ``torch.compile(backbone)``)."""
+    return options is not None and options.get("regions", True) is not False
+
+
 def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
-    """``module.compile(**options)`` for every module of :func:`compiled_regions`; returns how many."""
+    """``module.compile(**options)`` for every module of :func:`compiled_regions`, or with
+    ``options['regions']`` ``False`` for the backbone itself; returns how many modules."""
     check_can_compile()
-    regions = compiled_regions(backbone)
+    regions = compiled_regions(backbone) if compiles_regions(options) else [backbone]
     for module in regions:
-        module.compile(**options)
+        module.compile(**{k: v for k, v in options.items() if k != "regions"})
     allow_recompiles()
     return len(regions)
+
+
+def cuda_graph_steps(options: Optional[Mapping[str, Any]], device_type: str) -> bool:
+    """Whether a forward on ``device_type`` with regions compiled with ``options`` replays them as
+    CUDA graphs (inductor's ``mode='reduce-overhead'`` or ``'max-autotune'``, ``options=
+    {'triton.cudagraphs': True}``, or the ``'cudagraphs'`` backend), so the forward marks a step.
+
+    CUDA graph trees start a new step at each compiled call that no backward waits on: in
+    inference each region would free the previous region's outputs, its own input (torch raises
+    "accessing tensor output of CUDAGraphs that has been overwritten"). One forward is one step.
+    """
+    if not compiles_regions(options) or device_type != "cuda":
+        return False
+    backend = options.get("backend", "inductor")
+    if backend == "cudagraphs":
+        return True
+    if backend != "inductor":
+        return False
+    import torch._inductor
+    import torch._inductor.config
+
+    flags = {"triton.cudagraphs": torch._inductor.config.triton.cudagraphs,
+             **torch._inductor.list_mode_options(options.get("mode") or "default"), **(options.get("options") or {})}
+    return bool(flags["triton.cudagraphs"])
 
 
 def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:

@@ -151,6 +151,17 @@ def with_switches(fn: Callable[[], None], changes: Dict[str, object]) -> Callabl
     return run
 
 
+def marked_step(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` begun with ``torch.compiler.cudagraph_mark_step_begin()``: a model compiled whole with
+    CUDA graphs, timed beside our regions (which mark each forward; once a step has been marked,
+    CUDA graph trees begin steps only at marks)."""
+    def run():
+        torch.compiler.cudagraph_mark_step_begin()
+        fn()
+
+    return run
+
+
 def tf32_flags() -> List[Tuple[object, str, object, object]]:
     """``(namespace, attribute, on, off)`` of torch's TF32 switches for fp32 cuBLAS matmuls and
     cuDNN convolutions: ``fp32_precision`` ('tf32' / 'ieee') where torch has it (on torch >= 2.9
@@ -187,8 +198,8 @@ def compile_model(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
 
 def regional_model(model: torch.nn.Module, **options) -> torch.nn.Module:
     """A copy of the backbone ``model`` in its compiled mode (``compile=True``: its regions
-    compiled, ``options`` passed on to ``torch.compile``, ``dynamic=True`` unless given); one
-    place, as :func:`compile_model`."""
+    compiled, ``options`` as its ``compile`` dict: ``torch.compile``'s, ``dynamic=True`` unless
+    given, and ``regions=False`` to compile it whole); one place, as :func:`compile_model`."""
     from ..model.compiled import compile_regions
     from ..validation import check_compile
 

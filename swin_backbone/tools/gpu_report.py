@@ -29,11 +29,13 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    minutes (``swin-benchmark --device cuda --compile only`` times it);
 8. CUDA graphs (``mode="reduce-overhead"``, static shapes), for the steps that wait on the host:
    training bf16 2x, then eval bf16 1x: mmdet compiled so, ours with ``compile=dict(mode=
-   "reduce-overhead", dynamic=False)`` (its regions, each a CUDA graph) and ours eager, with
-   first calls and how many graphs inductor ran without CUDA graphs. Not yet run on a GPU; a
-   full run's budget leaves it out: run it alone in a call of its own (``--steps cudagraphs``,
-   about 5 minutes of compiling on an H200 by the compiled rows' first calls). An error in it is
-   recorded in the JSON (``cudagraphs_error``), not raised.
+   "reduce-overhead", dynamic=False, regions=False)`` (compiled whole, as mmdet is), ours with
+   ``compile=dict(mode="reduce-overhead", dynamic=False)`` (its regions, each a CUDA graph; each
+   forward marks a CUDA-graph step, so compiled mmdet's calls are marked too) and ours eager,
+   with first calls and how many graphs inductor ran without CUDA graphs. A full run's budget
+   leaves it out: run it alone in a call of its own (``--steps cudagraphs``, about 6 minutes on
+   an H200, most of it compiling mmdet and ours whole). An error in it is recorded in the JSON
+   (``cudagraphs_error``), not raised.
 
 ``--steps`` runs some of them (names: :data:`STEPS`). The JSON and the Markdown are rewritten
 after every row, so a run cut short keeps the rows it finished. On the CPU (``--device cpu``)
@@ -62,6 +64,7 @@ DROP_PATH_RATE = 0.2
 #: Ours changed one way, as a row's extra lines: its key in a row's timings -> its name in the table.
 VARIANTS = {
     "ours_eager": "ours eager",  # the compiled rows: the whole of ours not compiled, beside compiled mmdet
+    "ours_whole": "ours compiled whole (compile=dict(..., regions=False))",  # the CUDA-graph rows
     "ours_save_memory": "ours save_memory=True",  # the lean-saves row (with CUDA's peak memory)
     "ours_rate_0": "ours at rate 0",  # the stochastic-depth row: ours without it
     "ours_split_masks": "ours split_masks=True",  # (opt-in, switched on here)
@@ -238,7 +241,8 @@ def run(args: argparse.Namespace) -> dict:
     def cuda_graphs() -> None:
         # Each compiled graph replayed as one CUDA graph: the launches a step waits on leave the host.
         graphed = {k: B.compile_model(m, **CUDA_GRAPHS) for k, m in models.items() if k != "ours"}
-        graphed.update(ours_regional=B.regional_model(models["ours"], **CUDA_GRAPHS), ours_eager=models["ours"])
+        graphed.update(ours_whole=B.regional_model(models["ours"], **CUDA_GRAPHS, regions=False),
+                       ours_regional=B.regional_model(models["ours"], **CUDA_GRAPHS), ours_eager=models["ours"])
         # (CUDA graph trees record on the call after the compiling one and replay from the next)
         timing = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 2)})
         ours_compile = "compile=dict(" + ", ".join(f"{k}={v!r}" for k, v in CUDA_GRAPHS.items()) + ")"
@@ -249,8 +253,9 @@ def run(args: argparse.Namespace) -> dict:
                     m.train(kind == "train")
                 skips = benchmark.cudagraph_skips()
                 key = f"compiled_reduce_overhead_{kind}_bf16_{batch}x3x{h}x{w}"
-                row = benchmark.compiled_row(key.replace("_", " "), {k: step(m, x, bf16) for k, m in graphed.items()},
-                                             args.device, timing)
+                fns = {k: step(m, x, bf16) for k, m in graphed.items()}
+                fns.update({k: B.marked_step(fn) for k, fn in fns.items() if not k.startswith("ours")})
+                row = benchmark.compiled_row(key.replace("_", " "), fns, args.device, timing)
                 results[key] = {**row, "cudagraph_skips": benchmark.cudagraph_skips() - skips,
                                 "ours_compile": ours_compile}
         except Exception as err:  # (a path not yet run on a GPU: its error is a result, not the end of the run)

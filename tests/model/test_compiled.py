@@ -40,6 +40,17 @@ def models():
     return eager, compiled
 
 
+class Records(logging.Handler):
+    """The messages of the logger it is added to (mmengine's current logger does not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _run(models, x, train=False, valid_sizes=None, with_cp=False):
     """Both models on ``x``: ``(max output difference, max over parameters of the gradient's
     difference relative to its largest value, or None in eval)``."""
@@ -69,10 +80,34 @@ def _run(models, x, train=False, valid_sizes=None, with_cp=False):
 def test_compile_values_are_checked():
     for bad, expected in (("yes", "compile: expected True, False or a dict"),
                           (dict(mode="default", foo=1), "compile: expected a dict of torch.compile options"),
+                          (dict(regions="no"), "compile['regions']: expected True or False"),
                           (dict(fullgraph="no"), "compile['fullgraph']: expected True or False"),
                           (dict(mode=3), "compile['mode']"), (dict(backend=1), "compile['backend']")):
         with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
             SwinBackbone(**CFG, compile=bad)
+
+
+@needs_compile
+def test_forwards_with_cuda_graphs_mark_their_steps():
+    """Which compile options make a CUDA forward mark a CUDA-graph step (its regions replayed as CUDA
+    graphs; without the mark an inference forward's regions free each other's outputs: a
+    RuntimeError measured on an H200, docs/compiled-mode.md). The marking itself runs on CUDA only."""
+    import torch._inductor.config as inductor_config
+
+    from swin_backbone.model.compiled import cuda_graph_steps
+
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        for options, expected in ((dict(mode="reduce-overhead"), True), (dict(mode="max-autotune"), True),
+                                  (dict(mode="max-autotune-no-cudagraphs"), False), (dict(mode="default"), False),
+                                  (dict(mode=None), False), ({}, False), (dict(options={"triton.cudagraphs": True}), True),
+                                  (dict(mode="reduce-overhead", options={"triton.cudagraphs": False}), False),
+                                  (dict(backend="cudagraphs"), True), (dict(backend="eager", mode="reduce-overhead"), False),
+                                  (dict(backend="inductor", mode="reduce-overhead", dynamic=False), True)):
+            assert cuda_graph_steps(options, "cuda") is expected, options
+            assert cuda_graph_steps(options, "cpu") is False  # (inductor's CPU code has no CUDA graphs)
+        assert cuda_graph_steps(None, "cuda") is False  # eager
+    with inductor_config.patch({"triton.cudagraphs": True}):  # (TORCHINDUCTOR_CUDAGRAPHS=1 sets it process-wide)
+        assert cuda_graph_steps(dict(mode="default"), "cuda") is True
 
 
 @pytest.mark.skipif(torch_version() >= (2, 2), reason="the error of a torch without nn.Module.compile")
@@ -107,14 +142,6 @@ def test_built_from_a_config_compiles_its_regions():
 @needs_compile
 def test_eval_equals_eager_and_sizes_do_not_recompile(models):
     from mmengine.logging import MMLogger
-
-    class Records(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.INFO)
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
 
     logger, records = MMLogger.get_current_instance(), Records()
     logger.addHandler(records)
@@ -181,6 +208,48 @@ def test_with_cp_and_ddp(models, tmp_path):
         dist.destroy_process_group()
     assert all(p.grad is not None for p in compiled.parameters() if p.requires_grad)
     assert _graphs() == before
+
+
+@needs_compile
+def test_compiled_whole_is_one_graph_equal_to_eager(models):
+    # compile=dict(regions=False): the backbone itself compiled (as torch.compile(backbone)), its
+    # forward one graph per kind of forward, no graph breaks; outputs and gradients as eager's.
+    from mmengine.logging import MMLogger
+    from torch._dynamo.utils import counters
+
+    eager, _ = models
+    logger, records = MMLogger.get_current_instance(), Records()
+    logger.addHandler(records)
+    try:
+        whole = SwinBackbone(**CFG, compile=dict(regions=False, backend="aot_eager"))
+    finally:
+        logger.removeHandler(records)
+    assert any("regions=False" in m and "5.8x eager" in m for m in records.messages), records.messages
+    whole.load_state_dict(eager.state_dict())
+    assert whole.compile_options == dict(dynamic=True, regions=False, backend="aot_eager")
+    assert whole._compiled_call_impl is not None
+    assert [n for n, m in whole.named_modules() if n and getattr(m, "_compiled_call_impl", None) is not None] == []
+    assert whole.state_dict().keys() == eager.state_dict().keys()
+    before, breaks = _graphs(), sum(counters["graph_break"].values())
+    diff, _ = _run((eager, whole), torch.randn(2, 3, 32, 40))
+    assert diff < 1e-4
+    diff, grad = _run((eager, whole), torch.randn(2, 3, 32, 40), train=True)
+    assert diff < 1e-4 and grad < 1e-3
+    assert _graphs() - before == 2 and sum(counters["graph_break"].values()) == breaks  # eval, training
+    # Per-image valid sizes cannot be traced: such a forward runs eagerly (image-exact as eager's,
+    # no graph of the backbone's work, none added by the next one).
+    x, sizes = torch.randn(2, 3, 32, 40), [(32, 40), (20, 30)]
+    for model in (eager, whole):
+        model.eval()
+    for _ in range(2):
+        with torch.no_grad():
+            expected, got = eager(x, sizes), whole(x, sizes)
+        assert (expected[0] - got[0]).abs().max() < 1e-5
+        assert got[0][1, :, 5:].abs().max() == 0  # (zeros beyond the second image: 20 pixels, 5 tokens)
+    graphs = _graphs()
+    with torch.no_grad():
+        whole(x, sizes)
+    assert _graphs() == graphs
 
 
 @needs_compile

@@ -488,15 +488,16 @@ def test_gpu_report_smoke_on_the_cpu(tmp_path, monkeypatch):
     for key in ("compiled_eval_bf16_8x3x32x32", "compiled_train_bf16_2x3x32x32"):
         # mmdet compiled, ours with compile=True, ours eager (the whole of ours is not compiled here)
         assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}
-    # CUDA graphs last: mmdet compiled with them, ours' regions (compile=dict(mode=..., dynamic=False)), ours eager
+    # CUDA graphs last: mmdet compiled with them, ours compiled whole and by regions
+    # (compile=dict(mode=..., dynamic=False[, regions=False])), ours eager
+    graphed = {"mmdet", "ours_whole", "ours_eager", "ours_regional"}
     for key in ("compiled_reduce_overhead_train_bf16_2x3x32x32", "compiled_reduce_overhead_eval_bf16_1x3x32x32"):
-        assert set(results[key]["samples"]) == {"mmdet", "ours_eager", "ours_regional"}, key
-        assert results[key]["cudagraph_skips"] >= 0 and set(results[key]["first_call_s"]) == {
-            "mmdet", "ours_eager", "ours_regional"}
+        assert set(results[key]["samples"]) == graphed, key
+        assert results[key]["cudagraph_skips"] >= 0 and set(results[key]["first_call_s"]) == graphed
     assert "cudagraphs_error" not in results
-    assert compiled == [dict(dynamic=False), gpu_report.CUDA_GRAPHS]  # mmdet alone; the whole of ours never
-    assert regional == [{}, gpu_report.CUDA_GRAPHS] and gpu_report.CUDA_GRAPHS == dict(mode="reduce-overhead",
-                                                                                         dynamic=False)
+    assert compiled == [dict(dynamic=False), gpu_report.CUDA_GRAPHS]  # mmdet alone (ours through its own option)
+    assert regional == [{}, dict(gpu_report.CUDA_GRAPHS, regions=False), gpu_report.CUDA_GRAPHS]
+    assert gpu_report.CUDA_GRAPHS == dict(mode="reduce-overhead", dynamic=False)
     assert results["skipped"] == [] and results["environment"]["torch"] == torch.__version__
     table = md.read_text().splitlines()
     assert table[2].startswith("| measure | mmdet ") and "| SwinBackbone " in table[2]
