@@ -14,7 +14,7 @@ from .. import ops
 from ..torch_compat import is_compiling, register_load_state_dict_pre_hook, run_eagerly
 from ..validation import check_compile, check_config, check_flag, check_input, check_valid_sizes
 from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
-from .compiled import compile_regions, compiles_regions, cuda_graph_steps
+from .compiled import compile_regions
 from .dropin import InitCfg, translate_mmlab_args
 from .presets import resolve_arch
 from .valid_sizes import attached_valid_sizes
@@ -91,10 +91,10 @@ class SwinBackbone(BaseModule):
             ``fullgraph``, ...; ``dynamic`` defaults to ``True``): the blocks, patch embedding,
             mergings and output norms are compiled (regional compilation,
             docs/compiled-mode.md); ``False`` (the default): eager. ``regions=False`` in the
-            dict compiles the whole backbone instead (its forward one graph; with ``valid_sizes``
-            eager):
-            with ``mode='reduce-overhead', dynamic=False`` (CUDA graphs, one input size) the
-            fastest measured, for fixed-size inputs such as segmentation crops.
+            dict compiles the whole backbone instead (its forward one graph; a forward with
+            ``valid_sizes`` runs eagerly); with ``mode='reduce-overhead', dynamic=False`` (CUDA
+            graphs, one input size) the fastest measured, for fixed-size inputs such as
+            segmentation crops.
             On an H200 the compiled mode was measured faster than eager (eval 1.21-1.24x,
             training 1.02-1.13x), after about a minute of compiling per kind of forward; on the
             CPU compiling was slower (a log line says which, by device).
@@ -186,6 +186,9 @@ class SwinBackbone(BaseModule):
         self.num_stages = len(depths)
         #: ``torch.compile`` options of the compiled regions, ``None``: eager (``compile=False``)
         self.compile_options = check_compile(compile)
+        #: its regions compiled (``compile``, not ``regions=False``); a forward on CUDA marks one step of
+        #: their CUDA graphs (set where they are compiled: :func:`~swin_backbone.model.compiled.compile_regions`)
+        self.regions_compiled = self.marks_cuda_graph_steps = False
         self._warned_compile = False
         #: training keeps no LayerNorm / GELU output for backward (``ops.lean_saves``); ``None``: on the CPU only
         if save_memory is not None:
@@ -220,7 +223,7 @@ class SwinBackbone(BaseModule):
                       logger="current")
         if self.compile_options is not None:
             compile_regions(self, self.compile_options)
-            if not compiles_regions(self.compile_options):
+            if not self.regions_compiled:
                 print_log(f"SwinBackbone: compile=dict(regions=False): {COMPILE_WHOLE_NOTE} (docs/compiled-mode.md)",
                           logger="current")
         for hook in LOAD_STATE_DICT_PRE_HOOKS:
@@ -319,17 +322,13 @@ class SwinBackbone(BaseModule):
         valid = None if valid_sizes is None else check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
         if valid is not None and is_compiling():  # (compiled whole) per-image valid sizes run eagerly
-            return run_eagerly(self._features)(x, valid)
-        return self._features(x, valid)
-
-    def _features(self, x: torch.Tensor, valid: Optional[Any]) -> Tuple[torch.Tensor, ...]:
-        """:meth:`forward` after its checks: ``valid``, the checked ``valid_sizes`` or ``None``."""
-        compiled = compiles_regions(self.compile_options)  # (compiled whole, this forward is what is traced)
+            return run_eagerly(self.forward)(x, valid_sizes)
+        compiled = self.regions_compiled
         if compiled and not self._warned_compile:
             self._warned_compile = True
             note = COMPILE_NOTES.get(x.device.type, COMPILE_NOTES[""])
             print_log(f"SwinBackbone: compile=True on {x.device.type}: {note} (docs/compiled-mode.md)", logger="current")
-        if cuda_graph_steps(self.compile_options, x.device.type):
+        if self.marks_cuda_graph_steps and x.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # one forward, one step of its regions' CUDA graphs
         # how this forward runs; plan.stages[i]: stage i's (traced ones for compiled blocks)
         plan = ops.plan_forward(x, self, valid, compiled_blocks=compiled)

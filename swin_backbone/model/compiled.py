@@ -56,25 +56,28 @@ def compiles_regions(options: Optional[Mapping[str, Any]]) -> bool:
 
 def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
     """``module.compile(**options)`` for every module of :func:`compiled_regions`, or with
-    ``options['regions']`` ``False`` for the backbone itself; returns how many modules."""
+    ``options['regions']`` ``False`` for the backbone itself; sets the backbone's
+    ``regions_compiled`` and ``marks_cuda_graph_steps``; returns how many modules."""
     check_can_compile()
-    regions = compiled_regions(backbone) if compiles_regions(options) else [backbone]
+    backbone.regions_compiled = compiles_regions(options)
+    backbone.marks_cuda_graph_steps = cuda_graph_steps(options)
+    regions = compiled_regions(backbone) if backbone.regions_compiled else [backbone]
     for module in regions:
         module.compile(**{k: v for k, v in options.items() if k != "regions"})
     allow_recompiles()
     return len(regions)
 
 
-def cuda_graph_steps(options: Optional[Mapping[str, Any]], device_type: str) -> bool:
-    """Whether a forward on ``device_type`` with regions compiled with ``options`` replays them as
-    CUDA graphs (inductor's ``mode='reduce-overhead'`` or ``'max-autotune'``, ``options=
-    {'triton.cudagraphs': True}``, or the ``'cudagraphs'`` backend), so the forward marks a step.
+def cuda_graph_steps(options: Optional[Mapping[str, Any]]) -> bool:
+    """Whether a CUDA forward with regions compiled with ``options`` replays them as CUDA graphs
+    (inductor's ``mode='reduce-overhead'`` or ``'max-autotune'``, ``options={'triton.cudagraphs':
+    True}``, or the ``'cudagraphs'`` backend; inductor's CPU code has none), so it marks a step.
 
     CUDA graph trees start a new step at each compiled call that no backward waits on: in
     inference each region would free the previous region's outputs, its own input (torch raises
     "accessing tensor output of CUDAGraphs that has been overwritten"). One forward is one step.
     """
-    if not compiles_regions(options) or device_type != "cuda":
+    if not compiles_regions(options):
         return False
     backend = options.get("backend", "inductor")
     if backend == "cudagraphs":

@@ -103,11 +103,18 @@ def test_forwards_with_cuda_graphs_mark_their_steps():
                                   (dict(mode="reduce-overhead", options={"triton.cudagraphs": False}), False),
                                   (dict(backend="cudagraphs"), True), (dict(backend="eager", mode="reduce-overhead"), False),
                                   (dict(backend="inductor", mode="reduce-overhead", dynamic=False), True)):
-            assert cuda_graph_steps(options, "cuda") is expected, options
-            assert cuda_graph_steps(options, "cpu") is False  # (inductor's CPU code has no CUDA graphs)
-        assert cuda_graph_steps(None, "cuda") is False  # eager
+            assert cuda_graph_steps(options) is expected, options
+            assert cuda_graph_steps(dict(options, regions=False)) is False  # compiled whole: one call, one step
+        assert cuda_graph_steps(None) is False  # eager
     with inductor_config.patch({"triton.cudagraphs": True}):  # (TORCHINDUCTOR_CUDAGRAPHS=1 sets it process-wide)
-        assert cuda_graph_steps(dict(mode="default"), "cuda") is True
+        assert cuda_graph_steps(dict(mode="default")) is True
+    # what the backbone's forward reads (it marks on CUDA tensors only)
+    assert SwinBackbone(**CFG, compile=dict(mode="reduce-overhead")).marks_cuda_graph_steps
+    assert SwinBackbone(**CFG, compile=dict(mode="reduce-overhead")).regions_compiled
+    whole = SwinBackbone(**CFG, compile=dict(mode="reduce-overhead", regions=False))
+    assert not whole.regions_compiled and not whole.marks_cuda_graph_steps
+    assert not SwinBackbone(**CFG, compile=True).marks_cuda_graph_steps
+    assert not SwinBackbone(**CFG).marks_cuda_graph_steps and not SwinBackbone(**CFG).regions_compiled
 
 
 @pytest.mark.skipif(torch_version() >= (2, 2), reason="the error of a torch without nn.Module.compile")
@@ -137,6 +144,11 @@ def test_built_from_a_config_compiles_its_regions():
     # the parameters keep their names (checkpoints load as into an eager backbone)
     assert model.state_dict().keys() == SwinBackbone(**CFG).state_dict().keys()
     assert SwinBackbone(**CFG).compile_options is None  # eager is the default
+    # regions=False from a config: the backbone itself compiled, none of its modules
+    whole = MODELS.build(dict(type="SwinBackbone", **CFG, compile=dict(mode="reduce-overhead", dynamic=False,
+                                                                         regions=0)))
+    assert whole.compile_options == dict(mode="reduce-overhead", dynamic=False, regions=False)
+    assert [n for n, m in whole.named_modules() if getattr(m, "_compiled_call_impl", None) is not None] == [""]
 
 
 @needs_compile
