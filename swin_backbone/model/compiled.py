@@ -62,8 +62,9 @@ def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
     backbone.regions_compiled = compiles_regions(options)
     backbone.marks_cuda_graph_steps = cuda_graph_steps(options)
     regions = compiled_regions(backbone) if backbone.regions_compiled else [backbone]
+    torch_options = {k: v for k, v in options.items() if k != "regions"}  # (regions is the backbone's own key)
     for module in regions:
-        module.compile(**{k: v for k, v in options.items() if k != "regions"})
+        module.compile(**torch_options)
     allow_recompiles()
     return len(regions)
 
