@@ -153,9 +153,15 @@ def _autocast_query_takes_device() -> bool:
 #: would be a graph error.
 _AUTOCAST_BY_DEVICE = _autocast_query_takes_device() and hasattr(torch, "get_autocast_dtype")
 
+#: Device types autocast keeps no state for (torch's query raises there): a forward on ``meta``
+#: tensors (shapes without compute) runs in its tensors' own dtype.
+_NO_AUTOCAST = frozenset({"meta"})
+
 
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (``'cuda'``, ``'cpu'``, ...)."""
+    if device_type in _NO_AUTOCAST:
+        return False
     if _AUTOCAST_BY_DEVICE:
         return bool(torch.is_autocast_enabled(device_type))
     if device_type == "cpu":
@@ -178,6 +184,8 @@ def autocast_dtype(device_type: str) -> torch.dtype:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``x``'s device computes in: autocast's if it is on there, else ``x``'s."""
     device = x.device.type
+    if device in _NO_AUTOCAST:
+        return x.dtype
     if _AUTOCAST_BY_DEVICE:  # (torch's queries directly: this runs once per forward)
         return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     return autocast_dtype(device) if autocast_enabled(device) else x.dtype

@@ -17,6 +17,11 @@ values only and loads in any fresh process::
     a clear error;
   - resuming on torch >= 2.1 (mmengine calls ``FSDP.optim_state_dict_to_load`` with torch 2.0's
     argument order);
+  - ``skip_init_weights=True`` that keeps what no checkpoint holds: parameters alone are built
+    without values (:func:`parameters_on_meta`), buffers and every other tensor a constructor
+    makes keep theirs (mmengine builds everything on the meta device, so a data preprocessor's
+    mean and std, buffers outside the state dict, become uninitialised memory), and the model
+    refuses to run until a checkpoint gave every parameter a value;
 * :func:`sharded_safe_globals`: FSDP's ``ShardedTensor`` classes, which ``state_dict_cfg='local'``
   shards hold, allowed for the strategy's own weights-only loads of shards only (scoped, never
   process-wide: unpickling a ``ShardedTensor`` consults the process group).
@@ -26,12 +31,14 @@ Every load here is weights-only on every torch (:mod:`swin_backbone.checkpoint`)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import os.path as osp
 import re
-from typing import Callable, List, Optional, Sequence, Tuple
+import weakref
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from mmengine._strategy import FSDPStrategy
@@ -100,6 +107,59 @@ def check_shards(folder: str, world_size: int) -> int:
     return saved
 
 
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (shapes, no values, no
+    memory); their buffers and any other tensor they make stay where they are made, with their
+    values. Constructors' initialisation of parameters then costs nothing (it runs on meta
+    tensors). A parameter registered under two names stays one parameter."""
+    register = nn.Module.register_parameter
+    made: Dict[int, nn.Parameter] = {}  # id of a live original -> its meta parameter
+
+    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is None or param.is_meta:
+            return
+        key = id(param)
+        if key not in made:
+            made[key] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            weakref.finalize(param, made.pop, key, None)  # (its id may be reused once it is gone)
+        module._parameters[name] = made[key]
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def materialize_parameters(model: nn.Module, device: str = "cpu") -> None:
+    """Give ``model``'s meta parameters uninitialised memory on ``device`` (as ``to_empty``, but
+    tensors with values are left as they are). Before anything holds the parameters: they are
+    new objects (an optimizer built earlier would hold the meta ones); one shared by two modules
+    stays shared."""
+    made: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = type(param)(torch.empty_like(param, device=device),
+                                                  requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+
+
+class WeightsNotLoadedError(RuntimeError):
+    """A model built with ``skip_init_weights=True`` ran before a checkpoint gave every one of
+    its parameters a value."""
+
+
+def _refuse_without_weights(module: nn.Module, args) -> None:
+    raise WeightsNotLoadedError(
+        "SwinFSDPStrategy(skip_init_weights=True) built the model's parameters without values "
+        "(uninitialised memory) and no checkpoint has given them values yet: set load_from (a "
+        "checkpoint of the whole model) or resume, or drop skip_init_weights")
+
+
 def clean_name(name: str) -> str:
     """A parameter's name in the unwrapped model (``_fsdp_wrapped_module.`` removed)."""
     return name.replace(FSDP_PREFIX, "")
@@ -118,6 +178,28 @@ class SwinFSDPStrategy(FSDPStrategy):
         super().__init__(**kwargs)
         self.min_checkpoint_match: Optional[float] = None
         self._loaded_shards = False  # the last load_checkpoint read a shard folder (its optimizer state is local)
+        self._weightless = None  # skip_init_weights: the hook that refuses a forward until a load gave values
+
+    # ------------------------------------------------------------------ building
+    def build_model(self, model):
+        """The model from its config. With ``skip_init_weights=True``, its parameters are built
+        without values and get uninitialised memory on the CPU; everything else keeps the values
+        its constructor gave it. A forward before :meth:`load_checkpoint` gave every parameter a
+        value raises :class:`WeightsNotLoadedError`."""
+        if not (self.skip_init_weights and isinstance(model, dict)):
+            return super().build_model(model)
+        from mmengine.registry import MODELS
+
+        with parameters_on_meta():
+            model = MODELS.build(model)  # (what mmengine's build does with a config)
+        materialize_parameters(model, "cpu")
+        self.skip_init_weights = False  # a built module: mmengine's bookkeeping of its parameters
+        try:
+            model = super().build_model(model)
+        finally:
+            self.skip_init_weights = True
+        self._weightless = model.register_forward_pre_hook(_refuse_without_weights)
+        return model
 
     # ------------------------------------------------------------------ clipping
     def build_optim_wrapper(self, optim_wrapper, model: Optional[nn.Module] = None):
@@ -190,7 +272,23 @@ class SwinFSDPStrategy(FSDPStrategy):
         self._loaded_shards = shards
         if not shards:
             self._report_load(filename, incompatible)
+        if self._weightless is not None:
+            self._check_every_parameter(filename, incompatible.missing_keys, shards)
         return checkpoint
+
+    def _check_every_parameter(self, filename: str, missing: Sequence[str], shards: bool) -> None:
+        """After a load into a model built with ``skip_init_weights``: every parameter has a value
+        now (the model may run), or the error names those left without one."""
+        params = {clean_name(k) for k, _ in self.model.named_parameters()}
+        # (a shard holds flat parameters only: whatever it misses is parameters)
+        empty = sorted(clean_name(k) for k in missing if shards or clean_name(k) in params)
+        if empty:
+            raise WeightsNotLoadedError(
+                f"skip_init_weights=True: {filename!r} gave no value to {len(empty)} parameter(s) of the model, "
+                f"which hold uninitialised memory: {empty[:8]}{' ...' if len(empty) > 8 else ''}. Load a checkpoint "
+                f"of the whole model, or drop skip_init_weights")
+        self._weightless.remove()
+        self._weightless = None
 
     def _report_load(self, filename: str, incompatible) -> None:
         from .runner import CheckpointMismatchError, match_report
@@ -246,4 +344,5 @@ def global_norm_clipping(wrapper, root: nn.Module) -> None:
 
 
 __all__: List[str] = ["SwinFSDPStrategy", "swin_block_wrap_policy", "sharded_safe_globals", "check_shards",
-                      "shard_count", "global_norm_clipping"]
+                      "shard_count", "global_norm_clipping", "parameters_on_meta", "materialize_parameters",
+                      "WeightsNotLoadedError"]

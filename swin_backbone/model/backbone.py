@@ -204,7 +204,8 @@ class SwinBackbone(BaseModule):
             self.absolute_pos_embed = None
         self.drop_after_pos = nn.Dropout(drop_rate)
 
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        # (in Python, not torch.linspace: a constructor under a meta-device context reads no tensor)
+        rates = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
         self.stages = nn.ModuleList()
         for i, depth in enumerate(depths):
             first = sum(depths[:i])

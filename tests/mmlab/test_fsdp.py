@@ -10,12 +10,14 @@ rates, gradient clipping, state_dict_cfg='full').
 * its checkpoint is one file with the DDP run's weights, which swin_backbone.load_checkpoint,
   swin-convert-checkpoint and swin-extract-features read;
 * the config mmengine dumped into its work dir, in fresh processes and unchanged: ``--resume`` from
-  that file continues the run exactly; tools/dist_test.sh (2 nodes, c10d) evaluates the file
-  (``load_from`` under FSDP) with the training validation's metrics;
+  that file continues the run exactly, also with ``strategy.skip_init_weights=True`` (parameters
+  built without values); tools/dist_test.sh (2 nodes, c10d) evaluates the file (``load_from``
+  under FSDP) with the training validation's metrics;
 * the FSDP wrapping the config asks for (mmengine's MMFullyShardedDataParallel, in 2 gloo
   processes): one unit per block, the optimizer's per-parameter settings as without FSDP, the
   frozen stage unchanged by training steps; SwinBackbone and SwinV2Backbone gradients under
-  FSDP, and their clipping by the global norm, equal the unsharded model's.
+  FSDP, and their clipping by the global norm, equal the unsharded model's; a model built
+  without weights keeps its buffers' values and refuses to run until every parameter is loaded.
 
 The segmentation recipe (bf16, sharded checkpoints, SLURM, load_from a model-zoo-format file) is in
 tests/mmlab/test_fsdp_seg.py. Real torchrun processes, real gloo, real mmdet / mmengine, the generated
@@ -169,6 +171,22 @@ def test_work_dir_config_resumes_the_file_in_a_fresh_process(tmp_path, fsdp_run,
     assert os.path.isfile(resumed / f"iter_{ITERS}.pth")
 
 
+def test_resume_of_a_model_built_without_weights_continues_the_run(tmp_path, fsdp_run, toy_data):  # noqa: F811
+    """``strategy.skip_init_weights=True`` (parameters built without values; buffers such as the
+    data preprocessor's mean and std, which no checkpoint holds, keep theirs): ``--resume`` from
+    the iteration-2 file continues the uninterrupted run exactly, as a model built normally does."""
+    work, _ = fsdp_run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(os.path.join(work, "iter_2.pth"), resumed / "iter_2.pth")
+    (resumed / "last_checkpoint").write_text(str(resumed / "iter_2.pth"))
+    launch(["tools/dist_train.sh", dumped_config(work), "2", "--work-dir", str(resumed), "--resume",
+            "--cfg-options", "strategy.skip_init_weights=True"], toy_data)
+    continued = losses(str(resumed))
+    assert sorted(continued) == list(range(3, ITERS + 1))
+    assert_losses_close(continued, {it: v for it, v in losses(work).items() if it >= 3}, 1e-6)
+
+
 def test_dist_test_on_two_nodes_evaluates_the_fsdp_file(tmp_path, fsdp_run, toy_data):  # noqa: F811
     """tools/dist_test.sh as 2 nodes (c10d rendezvous) with the work-dir config (FlexibleRunner,
     FSDP: the file loads as ``load_from`` into the sharded model) gives the training's own
@@ -317,3 +335,68 @@ def _recipe_rank(rank, world, port, toy_data):  # noqa: F811
 
 def test_recipe_wrapping_keeps_paramwise_settings_and_frozen_stage(toy_data):  # noqa: F811
     _spawn(_recipe_rank, toy_data)
+
+
+def _weightless_rank(rank, world, port, folder):
+    _init(rank, world, port)
+    import swin_backbone  # noqa: F401  (first: mmcv-lite's ops where mmcv has none)
+    from mmdet.registry import MODELS
+    from mmdet.testing import demo_mm_inputs
+    from mmengine.registry import MODEL_WRAPPERS, DefaultScope
+
+    from swin_backbone.mmlab.fsdp import SwinFSDPStrategy, WeightsNotLoadedError
+
+    cfg = Config.fromfile(os.path.join(ROOT, FSDP_CFG))
+    with DefaultScope.overwrite_default_scope("mmdet"):
+        torch.manual_seed(0)
+        ref = MODELS.build(cfg.model)
+        ref.init_weights()
+        strategy = SwinFSDPStrategy(skip_init_weights=True)
+        model = strategy.build_model(cfg.model)
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert sorted(strategy.id_to_name[id(p)] for p in model.parameters()) == sorted(
+            n for n, _ in ref.named_parameters())
+        buffers = dict(ref.named_buffers())
+        assert "data_preprocessor.mean" in buffers
+        for name, buffer in model.named_buffers():
+            assert torch.equal(buffer, buffers[name]), name
+        data = demo_mm_inputs(batch_size=1, image_shapes=[(3, 96, 128)], num_items=[3], num_classes=3,
+                              with_mask=True)
+        ref.eval(), model.eval()
+        inputs = model.data_preprocessor(data, False)  # (the buffers' values at work)
+        with torch.no_grad():
+            expected = torch.utils._pytree.tree_leaves(ref(**ref.data_preprocessor(data, False), mode="tensor"))
+        with pytest.raises(WeightsNotLoadedError, match="load_from"):
+            model.val_step(data)
+        strategy.model = MODEL_WRAPPERS.build(cfg.strategy.model_wrapper, default_args=dict(
+            module=model, device_id=int(os.environ["LOCAL_RANK"]), type="MMFullyShardedDataParallel"))
+        with pytest.raises(WeightsNotLoadedError, match=r"gave no value to \d+ parameter.*roi_head\.mask_head\."):
+            strategy.load_checkpoint(os.path.join(folder, "partial.pth"))
+        with pytest.raises(WeightsNotLoadedError):  # (the module inside FSDP: refused before FSDP's forward begins)
+            strategy.model.module.val_step(data)
+        strategy.load_checkpoint(os.path.join(folder, "whole.pth"))
+        with torch.no_grad():
+            got = torch.utils._pytree.tree_leaves(strategy.model(**inputs, mode="tensor"))
+        assert len(got) == len(expected) and all(t.numel() for t in expected)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_model_built_without_weights_runs_only_once_every_parameter_is_loaded(tmp_path):
+    """``SwinFSDPStrategy(skip_init_weights=True)``, 2 gloo ranks: parameters on the CPU without
+    values (mmengine's bookkeeping names each), buffers with their constructor's values (the data
+    preprocessor's mean and std, outside the state dict); under FSDP, a forward before a load, or
+    after a load that left parameters without values (named), is an error; after a whole
+    checkpoint the sharded model predicts what the checkpoint's model predicts."""
+    from mmdet.registry import MODELS
+    from mmengine.registry import DefaultScope
+
+    cfg = Config.fromfile(os.path.join(ROOT, FSDP_CFG))
+    with DefaultScope.overwrite_default_scope("mmdet"):
+        torch.manual_seed(0)
+        ref = MODELS.build(cfg.model)
+        ref.init_weights()
+    state = ref.state_dict()
+    torch.save({"state_dict": state}, tmp_path / "whole.pth")
+    torch.save({k: v for k, v in state.items() if not k.startswith("roi_head.mask_head.")}, tmp_path / "partial.pth")
+    _spawn(_weightless_rank, str(tmp_path))
