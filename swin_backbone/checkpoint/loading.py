@@ -118,6 +118,29 @@ def _model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=False)
 
 
+def assign_to_meta(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Give the tensors of ``model`` that are on the meta device (built without values, e.g.
+    under ``with torch.device('meta'):``) the checkpoint's tensors: copies in the model tensor's
+    dtype, on the checkpoint's device (``map_location``), so nothing aliases the caller's
+    tensors. A tensor shared by two modules stays shared. Returns the rest of ``state``, for
+    ``load_state_dict`` (which would copy into a meta tensor as a no-op)."""
+    rest = dict(state)
+    given: Dict[int, torch.Tensor] = {}  # id of a meta tensor -> what it became
+    for name, module in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            tensors = getattr(module, kind)
+            for key, old in list(tensors.items()):
+                full = f"{name}.{key}" if name else key
+                if old is None or not old.is_meta or (full not in rest and id(old) not in given):
+                    continue
+                if id(old) not in given:
+                    new = rest[full].detach().to(dtype=old.dtype, copy=True)
+                    given[id(old)] = type(old)(new, requires_grad=old.requires_grad) if kind == "_parameters" else new
+                rest.pop(full, None)
+                tensors[key] = given[id(old)]
+    return rest
+
+
 def adapt_to_model(state: StateDict, target: Mapping[str, torch.Tensor], report: LoadReport) -> StateDict:
     """Resize tensors whose shape differs from the model's where that is meaningful.
 
@@ -289,7 +312,12 @@ def load_checkpoint(
     if strict and not report.complete:
         raise CheckpointError(f"checkpoint {source}: incomplete load with strict=True\n{report.summary()}")
     with torch.no_grad():
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(assign_to_meta(model, state), strict=False)
+    empty = [k for k, t in _model_state(model).items() if t.is_meta]
+    if empty:
+        warnings.warn(f"load_checkpoint: {source} gave no value to {len(empty)} tensor(s) of a model built on the meta "
+                      f"device; they stay there without values (give them memory and values before running the "
+                      f"model): {empty[:8]}{' ...' if len(empty) > 8 else ''}", stacklevel=2)
     note_small_map_rule(model, report.format, source)
     if logger is not None:
         level = logging.INFO if report.complete else logging.WARNING

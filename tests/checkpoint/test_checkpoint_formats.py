@@ -171,6 +171,43 @@ def test_abs_pos_embed_and_in_channels_adapted():
     dst.eval()(torch.randn(1, 1, 50, 70))  # and runs at another size, resizing per forward
 
 
+# ---------------------------------------------------------------- a model built on the meta device
+def test_a_model_built_without_values_loads_as_one_built_normally(tmp_path):
+    # Built under torch.device('meta') (no initialisation, no memory), the model takes the
+    # checkpoint's tensors: converted (the official layout), resized (window 7 -> 12), in its
+    # own dtype (an fp16 file), copies (never the caller's tensors); init_cfg's Pretrained too.
+    src = _randomize(SwinBackbone("tiny", window_size=7))
+    official = FROM_OURS["official"](src.state_dict())
+    path = _save(tmp_path, {"model": {k: v.half() for k, v in official.items()}})
+    expected = SwinBackbone("tiny", window_size=12).eval()
+    load_checkpoint(expected, path)
+    with torch.device("meta"):
+        built = {"load_checkpoint": SwinBackbone("tiny", window_size=12),
+                 "init_cfg": SwinBackbone("tiny", window_size=12, init_cfg=dict(type="Pretrained", checkpoint=path))}
+    report = load_checkpoint(built["load_checkpoint"], path)
+    assert report.format == "official" and len(report.resized) == 12
+    built["init_cfg"].init_weights()
+    x = torch.randn(1, 3, 100, 130)
+    for name, model in built.items():
+        assert {(t.device.type, t.dtype) for t in model.state_dict().values()} == {("cpu", torch.float32)}, name
+        with torch.no_grad():
+            for got, want in zip(model.eval()(x), expected(x)):
+                assert torch.equal(got, want), name
+    # a dict's tensors are copied: training the loaded model leaves the source model as it was
+    with torch.device("meta"):
+        model = SwinBackbone("tiny", window_size=7)
+    load_checkpoint(model, src.state_dict())
+    assert not {p.data_ptr() for p in model.parameters()} & {p.data_ptr() for p in src.parameters()}
+    # what the checkpoint does not give stays on meta, and the warning names it
+    with torch.device("meta"):
+        model = SwinBackbone("tiny", window_size=7)
+    partial = {k: v for k, v in src.state_dict().items() if not k.startswith("norm3.")}
+    with pytest.warns(UserWarning, match=r"gave no value to 2 tensor.*meta.*'norm3\.weight', 'norm3\.bias'"):
+        report = load_checkpoint(model, partial)
+    assert report.missing == ["norm3.weight", "norm3.bias"] and model.norm3.weight.is_meta
+    assert not model.norm2.weight.is_meta
+
+
 # ---------------------------------------------------------------- reports and errors
 def test_partial_load_is_reported_by_key():
     small = SwinBackbone("small", out_indices=(3,))
