@@ -53,7 +53,9 @@ class WindowAttentionV2(nn.Module):
         self.pretrained_window_size = pretrained_window_size
         self.attn_drop_rate = attn_drop_rate
         self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
-        self.cpb_mlp = nn.Sequential(nn.Linear(2, CPB_HIDDEN_DIMS, bias=True), nn.ReLU(inplace=True),
+        # (ReLU not in place, unlike timm's and the official: a hook that keeps the first Linear's
+        # output keeps what it was handed; the table is small)
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, CPB_HIDDEN_DIMS, bias=True), nn.ReLU(),
                                      nn.Linear(CPB_HIDDEN_DIMS, num_heads, bias=False))
         self.qkv = nn.Linear(embed_dims, embed_dims * 3, bias=False)
         if qkv_bias:
