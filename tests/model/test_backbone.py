@@ -584,21 +584,25 @@ def test_modules_called_on_their_own_work_on_the_meta_device(version):
     assert [tuple(o.shape) for o in model(torch.empty(1, 3, 36, 44, device="meta"))] == [(1, 16, 9, 11), (1, 32, 5, 6)]
 
 
-@pytest.mark.parametrize("context", ["torch.device", "mmengine"])
+@pytest.mark.parametrize("context", ["torch.device", "mmengine", "parameters_on_meta"])
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_built_on_the_meta_device_then_loaded_computes_as_built_normally(version, context):
     # Large models are built without values (torch's meta-device context; mmengine's
-    # MetaTensorContext, which FSDPStrategy's skip_init_weights uses), given memory and loaded:
-    # the features and the shapes of a training step on meta are those of the model built normally.
+    # MetaTensorContext, which FSDPStrategy's skip_init_weights uses; SwinFSDPStrategy's
+    # parameters_on_meta), given memory and loaded: the features and the shapes of a training
+    # step on meta are those of the model built normally.
     from mmengine._strategy.utils import MetaTensorContext
 
     from swin_backbone import SwinV2Backbone
+    from swin_backbone.mmlab.fsdp import parameters_on_meta
 
     cls = SwinBackbone if version == "v1" else SwinV2Backbone
     arch = dict(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4, drop_path_rate=0.3,
                 out_indices=(0, 1))
     reference = _small_model(version)
-    with torch.device("meta") if context == "torch.device" else MetaTensorContext():
+    contexts = {"torch.device": lambda: torch.device("meta"), "mmengine": MetaTensorContext,
+                "parameters_on_meta": parameters_on_meta}
+    with contexts[context]():
         model = cls(**arch)
     assert {t.device.type for t in model.state_dict().values()} == {"meta"}
     assert [b.drop_path.drop_prob for b in model.stages[1].blocks] == pytest.approx(torch.linspace(0, 0.3, 4)[2:].tolist())
