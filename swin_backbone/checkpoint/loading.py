@@ -8,7 +8,7 @@ import re
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 from mmengine.logging import print_log
@@ -118,26 +118,38 @@ def _model_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     return model.state_dict(keep_vars=False)
 
 
+def replace_meta_tensors(model: nn.Module, value_for: Callable[[str, torch.Tensor], Optional[torch.Tensor]],
+                         buffers: bool = True) -> None:
+    """Give each meta parameter (and buffer) of ``model`` the tensor ``value_for(name, meta_tensor)``
+    returns (``None``: it stays on meta). A parameter stays a parameter with its ``requires_grad``;
+    a tensor shared by two modules stays shared (the first value it is given)."""
+    given: Dict[int, torch.Tensor] = {}  # id of a meta tensor -> what it became
+    for name, module in model.named_modules():
+        for kind in ("_parameters", "_buffers") if buffers else ("_parameters",):
+            tensors = getattr(module, kind)
+            for key, old in list(tensors.items()):
+                if old is None or not old.is_meta:
+                    continue
+                new = value_for(f"{name}.{key}" if name else key, old)
+                if id(old) not in given and new is not None:
+                    given[id(old)] = type(old)(new, requires_grad=old.requires_grad) if kind == "_parameters" else new
+                if id(old) in given:
+                    tensors[key] = given[id(old)]
+
+
 def assign_to_meta(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Give the tensors of ``model`` that are on the meta device (built without values, e.g.
     under ``with torch.device('meta'):``) the checkpoint's tensors: copies in the model tensor's
     dtype, on the checkpoint's device (``map_location``), so nothing aliases the caller's
-    tensors. A tensor shared by two modules stays shared. Returns the rest of ``state``, for
-    ``load_state_dict`` (which would copy into a meta tensor as a no-op)."""
+    tensors. Returns the rest of ``state``, for ``load_state_dict`` (which would copy into a meta
+    tensor as a no-op)."""
     rest = dict(state)
-    given: Dict[int, torch.Tensor] = {}  # id of a meta tensor -> what it became
-    for name, module in model.named_modules():
-        for kind in ("_parameters", "_buffers"):
-            tensors = getattr(module, kind)
-            for key, old in list(tensors.items()):
-                full = f"{name}.{key}" if name else key
-                if old is None or not old.is_meta or (full not in rest and id(old) not in given):
-                    continue
-                if id(old) not in given:
-                    new = rest[full].detach().to(dtype=old.dtype, copy=True)
-                    given[id(old)] = type(old)(new, requires_grad=old.requires_grad) if kind == "_parameters" else new
-                rest.pop(full, None)
-                tensors[key] = given[id(old)]
+
+    def take(name: str, old: torch.Tensor) -> Optional[torch.Tensor]:
+        value = rest.pop(name, None)
+        return None if value is None else value.detach().to(dtype=old.dtype, copy=True)
+
+    replace_meta_tensors(model, take)
     return rest
 
 

@@ -138,14 +138,9 @@ def materialize_parameters(model: nn.Module, device: str = "cpu") -> None:
     tensors with values are left as they are). Before anything holds the parameters: they are
     new objects (an optimizer built earlier would hold the meta ones); one shared by two modules
     stays shared."""
-    made: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and param.is_meta:
-                if id(param) not in made:
-                    made[id(param)] = type(param)(torch.empty_like(param, device=device),
-                                                  requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]
+    from ..checkpoint.loading import replace_meta_tensors
+
+    replace_meta_tensors(model, lambda name, param: torch.empty_like(param, device=device), buffers=False)
 
 
 class WeightsNotLoadedError(RuntimeError):
@@ -193,11 +188,7 @@ class SwinFSDPStrategy(FSDPStrategy):
         with parameters_on_meta():
             model = MODELS.build(model)  # (what mmengine's build does with a config)
         materialize_parameters(model, "cpu")
-        self.skip_init_weights = False  # a built module: mmengine's bookkeeping of its parameters
-        try:
-            model = super().build_model(model)
-        finally:
-            self.skip_init_weights = True
+        model = super().build_model(model)  # (a built module: mmengine only does its bookkeeping)
         self._weightless = model.register_forward_pre_hook(_refuse_without_weights)
         return model
 

@@ -205,7 +205,8 @@ class SwinBackbone(BaseModule):
         self.drop_after_pos = nn.Dropout(drop_rate)
 
         # (in Python, not torch.linspace: a constructor under a meta-device context reads no tensor)
-        rates = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
+        blocks = sum(depths)
+        rates = [drop_path_rate * i / max(blocks - 1, 1) for i in range(blocks)]
         self.stages = nn.ModuleList()
         for i, depth in enumerate(depths):
             first = sum(depths[:i])
