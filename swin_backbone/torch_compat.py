@@ -8,11 +8,8 @@ calling the newer torch APIs directly. This module imports nothing of the packag
 from __future__ import annotations
 
 import functools
-import io
 import math
-import pickle
-from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -220,42 +217,8 @@ def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., Non
         module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
-
-#: torch's weights-only unpickler takes allow-list entries as ``(object, "module.name")`` pairs
-#: (a stand-in under the name a pickle uses) and scopes them to a block
-#: (``torch.serialization.safe_globals``): torch >= 2.5. Older torch: :func:`load` reads through
-#: :class:`_RestrictedUnpickler` (same rules, same list); torch's own weights-only loads there
-#: see no entry of ours, and torch < 2.6 loads without ``weights_only`` by default (mmengine's
-#: own loads need no list there).
+#: ``torch.serialization.safe_globals`` (torch >= 2.5): globals allowed for one weights-only load.
 HAS_SAFE_GLOBALS = hasattr(torch.serialization, "safe_globals")
-
-#: An allow-list entry: a class or function (named by its ``__module__.__qualname__``) or an
-#: ``(object, "module.name")`` pair.
-SafeGlobal = Union[Any, Tuple[Any, str]]
-
-#: Everything :func:`add_safe_globals` was given, by the name a pickle uses for it.
-_SAFE_GLOBALS: Dict[str, Any] = {}
-
-
-def global_name(obj: Any) -> str:
-    """``module.qualname`` of a class or function: the name pickle writes for it."""
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-def _by_name(entries: Sequence[SafeGlobal]) -> Dict[str, Any]:
-    return dict((e[1], e[0]) if isinstance(e, tuple) else (global_name(e), e) for e in entries)
-
-
-def add_safe_globals(entries: Sequence[SafeGlobal]) -> bool:
-    """Allow-list ``entries`` process-wide for weights-only loading: for :func:`load` on every
-    torch, and for every ``torch.load(weights_only=True)`` of the process where torch takes
-    pairs (>= 2.5); returns whether torch took them. Every library's loads read this list:
-    data classes and restricted stand-ins only, never a callable that reaches other objects."""
-    _SAFE_GLOBALS.update(_by_name(entries))
-    if not HAS_SAFE_GLOBALS:
-        return False
-    torch.serialization.add_safe_globals(list(entries))
-    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,167 +229,27 @@ def load_supports_mmap() -> bool:
     return "mmap" in inspect.signature(torch.load).parameters
 
 
-@functools.lru_cache(maxsize=None)
-def _weights_only_globals() -> Dict[str, Any]:
-    """What torch's own weights-only unpickler accepts (tensors, storages, parameters, dtypes,
-    ``OrderedDict``, ``Counter``, ``torch.Size``), by ``module.name``, plus every torch dtype
-    (torch 2.0's list lacks ``bfloat16``)."""
-    from torch import _weights_only_unpickler
-
-    allowed = dict(_weights_only_unpickler._get_allowed_globals())
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed[f"torch.{name}"] = value
-    return allowed
-
-
-def allowed_globals(extra: Sequence[SafeGlobal] = ()) -> Dict[str, Any]:
-    """Every global a weights-only load of :func:`load` accepts, by name: torch's own list, what
-    :func:`add_safe_globals` (and, on torch >= 2.5, any library through torch) allowed, ``extra``."""
-    allowed = dict(_weights_only_globals())
-    if HAS_SAFE_GLOBALS:
-        allowed.update(_by_name(torch.serialization.get_safe_globals()))
-    allowed.update(_SAFE_GLOBALS)
-    allowed.update(_by_name(extra))
-    return allowed
-
-
-class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """torch's weights-only rules on torch < 2.5, over Python's pure-Python unpickler: globals
-    resolve only by name from :attr:`allowed` (nothing is imported); REDUCE / NEWOBJ / INST / OBJ
-    call only allowed objects; BUILD sets state only on tensors, ``OrderedDict`` and allowed
-    classes; APPEND / SETITEM only into lists / dicts; extension codes are refused. Anything
-    else raises ``pickle.UnpicklingError`` naming it."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    #: name -> object (set per load by :func:`_restricted_pickle`)
-    allowed: Dict[str, Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self.proto < 3 and self.fix_imports:  # Python 2 names of protocol 2 (torch.save's)
-            import _compat_pickle
-
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                module = _compat_pickle.IMPORT_MAPPING[module]
-        key = f"{module}.{name}"
-        if key in self.allowed:
-            return self.allowed[key]
-        raise pickle.UnpicklingError(f"Weights only load failed: Unsupported global: GLOBAL {key} (not on the "
-                                     "weights-only allow-list)")
-
-    def _check_callable(self, obj: Any) -> None:
-        if not any(obj is v for v in self.allowed.values()):
-            raise pickle.UnpicklingError(f"Weights only load failed: calling {global_name(obj)} is not allowed")
-
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        self._check_callable(func)
-        self.stack[-1] = func(*args)
-
-    def load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self._check_callable(cls)
-        self.append(cls.__new__(cls, *args))
-
-    def load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self._check_callable(cls)
-        self.append(cls.__new__(cls, *args, **kwargs))
-
-    def _instantiate(self, klass: Any, args: list) -> None:  # INST / OBJ opcodes
-        self._check_callable(klass)
-        super()._instantiate(klass, args)
-
-    def load_build(self) -> None:
-        inst = self.stack[-2]  # (the state is on top)
-        if type(inst) is torch.Tensor:  # legacy tensors: set_(storage, offset, size, stride)
-            state = self.stack.pop()
-            inst.set_(*state)
-        elif type(inst) is torch.nn.Parameter or type(inst) is OrderedDict or any(
-                type(inst) is v for v in self.allowed.values()):
-            super().load_build()
-        else:
-            raise pickle.UnpicklingError(f"Weights only load failed: setting the state of a "
-                                         f"{global_name(type(inst))} is not allowed")
-
-    def load_append(self) -> None:
-        self._check_target(list)
-        super().load_append()
-
-    def load_appends(self) -> None:
-        self._check_target(list, marked=True)
-        super().load_appends()
-
-    def load_setitem(self) -> None:
-        self._check_target(dict, depth=3)
-        super().load_setitem()
-
-    def load_setitems(self) -> None:
-        self._check_target(dict, marked=True)
-        super().load_setitems()
-
-    def _check_target(self, kind: type, depth: int = 2, marked: bool = False) -> None:
-        target = self.metastack[-1][-1] if marked and self.metastack and self.metastack[-1] else (
-            None if marked else self.stack[-depth] if len(self.stack) >= depth else None)
-        if not isinstance(target, kind):
-            raise pickle.UnpicklingError(f"Weights only load failed: adding items to a "
-                                         f"{type(target).__name__} is not allowed")
-
-    def _refuse_extension(self) -> None:
-        raise pickle.UnpicklingError("Weights only load failed: pickle extension codes (copyreg) are not allowed")
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.APPEND[0]] = load_append
-    dispatch[pickle.APPENDS[0]] = load_appends
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
-    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = _refuse_extension
-
-
-def _restricted_pickle(allowed: Dict[str, Any]) -> type:
-    """A ``pickle_module`` for ``torch.load`` whose unpickler is :class:`_RestrictedUnpickler`
-    with ``allowed``."""
-    unpickler = type("Unpickler", (_RestrictedUnpickler,), dict(allowed=allowed))
-
-    def load(file: Any, **kwargs: Any) -> Any:
-        return unpickler(file, **kwargs).load()
-
-    def loads(data: bytes, **kwargs: Any) -> Any:
-        return unpickler(io.BytesIO(data), **kwargs).load()
-
-    return type("_RestrictedPickle", (), dict(Unpickler=unpickler, UnpicklingError=pickle.UnpicklingError,
-                                              load=staticmethod(load), loads=staticmethod(loads)))
-
-
-def load(f: Any, map_location: Any = None, *, weights_only: bool = True, mmap: bool = False,
-         safe_globals: Sequence[SafeGlobal] = ()) -> Any:
+def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: bool = False,
+         safe_globals: Sequence[Any] = ()) -> Any:
     """``torch.load`` on every supported torch.
 
-    ``weights_only=True``: only allow-listed globals are unpickled (:func:`allowed_globals`),
-    and ``safe_globals`` for this load only. torch >= 2.5 does that itself (``safe_globals``
-    scoped by ``torch.serialization.safe_globals``); older torch reads the file with
-    :class:`_RestrictedUnpickler`, by the same rules. ``mmap=True`` maps the file where torch
-    can (>= 2.1) and reads it otherwise (same result).
+    ``pickle_module``: torch reads the container (zip or legacy), the storages and
+    ``map_location``; the module's unpickler reads the pickle (the package's inert unpickler,
+    :mod:`swin_backbone.checkpoint.unpickler`). torch refuses a ``pickle_module`` together with
+    ``weights_only=True``, so this call passes ``weights_only=False``: the module is the restriction.
+    Without it: torch's own weights-only unpickler, with ``safe_globals`` allowed for this call
+    only (``torch.serialization.safe_globals``, torch >= 2.5; nothing is added process-wide).
+    ``mmap=True`` maps a zip file where torch can (>= 2.1) and reads it otherwise (same result).
     """
     kwargs: Dict[str, Any] = dict(map_location=map_location)
     if mmap and load_supports_mmap():
         kwargs["mmap"] = True
-    if not weights_only:
-        return torch.load(f, weights_only=False, **kwargs)
-    if HAS_SAFE_GLOBALS:
-        scoped = [g for g in safe_globals if g not in torch.serialization.get_safe_globals()]
-        with torch.serialization.safe_globals(scoped):
-            return torch.load(f, weights_only=True, **kwargs)
-    return torch.load(f, weights_only=False, pickle_module=_restricted_pickle(allowed_globals(safe_globals)),
-                      **kwargs)
+    if pickle_module is not None:
+        return torch.load(f, weights_only=False, pickle_module=pickle_module, **kwargs)
+    if not safe_globals:
+        return torch.load(f, weights_only=True, **kwargs)
+    if not HAS_SAFE_GLOBALS:
+        raise RuntimeError(f"loading this file needs torch >= 2.5 (torch.serialization.safe_globals, to allow "
+                           f"{len(safe_globals)} classes for one load); the installed torch is {torch.__version__}")
+    with torch.serialization.safe_globals(list(safe_globals)):
+        return torch.load(f, weights_only=True, **kwargs)

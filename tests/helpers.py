@@ -292,8 +292,8 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
     "safe_globals": (
         lambda: torch_compat.HAS_SAFE_GLOBALS,
         "torch.serialization.safe_globals / add_safe_globals taking (object, name) pairs (torch >= 2.5)",
-        "swin_backbone loads checkpoints weights-only through its own restricted unpickler (same "
-        "allow-list); mmengine's own torch.load calls are unrestricted on such torch (its default)",
+        "the FSDP strategy's sharded ('local') checkpoint folders cannot be read (their ShardedTensor classes "
+        "are allowed for those loads only); every other checkpoint reads through the package's own unpickler",
     ),
     "load_mmap": (
         torch_compat.load_supports_mmap,

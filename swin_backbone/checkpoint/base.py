@@ -7,7 +7,8 @@ inside ``checkpoint/`` go one way, function-level imports included (tests/checkp
 test_checkpoint_cache.py checks it): ``base`` and ``resize`` (which needs nothing) <- ``formats``
 <- ``formats_v2`` <- ``formats_hf`` <- ``detect``; ``base`` <- ``files`` (local files) <- ``remote``
 (URLs and other references); ``detect``, ``files``, ``remote`` and ``resize`` <- ``loading`` <-
-``hooks``; ``allowlist`` (what weights-only loading accepts) needs nothing of them.
+``hooks`` and ``mmengine_schemes``; ``records`` (the unpickler's table, needing ``base``) <- ``unpickler`` <-
+``files``.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ writing converted files atomically.
 Readable containers:
 
 =============== =====================================================================================
-torch zip       ``torch.save`` (torch >= 1.6): a zip archive, read with ``torch.load(weights_only=True)``
+torch zip       ``torch.save`` (torch >= 1.6): a zip archive; torch reads the container, :mod:`.unpickler` the pickle
 torch pickle    ``torch.save(..., _use_new_zipfile_serialization=False)``: a pickle stream, same reader
 safetensors     8-byte little-endian header length, a JSON header, raw tensor bytes; read with the
                 ``safetensors`` library (no pickle at all), or by ``torch.load`` where the library is
@@ -13,9 +13,10 @@ safetensors     8-byte little-endian header length, a JSON header, raw tensor by
 
 Anything else (a directory, a FIFO or device, an empty, text or random file, a truncated
 download) is a :class:`~swin_backbone.checkpoint.CheckpointError` naming the file, what was
-expected and what was found, before torch's unpickler sees it. A pickle that names code (any
-global off the weights-only allow-list, :mod:`.allowlist`) is refused with the global's name;
-nothing in it runs (docs/checkpoints.md, "Security model").
+expected and what was found, before any unpickler sees it. A torch file's pickle is read by
+the package's inert unpickler (:mod:`.unpickler`): a pickle that names anything outside its
+table is refused with the global's name, and nothing in it runs (docs/checkpoints.md,
+"Security model").
 
 Every file the package writes (converted checkpoints, downloads and their records, the tools'
 outputs) goes through :func:`atomic_path`: a reader sees the old file or the new one, never half.
@@ -24,10 +25,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import io
 import json
 import os
-import pickletools
 import re
 import stat
 import struct
@@ -38,8 +37,10 @@ from typing import Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 
-from ..torch_compat import allowed_globals, load
+from ..torch_compat import load
 from .base import CheckpointError
+from .records import RefusedError
+from .unpickler import ASKS_FOR_CODE, read_torch_checkpoint
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -144,98 +145,24 @@ def _first_line(err: BaseException) -> str:
     return line if len(line) <= 160 else line[:157] + "..."
 
 
-def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device] = "cpu") -> object:
-    """``torch.load(weights_only=True)`` of a sniffed torch file (the allow-list of :mod:`.allowlist`);
-    any failure is a :class:`CheckpointError` naming the file (never a bare error from inside
-    the unpickler), and a file that asks for code names the global it asked for."""
+def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device] = "cpu",
+                    trusted: Optional[Dict[str, object]] = None) -> object:
+    """A sniffed torch file, its pickle read by the inert unpickler (:mod:`.unpickler`;
+    ``trusted``: see :func:`~.unpickler.read_torch_checkpoint`); any failure is a
+    :class:`CheckpointError` naming the file (never a bare error from inside the unpickler), and
+    a refused file says what it asked for."""
     try:
-        return load(path, map_location=map_location)
-    except Exception as err:  # the unpickler raises anything from IndexError to RuntimeError
-        raise CheckpointError(f"checkpoint {path!r}: {_why_unreadable(path, kind, err)}") from err
-
-
-#: What the message of a refused file says first (tests and callers match it).
-ASKS_FOR_CODE = "the file asks to run code"
-
-
-def _why_unreadable(path: str, kind: str, err: BaseException) -> str:
-    refused = _code_in(path, kind)
-    if refused:
-        return (f"{ASKS_FOR_CODE}: GLOBAL {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''} (not a data "
-                "class on the weights-only allow-list); it was refused, nothing in it ran. A checkpoint holds "
-                "tensors and plain data: load only files from sources you trust, and re-save this one's weights "
-                "with torch.save(model.state_dict()) where you trust it")
-    text = str(err)
-    if ASKS_FOR_CODE in text:  # the getattr stand-in (allowlist.restricted_getattr)
-        detail = text[text.index(ASKS_FOR_CODE):].splitlines()[0]
-        return f"{detail}; it was refused, nothing in it ran (load only files from sources you trust)"
-    what = "zip archive" if kind == "torch-zip" else "pickle stream"
-    hint = ("it holds objects other than tensors and plain data (weights_only refuses them)"
-            if "weights_only" in text or "Weights only" in text
-            else "the file is corrupt, truncated or not a checkpoint")
-    return (f"expected {EXPECTED_ANY}; found a {what} that torch.load cannot read "
-            f"({type(err).__name__}: {_first_line(err)}); {hint}")
-
-
-def _code_in(path: str, kind: str) -> List[str]:
-    """The globals the file's pickles name that weights-only loading does not allow (in order,
-    once each), read with ``pickletools`` (nothing is unpickled); [] where it cannot tell."""
-    allowed = allowed_globals()
-    found: List[str] = []
-    try:
-        for stream in _pickles(path, kind):
-            for name in pickle_globals(stream):
-                if name not in allowed and name not in found:
-                    found.append(name)
-    except Exception:  # a damaged file: what was found so far
-        pass
-    return found
-
-
-def _pickles(path: str, kind: str) -> Iterator[io.BufferedIOBase]:
-    if kind == "torch-zip":
-        with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                if name.endswith(".pkl"):
-                    yield io.BytesIO(z.read(name))
-    else:  # legacy: magic number, protocol, sys info, then the object (then raw storages)
-        with open(path, "rb") as f:
-            for _ in range(4):
-                yield f
-
-
-def pickle_globals(stream: io.BufferedIOBase) -> List[str]:
-    """``module.name`` of each global one pickle names (GLOBAL, INST, STACK_GLOBAL), protocol 2's
-    Python 2 names mapped as unpickling maps them; read with ``pickletools.genops`` (no object
-    is created). Stops at the pickle's STOP."""
-    import _compat_pickle
-
-    names: List[str] = []
-    strings: List[str] = []  # the strings pushed most recently (STACK_GLOBAL takes two)
-    memo: Dict[int, str] = {}
-    top: Optional[str] = None  # the string on top of the stack, if the last opcode pushed one
-    for op, arg, _ in pickletools.genops(stream):
-        pushed = None
-        if op.name in ("GLOBAL", "INST"):
-            module, name = arg.split(" ", 1)
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-            names.append(f"{module}.{name}")
-        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-            names.append(f"{strings[-2]}.{strings[-1]}")
-        elif isinstance(arg, str) and ("UNICODE" in op.name or op.name.endswith("STRING")):
-            pushed = arg
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = arg if op.name != "MEMOIZE" else len(memo)
-            memo[index] = top if top is not None else ""
-            pushed = top
-        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
-            pushed = memo.get(arg) or None
-        if pushed is not None:
-            strings.append(pushed)
-        top = pushed
-    return names
+        return read_torch_checkpoint(path, kind, map_location, trusted)
+    except RefusedError as err:
+        text = str(err)
+        if not text.startswith(ASKS_FOR_CODE):
+            text = f"refused, nothing in it ran: {text}"
+        raise CheckpointError(f"checkpoint {path!r}: {text}") from None
+    except Exception as err:  # torch's container reader raises anything from IndexError to RuntimeError
+        what = "zip archive" if kind == "torch-zip" else "pickle stream"
+        raise CheckpointError(
+            f"checkpoint {path!r}: expected {EXPECTED_ANY}; found a {what} that cannot be read "
+            f"({type(err).__name__}: {_first_line(err)}); the file is corrupt, truncated or not a checkpoint") from err
 
 
 def read_safetensors(path: str, map_location: Union[str, torch.device] = "cpu") -> Dict[str, torch.Tensor]:
@@ -257,7 +184,7 @@ def read_safetensors(path: str, map_location: Union[str, torch.device] = "cpu") 
             f"checkpoint {path!r}: expected a complete safetensors file; safetensors cannot read it "
             f"({type(err).__name__}: {_first_line(err)}); the file is truncated or corrupt"
         ) from err
-    if str(map_location) != "cpu":
+    if map_location is not None and str(map_location) != "cpu":
         state = OrderedDict((k, v.to(map_location)) for k, v in state.items())
     return state
 

@@ -28,8 +28,10 @@ The cache (docs/checkpoints.md, "The download cache"):
   works before a process group exists and when only some ranks read.
 - **It finishes or fails:** a per-read timeout, retries with backoff for what a retry can fix
   (a timeout, a dropped connection, HTTP 408 / 429 / 5xx), and one overall deadline from a
-  minimum throughput, ``TIMEOUT + size / MIN_SPEED`` (:func:`download_settings`), which
-  processes waiting on the lock share; then an error naming the URL and the remedy.
+  minimum throughput, ``TIMEOUT + min(size, MAX_BYTES) / MIN_SPEED`` (:func:`download_settings`),
+  which processes waiting on the lock share; then an error naming the URL and the remedy. A size
+  cap, ``MAX_BYTES``, refuses a larger ``Content-Length`` before the body and cuts off a stream
+  that sends more (no retry): a server cannot make a download endless or fill the disk.
 - **A cached file is checked against its record** before use: its size always, its sha256 once
   per process and file; a mismatch is warned about and the file downloaded again.
 - The download goes to a staging file beside the cached one (:func:`.files.atomic_path`, a name
@@ -51,7 +53,7 @@ import time
 import urllib.error
 import warnings
 from typing import Dict, Iterator, List, Optional, Tuple, Union
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse, urlsplit, urlunsplit
 from urllib.request import HTTPRedirectHandler, Request, build_opener
 
 import torch
@@ -86,9 +88,17 @@ SETTINGS = {
     "SWIN_BACKBONE_DOWNLOAD_RETRIES": (3, "tries after the first on a timeout, a dropped connection, HTTP 5xx / 429"),
     "SWIN_BACKBONE_DOWNLOAD_BACKOFF": (1.0, "seconds before the first retry, doubled for each further one"),
     "SWIN_BACKBONE_DOWNLOAD_MIN_SPEED": (100000.0, "bytes per second a download must average: it, and the wait "
-                                                   "for another process's download, ends after TIMEOUT + size / "
-                                                   "MIN_SPEED seconds"),
+                                                   "for another process's download, ends after TIMEOUT + "
+                                                   "min(size, MAX_BYTES) / MIN_SPEED seconds"),
+    # 8 GiB: well above the largest Swin checkpoints users download (Swin-L / SwinV2-L backbones,
+    # Swin-L Mask R-CNN / UPerNet with optimizer state: about 0.8-2.5 GB), and a bound on what a
+    # server that declares no size, or a huge one, can make a download last and write to disk.
+    "SWIN_BACKBONE_DOWNLOAD_MAX_BYTES": (8 * 1024 ** 3, "bytes a download may have: a larger Content-Length is "
+                                                        "refused before the body, a longer stream cut off"),
 }
+#: Settings that must be > 0 (the others may be 0).
+POSITIVE_SETTINGS = ("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "SWIN_BACKBONE_DOWNLOAD_MIN_SPEED",
+                     "SWIN_BACKBONE_DOWNLOAD_MAX_BYTES")
 #: HTTP answers worth another try (a Retry-After header is honoured, up to :data:`MAX_RETRY_AFTER`).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 MAX_RETRY_AFTER = 60.0
@@ -114,8 +124,10 @@ def cache_dir() -> str:
 
 
 def download_settings() -> Dict[str, float]:
-    """``{'timeout': s, 'retries': n, 'backoff': s}`` from :data:`SETTINGS` (environment
-    variables, else the defaults); a value that is not a number >= 0 is a :class:`CheckpointError`."""
+    """``{'timeout': s, 'retries': n, 'backoff': s, 'min_speed': bytes/s, 'max_bytes': n}`` from
+    :data:`SETTINGS` (environment variables, else the defaults); a value that is not a number
+    (an integer for ``RETRIES`` and ``MAX_BYTES``) >= 0, or > 0 for :data:`POSITIVE_SETTINGS`, is a
+    :class:`CheckpointError` naming the variable."""
     out = {}
     for var, (default, what) in SETTINGS.items():
         raw = os.environ.get(var, "")
@@ -123,9 +135,9 @@ def download_settings() -> Dict[str, float]:
             value = type(default)(raw) if raw.strip() else default
         except ValueError:
             value = -1
-        positive = var.endswith(("TIMEOUT", "SPEED"))
+        positive = var in POSITIVE_SETTINGS
         if not value >= 0 or (positive and value == 0) or value == float("inf"):
-            kind = "an integer >= 0" if isinstance(default, int) else "a number > 0" if positive else "a number >= 0"
+            kind = ("an integer" if isinstance(default, int) else "a number") + (" > 0" if positive else " >= 0")
             raise CheckpointError(f"${var}: expected {kind} ({what}; default {default}), got {raw!r}")
         out[var[len("SWIN_BACKBONE_DOWNLOAD_"):].lower()] = value
     return out
@@ -137,11 +149,14 @@ def _url_hash(url: str) -> str:
 
 
 def _name(url: str) -> str:
-    """The file name a URL ends in (checked: a URL a cache file can be named after)."""
-    bad = next((i for i, c in enumerate(url) if c.isspace() or ord(c) < 32 or ord(c) == 127), None)
+    """The file name a URL ends in (checked: a URL a cache file can be named after). Non-ASCII
+    letters are kept (as torch names the file; :func:`_request_url` percent-encodes them for the
+    request); a name never holds a ``/``, and ``.`` / ``..`` are refused."""
+    bad = next((i for i, c in enumerate(url) if c.isspace() or ord(c) < 32 or ord(c) == 127
+                or 0xD800 <= ord(c) <= 0xDFFF), None)
     if bad is not None:
         raise CheckpointError(f"checkpoint {url!r}: not a valid URL: it contains {url[bad]!r} at position {bad}; "
-                              "percent-encode spaces and control characters (a space is %20)")
+                              "percent-encode spaces, control characters and undecodable bytes (a space is %20)")
     parsed = urlparse(url)
     if not parsed.hostname:
         raise CheckpointError(f"checkpoint {url!r}: not a valid URL: it names no host; expected "
@@ -153,13 +168,34 @@ def _name(url: str) -> str:
     return name
 
 
+def _request_url(url: str) -> str:
+    """``url`` as it is sent: non-ASCII characters of its path and query percent-encoded as UTF-8,
+    as browsers send them (``/é.pth`` -> ``/%C3%A9.pth``; HTTP request lines are ASCII); an ASCII
+    URL unchanged, a non-ASCII host left to http.client (IDNA)."""
+    if url.isascii():
+        return url
+    parts = urlsplit(url)
+
+    def encode(text: str) -> str:
+        return re.sub(r"[^\x00-\x7f]+", lambda m: quote(m.group(), safe=""), text)
+
+    return urlunsplit((parts.scheme, parts.netloc, encode(parts.path), encode(parts.query), ""))
+
+
+def _utf8_tail(name: str, limit: int) -> str:
+    """The longest end of ``name`` of at most ``limit`` UTF-8 bytes (file systems count bytes)."""
+    while len(name.encode()) > limit:
+        name = name[1:]
+    return name
+
+
 def is_ambiguous(url: str) -> bool:
     """Whether ``url``'s file name may well name other files too: a query string
     (``uc?id=...``), no extension (``.../files/123/content``), a generic hub name
     (:data:`GENERIC_NAMES`) or an mmengine run name (:data:`RUN_NAME`)."""
     name = _name(url)
     return (bool(urlparse(url).query) or "." not in name or name.lower() in GENERIC_NAMES or bool(RUN_NAME.match(name))
-            or len(name) > MAX_NAME)
+            or len(name.encode()) > MAX_NAME)
 
 
 def record_of(path: str) -> Optional[dict]:
@@ -179,8 +215,8 @@ def _base_file(url: str) -> str:
 
 
 def _hashed_name(url: str) -> str:
-    """``<sha256(url)[:12]>-<name>``, the name's end kept where it is longer than :data:`MAX_NAME`."""
-    return f"{_url_hash(url)}-{_name(url)[-MAX_NAME:]}"
+    """``<sha256(url)[:12]>-<name>``, the name's end kept where it is longer than :data:`MAX_NAME` bytes."""
+    return f"{_url_hash(url)}-{_utf8_tail(_name(url), MAX_NAME)}"
 
 
 def cached_file(url: str) -> str:
@@ -218,10 +254,10 @@ def resolve(checkpoint: str) -> Tuple[str, str]:
         return "url", checkpoint
     if checkpoint.startswith(NAMED_PREFIXES):
         return _named(checkpoint)
-    from mmengine.runner.checkpoint import CheckpointLoader, load_from_local
+    from mmengine.runner.checkpoint import CheckpointLoader
 
-    loader = CheckpointLoader._get_checkpoint_loader(checkpoint)
-    if loader is None or loader is load_from_local:
+    # only the catch-all '' (local files: ours once swin_backbone is imported) matches: no scheme knows it
+    if not any(prefix and re.match(prefix, checkpoint) for prefix in CheckpointLoader._schemes):
         known = "http://, https://, torchvision://, open-mmlab://, mmcls://"
         raise CheckpointError(
             f"checkpoint {checkpoint!r}: unknown scheme {checkpoint.split('://')[0] + '://'!r}; expected a local "
@@ -263,24 +299,32 @@ def _named(checkpoint: str) -> Tuple[str, str]:
 class _Deadline:
     """One fetch's time budget, shared by the wait for another process's download and its own
     tries: what the retries allow for stalls (each try's ``TIMEOUT`` and the backoffs between)
-    plus ``size / MIN_SPEED`` seconds, from the start (``size``: the ``Content-Length`` where
-    known, else the bytes received so far)."""
+    plus ``min(size, MAX_BYTES) / MIN_SPEED`` seconds, from the start (``size``: the
+    ``Content-Length`` where known, also another process's as its lock file says, else the bytes
+    received so far). ``cap``: ``MAX_BYTES``, also what :func:`_get` lets a download have."""
 
     def __init__(self, settings: Dict[str, float]) -> None:
         self.start = time.monotonic()
         tries = int(settings["retries"]) + 1
         self.grace = tries * settings["timeout"] + settings["backoff"] * (2 ** (tries - 1) - 1)
         self.speed = settings["min_speed"]
+        self.cap = int(settings["max_bytes"])
         self.size: Optional[int] = None
 
+    def counted(self, received: int = 0) -> int:
+        """The bytes the budget allows for: the declared size, else ``received``, at most the cap."""
+        return max(0, min(self.size if self.size is not None else received, self.cap))
+
     def budget(self, received: int = 0) -> float:
-        return self.grace + (self.size if self.size is not None else received) / self.speed
+        return self.grace + self.counted(received) / self.speed
 
     def left(self, received: int = 0) -> float:
         return self.start + self.budget(received) - time.monotonic()
 
     def exceeded(self, named: str, url: str, what: str, received: int = 0) -> CheckpointError:
         size = f"{self.size} bytes" if self.size is not None else f"{received} bytes so far"
+        if self.counted(received) == self.cap < (self.size if self.size is not None else received):
+            size = f"{self.cap} bytes ($SWIN_BACKBONE_DOWNLOAD_MAX_BYTES, not the {size})"
         return CheckpointError(
             f"{named}: {what}, and it did not finish within its deadline of {self.budget(received):.3g} s "
             f"(the tries' {self.grace:g} s + {size} / $SWIN_BACKBONE_DOWNLOAD_MIN_SPEED={self.speed:g} bytes/s); "
@@ -604,7 +648,7 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
     try:
         try:
             opener = build_opener(redirects)
-            response = opener.open(Request(url, headers={"User-Agent": "swin-backbone (torch.hub)"}),
+            response = opener.open(Request(_request_url(url), headers={"User-Agent": "swin-backbone (torch.hub)"}),
                                    timeout=max(min(timeout, deadline.left()), 0.05))
         except urllib.error.HTTPError as err:
             answer = f"the server answered HTTP {err.code} {err.reason}" + (
@@ -619,7 +663,7 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
                 raise _Transient(f"the connection to {at()} dropped ({err.reason!r})") from None
             raise CheckpointError(f"{where}: cannot reach {at()} ({err.reason}); download the file elsewhere and "
                                   f"pass its local path, or put it at {path}") from err
-        except http.client.InvalidURL as err:
+        except (http.client.InvalidURL, UnicodeError) as err:
             raise CheckpointError(f"{where}: not a valid URL ({err}); percent-encode what it names") from None
         except (socket.timeout, TimeoutError):
             raise _Transient(stalled()) from None
@@ -629,6 +673,13 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
             headers = dict(response.headers.items())
             length = response.headers.get("Content-Length")
             expected = int(length) if length and length.isdigit() else None
+            cap = deadline.cap
+            if expected is not None and expected > cap:
+                raise CheckpointError(
+                    f"{where}: {at()} declares {expected} bytes (Content-Length), more than the download cap of "
+                    f"{cap} bytes ($SWIN_BACKBONE_DOWNLOAD_MAX_BYTES); nothing was read. If the file is that "
+                    f"large, raise $SWIN_BACKBONE_DOWNLOAD_MAX_BYTES, or download {url} elsewhere and pass its "
+                    "local path (nothing was kept in the cache)")
             if expected is not None:
                 deadline.size = expected
             publish(expected, 0, force=True)
@@ -643,9 +694,16 @@ def _get(where: str, url: str, path: str, staging: str, timeout: float, progress
                         raise deadline.exceeded(where, url, f"{at()} sent {size} of {expected or '?'} bytes", size)
                     if sock is not None:
                         sock.settimeout(max(min(timeout, left), 0.05))
-                    chunk = read(READ_CHUNK)
+                    chunk = read(min(READ_CHUNK, cap - size + 1))  # one byte past the cap tells a longer stream
                     if not chunk:
                         break
+                    if size + len(chunk) > cap:  # a stream with no (or a false) Content-Length: no retry
+                        declared = f"it declared {expected}" if expected is not None else "it declared no size"
+                        raise CheckpointError(
+                            f"{where}: {at()} sent more than the download cap of {cap} bytes "
+                            f"($SWIN_BACKBONE_DOWNLOAD_MAX_BYTES; {declared}); the download was cut off there. "
+                            f"If the file is that large, raise $SWIN_BACKBONE_DOWNLOAD_MAX_BYTES, or download {url} "
+                            "elsewhere and pass its local path (nothing was kept in the cache)")
                     try:
                         f.write(chunk)
                     except OSError as err:

@@ -22,12 +22,13 @@ values only and loads in any fresh process::
     makes keep theirs (mmengine builds everything on the meta device, so a data preprocessor's
     mean and std, buffers outside the state dict, become uninitialised memory), and the model
     refuses to run until a checkpoint gave every parameter a value;
-* :func:`sharded_safe_globals`: FSDP's ``ShardedTensor`` classes, which ``state_dict_cfg='local'``
-  shards hold, allowed for the strategy's own weights-only loads of shards only (scoped, never
+* :func:`sharded_classes`: FSDP's ``ShardedTensor`` classes, which ``state_dict_cfg='local'``
+  shards hold, called for the strategy's own loads of shards only (scoped to that load, never
   process-wide: unpickling a ``ShardedTensor`` consults the process group).
 
-Every load here is weights-only on every torch (:mod:`swin_backbone.checkpoint`): a file through
-:func:`~swin_backbone.checkpoint.read_checkpoint`, a shard through ``torch_compat.load``.
+A checkpoint file reads through :func:`~swin_backbone.checkpoint.read_checkpoint` (the package's
+inert unpickler); a shard of a ``'local'`` folder through the same unpickler, with
+:func:`sharded_classes` beside its table for that load.
 """
 from __future__ import annotations
 
@@ -63,17 +64,38 @@ def swin_block_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: i
                                         transformer_layer_cls={SwinBlock, SwinBlockV2})
 
 
-def sharded_safe_globals() -> list:
-    """The classes of ``state_dict_cfg='local'`` shards (``ShardedTensor`` and its metadata), for
-    the weights-only loads of :meth:`SwinFSDPStrategy.load_checkpoint` (scoped to them)."""
+def _process_group_state(owner: object, name: str, *default: object) -> object:
+    """``builtins.getattr`` as a shard's pickle uses it: protocol 2 writes the nested class
+    ``ShardedTensor.ProcessGroupState`` so; anything else is the table's getattr row (a
+    HistoryBuffer statistic's name, or a refusal)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from ..checkpoint.records import method_name
+
+    if owner is ShardedTensor and name == "ProcessGroupState" and not default:
+        return ShardedTensor.ProcessGroupState
+    return method_name(owner, name, *default)
+
+
+def sharded_classes() -> Dict[str, object]:
+    """What a ``state_dict_cfg='local'`` shard holds beyond the package's table: ``ShardedTensor``
+    and its metadata classes, by the name its pickle uses, for the shard loads of
+    :meth:`SwinFSDPStrategy.load_checkpoint` only (unpickling a ``ShardedTensor`` consults the
+    process group, which no inert record can stand for). The rest of a shard (the message hub,
+    optimizer, meta) reads through the table as any checkpoint does."""
     import torch.distributed._shard.metadata as shard_metadata
     import torch.distributed._shard.sharded_tensor as sharded
     import torch.distributed._shard.sharding_spec.chunk_sharding_spec as chunk_spec
     import torch.distributed.remote_device as remote_device
 
-    return [sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata,
-            sharded.TensorProperties, sharded.Shard, sharded.metadata.MEM_FORMAT_ENCODING,
-            shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec, remote_device._remote_device]
+    objects = [sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata, sharded.TensorProperties, sharded.Shard,
+               sharded.metadata.MEM_FORMAT_ENCODING, shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec,
+               remote_device._remote_device, torch._utils._rebuild_wrapper_subclass, torch._tensor._rebuild_from_type_v2,
+               torch.serialization._get_layout]
+    named = {f"{o.__module__}.{o.__qualname__}": o for o in objects}
+    named.update({"torch.distributed._shard.sharded_tensor.api.ShardedTensor": sharded.ShardedTensor,
+                  "builtins.getattr": _process_group_state})
+    return named
 
 
 def shard_count(folder: str) -> int:
@@ -228,7 +250,6 @@ class SwinFSDPStrategy(FSDPStrategy):
         import torch.distributed as dist
 
         from ..checkpoint import read_checkpoint
-        from ..torch_compat import load
 
         shards = osp.isdir(filename)
         path = filename
@@ -246,7 +267,9 @@ class SwinFSDPStrategy(FSDPStrategy):
 
             map_location = get_device()
         if shards:
-            checkpoint = load(path, map_location=map_location, safe_globals=sharded_safe_globals())
+            from ..checkpoint.files import read_torch_file, sniff
+
+            checkpoint = read_torch_file(path, sniff(path), map_location=map_location, trusted=sharded_classes())
         else:
             checkpoint = read_checkpoint(path, map_location=map_location)
         if callback is not None:
@@ -334,6 +357,6 @@ def global_norm_clipping(wrapper, root: nn.Module) -> None:
     wrapper._clip_grad = functools.partial(_clip_grad_global, wrapper)
 
 
-__all__: List[str] = ["SwinFSDPStrategy", "swin_block_wrap_policy", "sharded_safe_globals", "check_shards",
+__all__: List[str] = ["SwinFSDPStrategy", "swin_block_wrap_policy", "sharded_classes", "check_shards",
                       "shard_count", "global_norm_clipping", "parameters_on_meta", "materialize_parameters",
                       "WeightsNotLoadedError"]

@@ -150,8 +150,8 @@ def prepare_environment(local_rank: int = 0) -> None:
     """Process-wide setup both tools need before building a Runner."""
     if "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(local_rank)
-    # (Registers SwinBackbone even without custom_imports, and lets --resume and load_from read
-    # Runner checkpoints weights-only: swin_backbone.checkpoint.allowlist.)
+    # (Registers SwinBackbone even without custom_imports, and reads --resume and load_from
+    # through the package's inert unpickler: swin_backbone.checkpoint.mmengine_schemes.)
     import swin_backbone  # noqa: F401
 
 

@@ -1,19 +1,23 @@
 """The downloader finishes or fails (issue #45): one deadline from a minimum throughput, shared
-by the processes waiting on the lock; the cache checked against its records; each row of the
-issue's error table a CheckpointError naming the URL or path and the remedy, with no retry
-where a retry cannot help. Against the real HTTP server on 127.0.0.1 (loopback.py)."""
+by the processes waiting on the lock; a size cap ($SWIN_BACKBONE_DOWNLOAD_MAX_BYTES) on what a
+server declares or sends; non-ASCII file names; the cache checked against its records; each row
+of the issue's error table a CheckpointError naming the URL or path and the remedy, with no
+retry where a retry cannot help. Against the real HTTP server on 127.0.0.1 (loopback.py)."""
+import collections
 import fcntl
 import io
 import json
 import os
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from swin_backbone import CheckpointError
 from swin_backbone.checkpoint import read_checkpoint
-from swin_backbone.checkpoint.remote import cache_dir, cached_file, fetch
+from swin_backbone.checkpoint.remote import cache_dir, cached_file, fetch, record_of
 
 from .loopback import server, torch_home  # noqa: F401 (fixtures)
 
@@ -34,6 +38,75 @@ def _w(obj):
 def _cached():
     folder = cache_dir()
     return sorted(f for f in os.listdir(folder) if not f.endswith(".lock")) if os.path.isdir(folder) else []
+
+
+class _Streams:
+    """A second loopback server, for the bodies :class:`.loopback.Loopback` does not send: per path a
+    dict ``declared`` (the Content-Length announced; ``None``: none, the body ends when the connection
+    closes), ``body`` (bytes, sent in ``chunk``-byte pieces every ``every`` s) or ``fill`` (one byte
+    repeated, endless). It never sends for more than ``LAST_S`` s, so that a downloader without
+    bounds fails the test instead of hanging it. ``sent``: body bytes written per path."""
+
+    LAST_S = 8.0
+
+    def __init__(self) -> None:
+        self.paths, self.sent, self.requests = {}, collections.Counter(), collections.Counter()
+        self.closing = threading.Event()
+        streams = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                streams.requests[self.path] += 1
+                spec = streams.paths.get(self.path)
+                if spec is None:
+                    self.send_error(404, "Not Found")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                if spec.get("declared") is not None:
+                    self.send_header("Content-Length", str(spec["declared"]))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                body, chunk, every = spec.get("body"), spec.get("chunk", 4096), spec.get("every", 0.0)
+                end, at = time.monotonic() + streams.LAST_S, 0
+                try:
+                    while time.monotonic() < end and (body is None or at < len(body)):
+                        if every and streams.closing.wait(every) or streams.closing.is_set():
+                            break
+                        piece = body[at:at + chunk] if body is not None else spec["fill"] * chunk
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        at += len(piece)
+                        streams.sent[self.path] += len(piece)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up
+                    pass
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
+        self.thread.start()
+
+    def serve(self, path: str, **spec) -> str:
+        self.paths[path] = spec
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def streams():
+    srv = _Streams()
+    yield srv
+    srv.close()
 
 
 # ---------------------------------------------------------------- the deadline
@@ -83,6 +156,133 @@ def test_bad_min_speed_names_the_variable(server, torch_home, monkeypatch):
                                                   rf"got '{bad}'"):
             read_checkpoint(url)
     assert server.total() == 0
+
+
+# ---------------------------------------------------------------- the size cap
+def test_a_declared_size_above_the_cap_is_refused_before_the_body(server, streams, torch_home, monkeypatch):
+    # the review's case: Content-Length 10**12, a byte every 0.4 s; the default cap (8 GiB) refuses it at once
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "1")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "2")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
+    url = streams.serve("/huge/swin_huge.pth", declared=10 ** 12, fill=b"x", chunk=1, every=0.4)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ declares 1000000000000 bytes "
+                                              r"\(Content-Length\), more than the download cap of 8589934592 bytes "
+                                              r"\(\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES\); nothing was read\. If the file "
+                                              r"is that large, raise \$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES.*nothing was "
+                                              r"kept"):
+        fetch(url)
+    assert time.monotonic() - start < 1.0
+    assert streams.requests["/huge/swin_huge.pth"] == 1 and streams.sent["/huge/swin_huge.pth"] <= 2  # no retry
+    assert _cached() == []
+    # an honest checkpoint above a small cap: refused, nothing cached; under a cap it fits, downloaded
+    body = _body(5, n=5000)
+    url = server.serve("/cap/swin_capped.pth", body)
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", str(len(body) - 1))
+    with pytest.raises(CheckpointError, match=rf"declares {len(body)} bytes \(Content-Length\), more than the "
+                                              rf"download cap of {len(body) - 1} bytes"):
+        fetch(url)
+    assert _cached() == [] and server.requests["/cap/swin_capped.pth"] == 1
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", str(len(body)))
+    torch.testing.assert_close(_w(read_checkpoint(url)), _w(torch.load(io.BytesIO(body), weights_only=True)))
+    assert _cached() == ["swin_capped.pth", "swin_capped.pth.json"]
+
+
+def test_a_stream_without_a_size_is_cut_at_the_cap(streams, torch_home, monkeypatch):
+    # the review's case: no Content-Length, an endless 40 KB/s (above MIN_SPEED); cut at a 60 KB cap, not retried
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "2")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", "60000")
+    url = streams.serve("/endless/swin_endless.pth", declared=None, fill=b"\0", chunk=4000, every=0.1)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ sent more than the download "
+                                              r"cap of 60000 bytes \(\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES; it declared "
+                                              r"no size\); the download was cut off there\. If the file is that large, "
+                                              r"raise \$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES.*nothing was kept"):
+        fetch(url)
+    assert 1.0 < time.monotonic() - start < 5.0  # 60000 bytes at 40 KB/s: 1.5 s, then cut
+    assert streams.requests["/endless/swin_endless.pth"] == 1 and _cached() == []
+    # the cap is inclusive: a checkpoint of exactly MAX_BYTES with no Content-Length downloads, one byte less is cut
+    body = _body(6)
+    url = streams.serve("/nolength/swin_nolength.pth", declared=None, body=body)
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", str(len(body) - 1))
+    with pytest.raises(CheckpointError, match=rf"sent more than the download cap of {len(body) - 1} bytes"):
+        fetch(url)
+    assert _cached() == []
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", str(len(body)))
+    torch.testing.assert_close(_w(read_checkpoint(url)), _w(torch.load(io.BytesIO(body), weights_only=True)))
+    assert record_of(cached_file(url))["size"] == len(body)
+
+
+def test_a_waiter_takes_the_cap_not_a_huge_declared_size_for_its_deadline(server, torch_home, monkeypatch):
+    """A lock file saying the holder expects 10**12 bytes: the deadline is TIMEOUT + MAX_BYTES /
+    MIN_SPEED (0.5 + 2000 / 1000 s), not 10**9 s."""
+    url = server.serve("/held/swin_held_huge.pth", _body())
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "0.5")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "0")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", "2000")
+    os.makedirs(cache_dir())
+    holder = os.open(cached_file(url) + ".lock", os.O_RDWR | os.O_CREAT)
+    release = threading.Timer(7.0, fcntl.flock, (holder, fcntl.LOCK_UN))  # without the clamp: the waiter gets it
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        os.write(holder, json.dumps(dict(pid=4243, size=10 ** 12, received=10)).encode())
+        release.start()
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': another process \(pid 4243\) is downloading "
+                                                  r"it \(10 bytes so far\), and it did not finish within its deadline "
+                                                  r"of 2\.5 s \(the tries' 0\.5 s \+ 2000 bytes "
+                                                  r"\(\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES, not the 1000000000000 "
+                                                  r"bytes\)"):
+            read_checkpoint(url)
+        assert 2.4 < time.monotonic() - start < 5.0 and server.total() == 0
+    finally:
+        release.cancel()
+        os.close(holder)
+
+
+def test_bad_max_bytes_names_the_variable(server, torch_home, monkeypatch):
+    url = server.serve("/s/swin_cap.pth", _body())
+    for bad in ("0", "-1", "lots", "1.5", "1e9", "inf"):
+        monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", bad)
+        with pytest.raises(CheckpointError, match=r"\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES: expected an integer > 0 "
+                                                  r"\(bytes a download may have.*; default 8589934592\), "
+                                                  rf"got '{bad}'"):
+            read_checkpoint(url)
+    assert server.total() == 0 and _cached() == []
+    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", " 1000000 ")
+    read_checkpoint(url)
+    assert server.total() == 1
+
+
+# ---------------------------------------------------------------- non-ASCII names
+def test_a_non_ascii_file_name_is_downloaded_and_cached_under_it(server, torch_home):
+    body = _body(7)
+    served = server.serve("/w/%C3%A9.pth", body)  # what a browser requests for /w/é.pth
+    url = server.url("/w/é.pth")
+    torch.testing.assert_close(_w(read_checkpoint(url)), _w(torch.load(io.BytesIO(body), weights_only=True)))
+    assert cached_file(url) == os.path.join(cache_dir(), "é.pth") and record_of(cached_file(url))["url"] == url
+    read_checkpoint(url)  # the cache: no second request
+    assert server.requests["/w/%C3%A9.pth"] == 1
+    # the percent-encoded spelling is another URL (another cache name, as torch names it), the same file
+    torch.testing.assert_close(_w(read_checkpoint(served)), _w(torch.load(io.BytesIO(body), weights_only=True)))
+    assert os.path.basename(cached_file(served)) == "%C3%A9.pth"
+    # a query and a long name (over 120 bytes in UTF-8: hashed, shortened by bytes), all inside the cache folder
+    server.serve("/uc?id=%C3%BC", body)
+    long_name = "swin_" + "é" * 100 + ".pth"
+    server.serve("/w/swin_" + "%C3%A9" * 100 + ".pth", body)
+    server.serve("/w/..%2F..%2Fescape.pth", body)
+    for other in ("/uc?id=ü", "/w/" + long_name, "/w/..%2F..%2Fescape.pth"):
+        path = fetch(server.url(other))[0]
+        assert os.path.dirname(path) == cache_dir() and os.path.isfile(path), path
+        assert len(os.path.basename(path).encode()) <= 133 and record_of(path)["url"] == server.url(other)
+    assert server.total() == 5 and not [f for f in os.listdir(os.path.dirname(cache_dir())) if f != "checkpoints"]
+    # a lone surrogate (an undecodable file-system byte) is no URL: a clear error, no request
+    with pytest.raises(CheckpointError, match=r"not a valid URL: it contains '\\udce9' at position \d+; "
+                                              r"percent-encode"):
+        fetch(server.url("/w/\udce9.pth"))
+    assert server.total() == 5
 
 
 # ---------------------------------------------------------------- the cache against its records

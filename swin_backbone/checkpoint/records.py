@@ -1,0 +1,738 @@
+"""What a checkpoint's pickle may name, and the inert records it is read into.
+
+A pickle is a program: each global it names is called, and BUILD hands state to what it built.
+:mod:`.unpickler` therefore never resolves a name to a class or a function of any library.
+Every global a checkpoint may name is a row of :data:`TABLE`, and the stack sees only
+
+* plain data: ``None``, bools, numbers, strings, bytes, and ``list`` / ``tuple`` / ``dict`` /
+  ``set`` / ``frozenset`` / ``OrderedDict`` / ``Counter`` / ``defaultdict`` of those;
+* torch's tensors, storages, ``torch.Size``, ``torch.device`` and dtypes, built by torch's own
+  functions from validated arguments;
+* records of this module: classes with ``__slots__`` and no methods. An :class:`Entry` stands
+  for a table row (what ``GLOBAL`` pushes): it cannot be called, only named. The getattr row
+  yields a :class:`MethodName`, a name; never a function.
+
+REDUCE / NEWOBJ on an entry run that row's handler here, which accepts validated plain data
+only. BUILD sets state only on records, by one handler per record type, and on an
+``OrderedDict`` (torch's ``_metadata``). After unpickling, :func:`materialize` makes the real
+objects (numpy arrays and scalars, mmengine's ``HistoryBuffer`` and ``ConfigDict``) through
+their public constructors from validated numbers and bytes; a numpy array is always
+``np.frombuffer`` of size-checked bytes, for a fixed list of numeric dtypes.
+
+The rows are what real checkpoints name (``pickletools`` on what torch, timm, torchvision,
+Hugging Face, mmengine's Runner and older mmengine / mmcv write; tests/checkpoint/
+test_inert_loading.py disassembles them): docs/checkpoints.md, "Security model".
+"""
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .base import CheckpointError
+
+#: Containers nest at most this deep (a Runner checkpoint nests about 6 levels).
+MAX_DEPTH = 32
+#: Dimensions a tensor or an array may have.
+MAX_DIMS = 32
+#: A tensor may view at most this many times its storage's elements (stride-0 broadcasts), so
+#: that a view of one element cannot stand for terabytes once copied.
+MAX_VIEW_RATIO = 64
+
+
+#: What the message of a file that names or calls code says first (tests and callers match it).
+ASKS_FOR_CODE = "the file asks to run code"
+#: How a user who trusts a refused file reads it anyway: an explicit step of their own.
+OPT_IN = ("If you trust this file and its source, read it yourself with torch.load(path, weights_only=False) "
+          "and pass the dict to swin_backbone.load_checkpoint(model, checkpoint), or re-save its tensors with "
+          "torch.save(state_dict) (docs/checkpoints.md, \"Security model\")")
+
+
+class RefusedError(CheckpointError):
+    """A checkpoint asked for something the table does not allow (the message says what).
+    Nothing in the file ran."""
+
+
+def refuse(what: str) -> RefusedError:
+    return RefusedError(what)
+
+
+# ---------------------------------------------------------------------------- records
+class Record:
+    """Base of the records: slots only, no behaviour (identity equality and hash)."""
+
+    __slots__ = ()
+
+
+class Entry(Record):
+    """A table row as the stack sees it: ``GLOBAL module name`` pushes this, never the object
+    the name denotes."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class MethodName(Record):
+    """``getattr(HistoryBuffer, 'min')`` as mmengine pickles a statistic: the name only."""
+
+    __slots__ = ("owner", "name")
+
+    def __init__(self, owner: str, name: str) -> None:
+        self.owner, self.name = owner, name
+
+
+class DtypeRecord(Record):
+    """``numpy.dtype(name)``: a name from :data:`NUMPY_DTYPES`; ``built`` once its BUILD state
+    was checked against the canonical state of that dtype."""
+
+    __slots__ = ("name", "built")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.built = name, False
+
+
+class ArrayRecord(Record):
+    """``numpy.ndarray``: filled by its BUILD with a dtype, a shape and exactly the bytes they need."""
+
+    __slots__ = ("dtype", "shape", "fortran", "data")
+
+    def __init__(self) -> None:
+        self.dtype, self.shape, self.fortran, self.data = None, None, False, None
+
+
+class ScalarRecord(Record):
+    """``numpy`` scalar: a dtype and its ``itemsize`` bytes."""
+
+    __slots__ = ("dtype", "data")
+
+    def __init__(self, dtype: str, data: bytes) -> None:
+        self.dtype, self.data = dtype, data
+
+
+class HistoryBufferRecord(Record):
+    """mmengine's ``HistoryBuffer``: its histories and ``max_length``, set by its BUILD."""
+
+    __slots__ = ("log", "count", "max_length")
+
+    def __init__(self) -> None:
+        self.log, self.count, self.max_length = None, None, None
+
+
+class MessageHubRecord(Record):
+    """An old mmengine ``MessageHub`` saved whole: its three tables, set by its BUILD."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state = None
+
+
+class ConfigDictRecord(Record):
+    """mmengine's ``ConfigDict``: its items (plain data)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: dict) -> None:
+        self.items = items
+
+
+# ---------------------------------------------------------------------------- plain data
+#: Leaf types of plain data (exact types: no subclass with behaviour of its own).
+PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.dtype, torch.device)
+#: Containers of plain data.
+CONTAINERS = (list, tuple, dict, set, frozenset, collections.OrderedDict, collections.Counter,
+              collections.defaultdict)
+#: Records that may sit in plain data (and are made real by :func:`materialize`).
+DATA_RECORDS = (ArrayRecord, ScalarRecord, HistoryBufferRecord, MessageHubRecord, ConfigDictRecord)
+
+
+def is_tensor(value: Any) -> bool:
+    return type(value) in (torch.Tensor, torch.nn.Parameter)
+
+
+def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...] = DATA_RECORDS) -> None:
+    """Refuse ``value`` unless it is plain data (module docstring), ``records`` allowed in it,
+    nested at most :data:`MAX_DEPTH` deep. Keys of dicts: leaves only."""
+    kind = type(value)
+    if kind in PLAIN_LEAVES or is_tensor(value) or kind in records:
+        if kind in (ArrayRecord, DtypeRecord) and not _complete(value):
+            raise refuse(f"{what}: a numpy {'array' if kind is ArrayRecord else 'dtype'} without its state")
+        return
+    if kind not in CONTAINERS:
+        raise refuse(f"{what}: expected plain data (numbers, strings, bytes, tensors, lists / tuples / dicts of "
+                     f"those), found {describe(value)}")
+    if depth >= MAX_DEPTH:
+        raise refuse(f"{what}: data nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_key(key, what)
+            check_plain(item, what, depth + 1, records)
+    else:
+        for item in value:
+            check_plain(item, what, depth + 1, records)
+
+
+def check_key(key: Any, what: str) -> None:
+    """A dict key or set item: a leaf, or a tuple of leaves."""
+    if type(key) not in PLAIN_LEAVES and not (type(key) is tuple and all(type(k) in PLAIN_LEAVES for k in key)):
+        raise refuse(f"{what}: a dict key or set item must be a number, a string, bytes or a tuple of those, found "
+                     f"{describe(key)}")
+
+
+def _complete(record: Record) -> bool:
+    return record.built if type(record) is DtypeRecord else record.data is not None
+
+
+def describe(value: Any) -> str:
+    """What ``value`` is, for messages (a record by what it stands for)."""
+    if type(value) is Entry:
+        return f"the global {value.name}"
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    if isinstance(value, Record):
+        return f"a {type(value).__name__[:-6] if type(value).__name__.endswith('Record') else type(value).__name__}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}".replace("a builtins.", "a ")
+
+
+def _int(value: Any, what: str, low: int = 0, high: Optional[int] = None) -> int:
+    if type(value) is not int or value < low or (high is not None and value > high):
+        bound = f" in [{low}, {high}]" if high is not None else f" >= {low}"
+        raise refuse(f"{what}: expected an int{bound}, found {describe(value) if type(value) is not int else value}")
+    return value
+
+
+def _shape(value: Any, what: str) -> Tuple[int, ...]:
+    if type(value) not in (tuple, list, torch.Size) or len(value) > MAX_DIMS:
+        raise refuse(f"{what}: expected a tuple of at most {MAX_DIMS} sizes, found {describe(value)}")
+    return tuple(_int(n, what) for n in value)
+
+
+# ---------------------------------------------------------------------------- numpy
+#: The numpy dtypes an array or scalar may have (by the name numpy pickles): numbers and bools.
+NUMPY_DTYPES = ("b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16")
+#: Each dtype's BUILD state, as numpy writes it (a BUILD must equal it).
+_DTYPE_STATES = {name: np.dtype(name).__reduce__()[2] for name in NUMPY_DTYPES}
+
+
+def numpy_dtype(name: Any, align: Any = False, copy: Any = True) -> DtypeRecord:
+    """``numpy.dtype(name, align, copy)`` as numpy pickles it."""
+    if type(name) is not str or name not in NUMPY_DTYPES or align is not False or copy is not True:
+        raise refuse(f"numpy.dtype{(name, align, copy)!r:.80}: only the numeric dtypes {', '.join(NUMPY_DTYPES)} "
+                     "are read (object, string, void and datetime dtypes are refused)")
+    return DtypeRecord(name)
+
+
+def build_dtype(record: DtypeRecord, state: Any) -> None:
+    if record.built or type(state) is not tuple or not all(type(v) in (int, str, type(None)) for v in state) \
+            or state != _DTYPE_STATES[record.name]:
+        raise refuse(f"numpy.dtype({record.name!r}): its state must be numpy's own {_DTYPE_STATES[record.name]}, "
+                     f"found {state!r:.80}")
+    record.built = True
+
+
+def numpy_reconstruct(subtype: Any, shape: Any, dtype_char: Any) -> ArrayRecord:
+    """``numpy.core.multiarray._reconstruct(ndarray, (0,), b'b')``: an empty array its BUILD fills."""
+    if subtype is not ENTRIES["numpy.ndarray"] or shape != (0,) or type(shape) is not tuple \
+            or dtype_char not in (b"b", "b"):
+        raise refuse(f"numpy _reconstruct: expected (numpy.ndarray, (0,), b'b') as numpy writes it, found "
+                     f"({describe(subtype)}, {shape!r:.40}, {dtype_char!r:.20})")
+    return ArrayRecord()
+
+
+def build_array(record: ArrayRecord, state: Any) -> None:
+    """numpy's array state ``(1, shape, dtype, is_fortran, raw bytes)``, the bytes exactly
+    ``prod(shape) * itemsize`` long."""
+    if record.data is not None or type(state) is not tuple or len(state) != 5 or state[0] != 1 \
+            or type(state[0]) is not int:
+        raise refuse(f"numpy array: expected the state (1, shape, dtype, is_fortran, bytes), found {describe(state)}")
+    _, shape, dtype, fortran, raw = state
+    shape = _shape(shape, "numpy array shape")
+    if type(dtype) is not DtypeRecord or not dtype.built:
+        raise refuse(f"numpy array: its dtype must be a numeric numpy.dtype, found {describe(dtype)}")
+    if type(fortran) is not bool:
+        raise refuse(f"numpy array: is_fortran must be a bool, found {describe(fortran)}")
+    if type(raw) is str:  # a Python 2 pickle's str: numpy's latin-1 bytes
+        raw = raw.encode("latin-1")
+    if type(raw) is not bytes:
+        raise refuse(f"numpy array: its data must be bytes, found {describe(raw)} (object arrays are refused)")
+    need = math.prod(shape) * np.dtype(dtype.name).itemsize
+    if len(raw) != need:
+        raise refuse(f"numpy array of shape {shape} and dtype {dtype.name}: needs {need} bytes, the file gives "
+                     f"{len(raw)}")
+    record.dtype, record.shape, record.fortran, record.data = dtype.name, shape, fortran, raw
+
+
+def numpy_scalar(dtype: Any, data: Any = None) -> ScalarRecord:
+    """``numpy.core.multiarray.scalar(dtype, bytes)``: ``itemsize`` bytes of a numeric dtype."""
+    if type(dtype) is not DtypeRecord or not dtype.built:
+        raise refuse(f"numpy scalar: its dtype must be a numeric numpy.dtype, found {describe(dtype)}")
+    if type(data) is str:
+        data = data.encode("latin-1")
+    if type(data) is not bytes or len(data) != np.dtype(dtype.name).itemsize:
+        raise refuse(f"numpy scalar of dtype {dtype.name}: expected {np.dtype(dtype.name).itemsize} bytes, found "
+                     f"{describe(data)}")
+    return ScalarRecord(dtype.name, data)
+
+
+# ---------------------------------------------------------------------------- mmengine
+HISTORY_BUFFER = "mmengine.logging.history_buffer.HistoryBuffer"
+#: The statistics mmengine pickles as ``getattr(HistoryBuffer, name)``.
+HISTORY_STATISTICS = ("min", "max", "current", "mean")
+
+
+def method_name(owner: Any, name: Any, *default: Any) -> MethodName:
+    """``builtins.getattr(HistoryBuffer, 'min' | 'max' | 'current' | 'mean')``: the name, nothing
+    looked up. Anything else is refused."""
+    if owner is ENTRIES.get(HISTORY_BUFFER) and type(name) is str and name in HISTORY_STATISTICS and not default:
+        return MethodName("HistoryBuffer", name)
+    raise refuse(f"{ASKS_FOR_CODE}: builtins.getattr({describe(owner)}, {name!r:.60}); only HistoryBuffer's statistics "
+                 f"{'/'.join(HISTORY_STATISTICS)} are read, as names. It was refused, nothing in it ran")
+
+
+def new_history_buffer(*args: Any) -> HistoryBufferRecord:
+    if args:
+        raise refuse(f"HistoryBuffer: expected no arguments to its NEWOBJ, found {len(args)}")
+    return HistoryBufferRecord()
+
+
+def _history(value: Any, what: str) -> ArrayRecord:
+    if type(value) is not ArrayRecord or value.data is None or len(value.shape) != 1:
+        raise refuse(f"HistoryBuffer {what}: expected a 1-D numpy array, found {describe(value)}")
+    return value
+
+
+def build_history_buffer(record: HistoryBufferRecord, state: Any) -> None:
+    """State ``{'max_length', '_log_history', '_count_history'[, 'statistics_methods' /
+    '_statistics_methods': {name: getattr(HistoryBuffer, name)}]}``."""
+    known = {"max_length", "_log_history", "_count_history", "statistics_methods", "_statistics_methods"}
+    if record.log is not None or type(state) is not dict or not set(state) <= known \
+            or not {"_log_history", "_count_history"} <= set(state):
+        raise refuse(f"HistoryBuffer: expected its state {{max_length, _log_history, _count_history}}, found "
+                     f"{sorted(map(str, state))[:8] if type(state) is dict else describe(state)}")
+    for key in ("statistics_methods", "_statistics_methods"):
+        methods = state.get(key, {})
+        if type(methods) is not dict or not all(type(k) is str and type(v) is MethodName and v.name == k
+                                                for k, v in methods.items()):
+            raise refuse(f"HistoryBuffer {key}: expected {{name: getattr(HistoryBuffer, name)}} of "
+                         f"{'/'.join(HISTORY_STATISTICS)}, found {describe(methods)}")
+    log, count = _history(state["_log_history"], "_log_history"), _history(state["_count_history"], "_count_history")
+    if log.shape != count.shape:
+        raise refuse(f"HistoryBuffer: histories of lengths {log.shape[0]} and {count.shape[0]}")
+    record.max_length = _int(state.get("max_length", 1000000), "HistoryBuffer max_length", 1, 2 ** 31)
+    record.log, record.count = log, count
+
+
+def new_message_hub(*args: Any) -> MessageHubRecord:
+    if args:
+        raise refuse(f"MessageHub: expected no arguments to its NEWOBJ, found {len(args)}")
+    return MessageHubRecord()
+
+
+def build_message_hub(record: MessageHubRecord, state: Any) -> None:
+    """An old ``MessageHub`` saved whole: ``{'_instance_name', '_log_scalars', '_runtime_info',
+    '_resumed_keys'}``. It becomes the dict its ``state_dict()`` returns (what
+    ``MessageHub.load_state_dict`` reads), never a registered hub instance."""
+    known = {"_instance_name", "_log_scalars", "_runtime_info", "_resumed_keys"}
+    if record.state is not None or type(state) is not dict or not set(state) <= known:
+        raise refuse(f"MessageHub: expected its state {sorted(known)}, found "
+                     f"{sorted(map(str, state))[:8] if type(state) is dict else describe(state)}")
+    check_plain(state, "MessageHub state")
+    scalars = state.get("_log_scalars", {})
+    if not isinstance(scalars, dict) or not all(type(v) is HistoryBufferRecord for v in scalars.values()):
+        raise refuse("MessageHub _log_scalars: expected {name: HistoryBuffer}")
+    record.state = dict(log_scalars=scalars, runtime_info=state.get("_runtime_info", {}),
+                        resumed_keys=state.get("_resumed_keys", {}))
+
+
+def config_dict(items: Any = None) -> ConfigDictRecord:
+    """``ConfigDict(dict)``: plain items, no key that names an attribute protocol (``__x__``)."""
+    items = {} if items is None else items
+    if type(items) is not dict:
+        raise refuse(f"ConfigDict: expected a dict of plain data, found {describe(items)}")
+    check_plain(items, "ConfigDict")
+    _no_dunder_keys(items, "ConfigDict")
+    return ConfigDictRecord(items)
+
+
+def _no_dunder_keys(value: Any, what: str, depth: int = 0) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) is str and key.startswith("__") and key.endswith("__"):
+                raise refuse(f"{what}: the key {key!r:.60} names an attribute protocol, not data")
+            _no_dunder_keys(item, what, depth + 1)
+    elif type(value) in (list, tuple):
+        for item in value:
+            _no_dunder_keys(item, what, depth + 1)
+    elif type(value) is ConfigDictRecord:
+        _no_dunder_keys(value.items, what, depth + 1)
+
+
+# ---------------------------------------------------------------------------- containers and builtins
+def ordered_dict(items: Any = ()) -> collections.OrderedDict:
+    if type(items) not in (list, tuple) or not all(type(p) in (list, tuple) and len(p) == 2 for p in items):
+        raise refuse(f"collections.OrderedDict: expected () or a list of pairs, found {describe(items)}")
+    return collections.OrderedDict(items)
+
+
+def counter(items: Any = None) -> collections.Counter:
+    items = {} if items is None else items
+    if type(items) is not dict or not all(type(v) in (int, float) for v in items.values()):
+        raise refuse(f"collections.Counter: expected a dict of counts, found {describe(items)}")
+    check_plain(items, "collections.Counter")
+    return collections.Counter(items)
+
+
+#: The factories a pickled ``defaultdict`` may name (builtins that hold data). The factory is
+#: behaviour, not data: the dict is read without it (``default_factory=None``).
+DEFAULT_FACTORIES = ("builtins.list", "builtins.dict", "builtins.set", "builtins.int", "builtins.float")
+
+
+def default_dict(factory: Any = None, items: Any = None) -> collections.defaultdict:
+    if factory is not None and not (type(factory) is Entry and factory.name in DEFAULT_FACTORIES):
+        raise refuse(f"collections.defaultdict: its factory must be None or one of {', '.join(DEFAULT_FACTORIES)}, "
+                     f"found {describe(factory)}")
+    out: collections.defaultdict = collections.defaultdict(None)
+    if items is not None:
+        if type(items) is not dict:
+            raise refuse(f"collections.defaultdict: expected a dict of items, found {describe(items)}")
+        out.update(items)
+    return out
+
+
+def make_set(items: Any = ()) -> set:
+    if type(items) not in (list, tuple):
+        raise refuse(f"builtins.set: expected a list, found {describe(items)}")
+    for item in items:
+        check_key(item, "builtins.set")
+    return set(items)
+
+
+def make_frozenset(items: Any = ()) -> frozenset:
+    return frozenset(make_set(items))
+
+
+def codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode(str, 'latin1')``: how protocol 2 pickles ``bytes``."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise refuse(f"_codecs.encode: expected (str, 'latin1') as protocol 2 writes bytes, found "
+                     f"({describe(text)}, {encoding!r:.20})")
+    return text.encode("latin-1")
+
+
+# ---------------------------------------------------------------------------- torch
+def _storage_elements(storage: Any) -> int:
+    if type(storage) is torch.storage.TypedStorage:
+        return storage._size()  # (the public size() warns that TypedStorage is deprecated)
+    if type(storage) is torch.UntypedStorage:
+        return storage.nbytes()
+    raise refuse(f"a tensor's storage must be one the file holds, found {describe(storage)}")
+
+
+def _check_view(storage: Any, offset: Any, size: Any, stride: Any, itemsize: int = 1) -> Tuple[tuple, tuple]:
+    """A view inside the storage: offset, sizes and strides >= 0, the last element within it,
+    at most :data:`MAX_VIEW_RATIO` times its elements."""
+    elements = _storage_elements(storage) // (itemsize if type(storage) is torch.UntypedStorage else 1)
+    offset = _int(offset, "tensor storage_offset")
+    size, stride = _shape(size, "tensor size"), _shape(stride, "tensor stride")
+    if len(size) != len(stride):
+        raise refuse(f"tensor: {len(size)} sizes but {len(stride)} strides")
+    numel = math.prod(size)
+    if numel and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= elements:
+        raise refuse(f"tensor of size {size}, stride {stride}, offset {offset}: reaches past its storage of "
+                     f"{elements} elements")
+    if numel > MAX_VIEW_RATIO * max(elements, 1):
+        raise refuse(f"tensor of size {size}: {numel} elements over a storage of {elements}")
+    return size, stride
+
+
+def _no_hooks(hooks: Any) -> None:
+    if hooks is not None and not (type(hooks) in (dict, collections.OrderedDict) and not hooks):
+        raise refuse(f"tensor backward hooks: a checkpoint holds none (torch saves an empty OrderedDict), found "
+                     f"{describe(hooks)}")
+
+
+def _no_metadata(metadata: Any) -> None:
+    if metadata is not None and not (type(metadata) is dict and not metadata):
+        raise refuse(f"tensor metadata (conjugate / negative bits): not read, found {describe(metadata)}")
+
+
+def _bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise refuse(f"{what}: expected a bool, found {describe(value)}")
+    return value
+
+
+def rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor`` (old files)."""
+    size, stride = _check_view(storage, offset, size, stride)
+    return torch._utils._rebuild_tensor(storage, offset, size, stride)
+
+
+def rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                      backward_hooks: Any = None, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2``: a view of a storage of the file, no hooks."""
+    size, stride = _check_view(storage, offset, size, stride)
+    _no_hooks(backward_hooks)
+    _no_metadata(metadata)
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, _bool(requires_grad, "requires_grad"),
+                                           collections.OrderedDict())
+
+
+def rebuild_tensor_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any,
+                      dtype: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v3``: the dtypes torch keeps no typed storage for (uint16 ...)."""
+    if type(dtype) is not torch.dtype:
+        raise refuse(f"tensor dtype: expected a torch dtype, found {describe(dtype)}")
+    if type(storage) is not torch.UntypedStorage:
+        raise refuse(f"tensor (v3): expected an untyped storage, found {describe(storage)}")
+    size, stride = _check_view(storage, offset, size, stride, itemsize=torch.empty((), dtype=dtype).element_size())
+    _no_hooks(backward_hooks)
+    _no_metadata(metadata)
+    return torch._utils._rebuild_tensor_v3(storage, offset, size, stride, _bool(requires_grad, "requires_grad"),
+                                           collections.OrderedDict(), dtype)
+
+
+def rebuild_parameter(data: Any, requires_grad: Any = True, backward_hooks: Any = None) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter``: ``nn.Parameter(tensor, requires_grad)``, no hooks."""
+    if type(data) is not torch.Tensor:
+        raise refuse(f"nn.Parameter: expected a tensor, found {describe(data)}")
+    _no_hooks(backward_hooks)
+    return torch.nn.Parameter(data, _bool(requires_grad, "requires_grad"))
+
+
+def rebuild_parameter_with_state(data: Any, requires_grad: Any, backward_hooks: Any, state: Any) -> torch.nn.Parameter:
+    return _with_flags(rebuild_parameter(data, requires_grad, backward_hooks), state, "nn.Parameter")
+
+
+#: A tensor's Python attribute a checkpoint may carry: a private flag's name (FSDP marks the
+#: tensors of a full state dict ``_has_been_cloned``).
+_FLAG = re.compile(r"_?[a-z][a-z0-9_]{0,63}")
+
+
+def _with_flags(tensor: torch.Tensor, state: Any, what: str) -> torch.Tensor:
+    """``tensor`` with the attributes of ``state`` (``{name: value}`` or ``(dict, slots)`` as
+    torch pickles them): flags only, a name no tensor attribute has, a number, string or None."""
+    if type(state) is tuple and len(state) == 2 and state[1] in (None, {}):
+        state = state[0]
+    if state in (None, (), {}):
+        return tensor
+    if type(state) is not dict:
+        raise refuse(f"{what} state: expected a dict of flags, found {describe(state)}")
+    for name, value in state.items():
+        if type(name) is not str or not _FLAG.fullmatch(name) or name.endswith("_") or hasattr(torch.Tensor, name) \
+                or type(value) not in (bool, int, float, str, type(None)):
+            raise refuse(f"{what} with the Python attribute {name!r:.60} = {describe(value)}: only flags (a new "
+                         "private name, a number, string or None) are read")
+    for name, value in state.items():
+        setattr(tensor, name, value)
+    return tensor
+
+
+#: The rebuild rows a ``_rebuild_from_type_v2`` may call, and the types it may make.
+_TENSOR_FUNCS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_tensor",
+                 "torch._utils._rebuild_parameter")
+_TENSOR_TYPES = {"torch._tensor.Tensor": torch.Tensor, "torch.Tensor": torch.Tensor,
+                 "torch.nn.parameter.Parameter": torch.nn.Parameter}
+
+
+def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor:
+    """``torch._tensor._rebuild_from_type_v2(func, type, args, state)``: torch's calls whatever
+    ``func`` is; here ``func`` must be one of the tensor rows, ``type`` a tensor or parameter,
+    and ``state`` empty."""
+    if type(func) is not Entry or func.name not in _TENSOR_FUNCS:
+        raise refuse(f"_rebuild_from_type_v2: calls only torch's tensor rebuilds, found {describe(func)}")
+    if type(new_type) is not Entry or new_type.name not in _TENSOR_TYPES:
+        raise refuse(f"_rebuild_from_type_v2: makes only tensors and parameters, found {describe(new_type)}")
+    if type(args) is not tuple:
+        raise refuse(f"_rebuild_from_type_v2: expected a tuple of arguments, found {describe(args)}")
+    out = call(func, args)
+    want = _TENSOR_TYPES[new_type.name]
+    if type(out) is not want:
+        out = torch.nn.Parameter(out, out.requires_grad) if want is torch.nn.Parameter else \
+            out.detach().requires_grad_(out.requires_grad)
+    return _with_flags(out, state, "a tensor")
+
+
+def torch_size(dims: Any = ()) -> torch.Size:
+    return torch.Size(_shape(dims, "torch.Size"))
+
+
+def torch_device(kind: Any, index: Any = None) -> torch.device:
+    if type(kind) is not str or not re.fullmatch(r"[a-z_]{1,16}(:\d{1,4})?", kind) or not (
+            index is None or type(index) is int and 0 <= index < 10000):
+        raise refuse(f"torch.device: expected ('cpu' | 'cuda' ..., index), found ({kind!r:.30}, {index!r:.20})")
+    try:
+        return torch.device(kind) if index is None else torch.device(kind, index)
+    except RuntimeError as err:  # a device type torch does not know
+        raise refuse(f"torch.device({kind!r}): {str(err).splitlines()[0][:120]}") from None
+
+
+# ---------------------------------------------------------------------------- the table
+#: name -> what REDUCE on that row runs.
+CALLS: Dict[str, Callable[..., Any]] = {
+    "collections.OrderedDict": ordered_dict,
+    "collections.Counter": counter,
+    "collections.defaultdict": default_dict,
+    "builtins.set": make_set,
+    "builtins.frozenset": make_frozenset,
+    "_codecs.encode": codecs_encode,
+    "builtins.getattr": method_name,
+    "numpy.dtype": numpy_dtype,
+    "numpy.core.multiarray._reconstruct": numpy_reconstruct,
+    "numpy._core.multiarray._reconstruct": numpy_reconstruct,
+    "numpy.core.multiarray.scalar": numpy_scalar,
+    "numpy._core.multiarray.scalar": numpy_scalar,
+    "mmengine.config.config.ConfigDict": config_dict,
+    "torch._utils._rebuild_tensor": rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": rebuild_parameter_with_state,
+    "torch._tensor._rebuild_from_type_v2": rebuild_from_type_v2,
+    "torch.Size": torch_size,
+    "torch.device": torch_device,
+}
+#: name -> what NEWOBJ of that row runs (classes pickled by ``copyreg.__newobj__``).
+NEWS: Dict[str, Callable[..., Any]] = {
+    HISTORY_BUFFER: new_history_buffer,
+    "mmengine.logging.message_hub.MessageHub": new_message_hub,
+}
+#: Rows that are names only (arguments of the rows above).
+NAMES = ("numpy.ndarray", "builtins.list", "builtins.dict", "builtins.int", "builtins.float", *_TENSOR_TYPES)
+#: record type -> what BUILD on it runs.
+BUILDS: Dict[type, Callable[[Any, Any], None]] = {
+    DtypeRecord: build_dtype,
+    ArrayRecord: build_array,
+    HistoryBufferRecord: build_history_buffer,
+    MessageHubRecord: build_message_hub,
+}
+#: Every row: ``GLOBAL module name`` pushes ``ENTRIES[name]``.
+ENTRIES: Dict[str, Entry] = {name: Entry(name) for name in (*CALLS, *NEWS, *NAMES)}
+#: Values a global may name directly: torch's dtypes (inert values) and the untyped storage
+#: class torch's loader compares storage types with.
+CONSTANTS: Dict[str, Any] = {f"torch.{name}": value for name, value in vars(torch).items()
+                             if isinstance(value, torch.dtype)}
+CONSTANTS["torch.UntypedStorage"] = torch.UntypedStorage
+
+
+def call(func: Any, args: Any) -> Any:
+    """REDUCE: ``func`` must be a row of :data:`CALLS`; its handler checks ``args``."""
+    handler = CALLS.get(func.name) if type(func) is Entry else None
+    if handler is None:
+        raise refuse(f"{ASKS_FOR_CODE}: it calls {describe(func)}, which the loader never calls; it was refused, "
+                     "nothing in it ran")
+    if type(args) is not tuple:
+        raise refuse(f"{func.name}: expected a tuple of arguments, found {describe(args)}")
+    try:
+        return handler(*args)
+    except TypeError as err:  # a wrong number of arguments
+        raise refuse(f"{func.name}: {len(args)} arguments do not fit it ({err})") from None
+
+
+def new(cls: Any, args: Any, kwargs: Any = None) -> Any:
+    """NEWOBJ / NEWOBJ_EX: ``cls`` must be a row of :data:`NEWS`."""
+    handler = NEWS.get(cls.name) if type(cls) is Entry else None
+    if handler is None:
+        raise refuse(f"{ASKS_FOR_CODE}: it creates {describe(cls)}, which the loader never creates; it was refused, "
+                     "nothing in it ran")
+    if type(args) is not tuple or kwargs not in (None, {}):
+        raise refuse(f"{cls.name}: expected no keyword arguments and a tuple, found {describe(args)}")
+    return handler(*args)
+
+
+def build(inst: Any, state: Any) -> None:
+    """BUILD: state for a record of :data:`BUILDS`, or torch's ``_metadata`` of a state dict."""
+    handler = BUILDS.get(type(inst))
+    if handler is not None:
+        handler(inst, state)
+        return
+    if type(inst) is collections.OrderedDict and type(state) is dict and set(state) <= {"_metadata"} \
+            and not hasattr(inst, "_metadata"):
+        check_plain(state, "a state dict's _metadata", records=())
+        inst._metadata = state.get("_metadata")  # type: ignore[attr-defined]
+        return
+    raise refuse(f"the file asks to set the state of {describe(inst)} ({describe(state)}); only numpy dtypes and "
+                 "arrays, HistoryBuffer, MessageHub and a state dict's _metadata take state")
+
+
+# ---------------------------------------------------------------------------- after unpickling
+def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
+    """The unpickled ``value`` with every record replaced by the real object, each made through
+    its public constructor from checked numbers and bytes (shared parts stay shared). Refuses
+    what is not plain data (an :class:`Entry`, a :class:`MethodName` outside a HistoryBuffer),
+    nesting deeper than :data:`MAX_DEPTH` and cycles. Instances of ``trusted`` classes (a load's
+    own, :func:`~.unpickler.read_torch_checkpoint`) are kept as they are."""
+    done: Dict[int, Any] = {}
+    active: set = set()
+
+    def walk(value: Any, depth: int) -> Any:
+        kind = type(value)
+        if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.storage.TypedStorage, torch.UntypedStorage) \
+                or (trusted and isinstance(value, trusted)):
+            return value
+        key = id(value)
+        if key in done:
+            return done[key]
+        if key in active:
+            raise refuse("the data refers to itself (a cycle)")
+        if depth >= MAX_DEPTH:
+            raise refuse(f"data nested deeper than {MAX_DEPTH} levels")
+        active.add(key)
+        try:
+            out = _made(value, lambda v: walk(v, depth + 1))
+        finally:
+            active.discard(key)
+        done[key] = out
+        return out
+
+    return walk(value, 0)
+
+
+def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
+    kind = type(value)
+    if kind is ArrayRecord:
+        if value.data is None:
+            raise refuse("a numpy array without its state")
+        array = np.frombuffer(value.data, dtype=np.dtype(value.dtype))
+        return array.reshape(value.shape, order="F" if value.fortran else "C").copy(order="K")
+    if kind is ScalarRecord:
+        return np.frombuffer(value.data, dtype=np.dtype(value.dtype))[0]
+    if kind is HistoryBufferRecord:
+        if value.log is None:
+            raise refuse("a HistoryBuffer without its state")
+        from mmengine.logging import HistoryBuffer
+
+        return HistoryBuffer(walk(value.log), walk(value.count), value.max_length)
+    if kind is MessageHubRecord:
+        if value.state is None:
+            raise refuse("a MessageHub without its state")
+        return walk(value.state)
+    if kind is ConfigDictRecord:
+        from mmengine.config import ConfigDict
+
+        return ConfigDict(walk(value.items))
+    if kind in (set, frozenset):
+        for item in value:
+            check_key(item, "a set")
+        return value
+    if kind in (list, tuple):
+        items = [walk(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else kind(items)
+    if kind in (dict, collections.OrderedDict, collections.Counter, collections.defaultdict):
+        for k in value:
+            check_key(k, "a dict")
+        items = [(k, walk(v)) for k, v in value.items()]
+        if all(a is b for (_, a), b in zip(items, value.values())):
+            return value
+        out = (collections.defaultdict(value.default_factory, items) if kind is collections.defaultdict
+               else kind(items))
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata  # type: ignore[union-attr]
+        return out
+    raise refuse(f"the data holds {describe(value)}, which is not data")

@@ -1,0 +1,322 @@
+"""The one unpickler every torch checkpoint the package reads goes through.
+
+:class:`InertUnpickler` runs a fixed set of pickle opcodes over :mod:`.records`' table:
+
+* a global resolves to a table row (an inert :class:`~.records.Entry`) or a torch dtype, never
+  to an object of any library; anything else is refused, naming the global;
+* REDUCE / NEWOBJ run the row's handler on validated plain data; BUILD sets state only on
+  records and a state dict's ``_metadata``; APPEND / SETITEM / ADDITEMS fill only lists, dicts
+  and sets; INST, OBJ, text PERSID, extension codes and out-of-band buffers are refused;
+* a persistent id is a storage of the file: the zip record it names exists and is exactly as
+  long as the storage, or (old, non-zip files) all storages together fit in the file, checked
+  before torch allocates one;
+* at most :data:`MAX_OPCODES` opcodes; nesting is bounded by :func:`~.records.materialize`.
+
+torch reads the container (zip or legacy), storages and ``map_location`` as always
+(``torch.load(pickle_module=...)``); the unpickler inside is this one, on every torch from 2.0.
+Nothing is added to torch's own weights-only list: ``import swin_backbone`` changes nothing
+another library's ``torch.load`` accepts.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import pickletools
+import re
+import zipfile
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from ..torch_compat import load
+from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, build, call, check_key, describe,
+                      materialize, new, refuse)
+
+#: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
+#: with AdamW state runs about 100 000), few enough that the objects they make stay small.
+MAX_OPCODES = 4_000_000
+
+_LOCATION = re.compile(r"[a-z_]{1,16}(:\d{1,4})?")
+_KEY = re.compile(r"[0-9A-Za-z_.-]{1,64}")
+
+
+class _Storages:
+    """What the storages of one file may be: the zip's records (name -> size), or for a
+    legacy file a byte budget (the file's size) shared by every storage."""
+
+    def __init__(self, records: Optional[Dict[str, int]] = None, budget: int = 0) -> None:
+        self.records, self.budget = records, budget
+        self.seen: Dict[str, int] = {}
+
+    def check(self, pid: Any) -> None:
+        if type(pid) is not tuple or not pid or pid[0] != "storage":
+            raise refuse(f"persistent id {describe(pid)}: only storages of the file are read")
+        legacy = self.records is None
+        if len(pid) != (6 if legacy else 5):
+            raise refuse(f"storage id of {len(pid)} fields, expected {6 if legacy else 5}")
+        storage_type, key, location, numel = pid[1:5]
+        if type(storage_type) is not torch.serialization.StorageType and storage_type is not torch.UntypedStorage:
+            raise refuse(f"storage type {describe(storage_type)}: not a torch storage type")
+        if type(key) is not str or not _KEY.fullmatch(key):
+            raise refuse(f"storage key {key!r:.40}: expected a short name")
+        if type(location) is not str or not _LOCATION.fullmatch(location):
+            raise refuse(f"storage location {location!r:.40}: expected a device such as 'cpu' or 'cuda:0'")
+        if type(numel) is not int or numel < 0:
+            raise refuse(f"storage size {numel!r:.40}: expected an int >= 0")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * torch._utils._element_size(dtype)
+        if not legacy:
+            have = self.records.get(f"data/{key}")
+            if have is None or have != nbytes:
+                raise refuse(f"storage {key!r}: {nbytes} bytes asked, the archive's record data/{key} has "
+                             f"{'none' if have is None else have}")
+            return
+        if key not in self.seen:
+            if nbytes > self.budget:
+                raise refuse(f"storage {key!r}: {nbytes} bytes asked, more than the file's remaining "
+                             f"{self.budget} bytes can hold")
+            self.budget -= nbytes
+            self.seen[key] = numel
+        elif self.seen[key] != numel:
+            raise refuse(f"storage {key!r} named with two sizes")
+        view = pid[5]
+        if view is not None:
+            if type(view) is not tuple or len(view) != 3 or type(view[0]) is not str \
+                    or not all(type(n) is int and n >= 0 for n in view[1:]) or view[1] + view[2] > numel:
+                raise refuse(f"storage view {describe(view)}: expected (key, offset, size) within {numel} elements")
+
+
+class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's own unpickler with only the opcodes listed here; globals, calls, state and
+    persistent ids go through :mod:`.records`' table (module docstring)."""
+
+    #: set per load (:func:`pickle_module`)
+    storages: Optional[_Storages] = None
+    #: name -> real object, for one load's own classes only (FSDP's sharded tensors): what
+    #: ``torch.load(weights_only=True)`` with a scoped ``safe_globals`` would call; empty otherwise
+    trusted: Dict[str, Any] = {}
+
+    def _is_trusted(self, obj: Any) -> bool:
+        return any(obj is value for value in self.trusted.values())
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and self.fix_imports:  # protocol 2 writes Python 2 names (__builtin__.getattr)
+            import _compat_pickle
+
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        key = f"{module}.{name}"
+        if key in self.trusted:
+            return self.trusted[key]
+        found = ENTRIES.get(key, CONSTANTS.get(key))
+        if found is None:
+            raise refuse(f"{ASKS_FOR_CODE}: GLOBAL {key[:200]} is not in the table of data this loader reads; it was "
+                         f"refused, nothing in it ran. {OPT_IN}")
+        return found
+
+    def load(self) -> Any:
+        """Python's loop (``pickle._Unpickler.load``), with :attr:`dispatch` holding only the
+        allowed opcodes and at most :data:`MAX_OPCODES` of them."""
+        if not hasattr(self, "_file_read"):
+            raise pickle.UnpicklingError("Unpickler.__init__() was not called")
+        self._unframer = pickle._Unframer(self._file_read, self._file_readline)  # type: ignore[attr-defined]
+        self.read = self._unframer.read
+        self.readinto = self._unframer.readinto
+        self.readline = self._unframer.readline
+        self.metastack = []
+        self.stack = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        left = MAX_OPCODES
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                op = dispatch.get(key[0])
+                if op is None:
+                    raise refuse(f"pickle opcode {key!r} ({_OPCODE_NAMES.get(key[0], 'unknown')}) is not read "
+                                 "(it names code or objects outside the table)")
+                left -= 1
+                if left < 0:
+                    raise refuse(f"more than {MAX_OPCODES} pickle opcodes")
+                op(self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
+        except RefusedError:
+            raise
+        except Exception as err:  # a malformed pickle: an empty stack, an unhashable key, a bad memo index ...
+            raise refuse(f"a malformed pickle ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+                         f" at opcode {_OPCODE_NAMES.get(key[0], key)!s} after {MAX_OPCODES - left} opcodes)") from None
+
+    # -- calls and state: the table decides
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        self.stack[-1] = func(*args) if self.trusted and self._is_trusted(func) else call(func, args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(cls.__new__(cls, *args) if self.trusted and self._is_trusted(cls) else new(cls, args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(cls.__new__(cls, *args, **kwargs) if self.trusted and self._is_trusted(cls)
+                    else new(cls, args, kwargs))
+
+    def load_build(self) -> None:
+        if self.trusted and self._is_trusted(type(self.stack[-2])):
+            super().load_build()
+            return
+        state = self.stack.pop()
+        build(self.stack[-1], state)
+
+    def load_binpersid(self) -> None:
+        pid = self.stack.pop()
+        if self.storages is None or "persistent_load" not in vars(self):
+            raise refuse(f"persistent id {describe(pid)} outside a torch checkpoint's pickle")
+        self.storages.check(pid)
+        self.append(self.persistent_load(pid))
+
+    # -- containers: only lists, dicts and sets are filled
+    def _target(self, kinds: tuple, obj: Any, what: str) -> Any:
+        if type(obj) not in kinds:
+            raise refuse(f"{what} into {describe(obj)}: only lists, dicts and sets are filled")
+        return obj
+
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._target((list,), self.stack[-1], "APPEND").append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._target((list,), self.stack[-1], "APPENDS").extend(items)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(_DICTS, self.stack[-1], "SETITEM")[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self._target(_DICTS, self.stack[-1], "SETITEMS")
+        for i in range(0, len(items) - 1, 2):
+            target[items[i]] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self._target((set,), self.stack[-1], "ADDITEMS")
+        for item in items:
+            check_key(item, "a set")
+        target.update(items)
+
+
+_DICTS = (dict, collections.OrderedDict, collections.Counter, collections.defaultdict)
+_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+
+#: Python's data opcodes, as Python's unpickler runs them: they push numbers, strings, bytes,
+#: containers and memo references, and call nothing.
+_DATA_OPCODES = ("PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "INT",
+                 "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING",
+                 "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE",
+                 "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+                 "EMPTY_LIST", "LIST", "EMPTY_DICT", "DICT", "EMPTY_SET", "FROZENSET", "GET", "BINGET", "LONG_BINGET",
+                 "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
+_OURS = {"REDUCE": InertUnpickler.load_reduce, "NEWOBJ": InertUnpickler.load_newobj,
+         "NEWOBJ_EX": InertUnpickler.load_newobj_ex, "BUILD": InertUnpickler.load_build,
+         "BINPERSID": InertUnpickler.load_binpersid, "APPEND": InertUnpickler.load_append,
+         "APPENDS": InertUnpickler.load_appends, "SETITEM": InertUnpickler.load_setitem,
+         "SETITEMS": InertUnpickler.load_setitems, "ADDITEMS": InertUnpickler.load_additems}
+InertUnpickler.dispatch = {
+    **{getattr(pickle, name)[0]: pickle._Unpickler.dispatch[getattr(pickle, name)[0]]  # type: ignore[attr-defined]
+       for name in _DATA_OPCODES},
+    **{getattr(pickle, name)[0]: fn for name, fn in _OURS.items()},
+}
+
+
+def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None) -> type:
+    """A ``pickle_module`` for ``torch.load`` whose unpickler is :class:`InertUnpickler` checking
+    ``storages`` (and calling ``trusted``'s objects)."""
+    unpickler = type("Unpickler", (InertUnpickler,), dict(storages=storages, trusted=dict(trusted or {})))
+
+    def load_(file: Any, **kwargs: Any) -> Any:
+        return unpickler(file, **kwargs).load()
+
+    def loads(data: bytes, **kwargs: Any) -> Any:
+        return unpickler(io.BytesIO(data), **kwargs).load()
+
+    return type("swin_backbone_inert_pickle", (), dict(Unpickler=unpickler, UnpicklingError=pickle.UnpicklingError,
+                                                       load=staticmethod(load_), loads=staticmethod(loads)))
+
+
+def zip_records(path: str) -> Dict[str, int]:
+    """``name -> size`` of a torch zip archive's records (names without the archive's folder).
+    Refuses a TorchScript archive (``torch.load`` would hand it to ``torch.jit.load``), one with
+    two records of one name or records outside one folder."""
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    records: Dict[str, int] = {}
+    folders = set()
+    for info in infos:
+        folder, _, name = info.filename.partition("/")
+        folders.add(folder)
+        if name in records:
+            raise refuse(f"the archive holds two records named {info.filename!r:.80}")
+        records[name] = info.file_size
+    if len(folders) > 1:
+        raise refuse(f"the archive's records lie in {len(folders)} folders; torch.save writes one")
+    if "constants.pkl" in records or any(n.startswith("code/") for n in records):
+        raise refuse("a TorchScript archive (torch.jit.save): it holds code; load it with torch.jit.load if you "
+                     "trust it, or save the model's state_dict() with torch.save")
+    return records
+
+
+class _PythonReads(io.FileIO):
+    """A file torch reads through Python calls (no ``fileno``): torch then never tries the
+    pre-1.0 tar format on it, whose reader allocates what the file declares."""
+
+    def fileno(self) -> int:  # noqa: D102
+        raise io.UnsupportedOperation("read through Python")
+
+
+def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.device, Any] = "cpu",
+                          trusted: Optional[Dict[str, Any]] = None) -> Any:
+    """What the torch file at ``path`` (``kind``: ``'torch-zip'`` or ``'torch-pickle'``, from
+    :func:`~.files.sniff`) holds, unpickled by :class:`InertUnpickler` and made real by
+    :func:`~.records.materialize`. Raises :class:`~.records.RefusedError` for what the table
+    refuses; torch's own errors for a damaged container.
+
+    ``trusted`` (``{'module.name': object}``): objects this one load calls and creates as
+    Python's unpickler would, beside the table; only for files whose writer the caller knows
+    (the FSDP strategy's own shards, :mod:`swin_backbone.mmlab.fsdp`), never for a user's file."""
+    if kind == "torch-zip":
+        module = pickle_module(_Storages(records=zip_records(path)), trusted)
+        try:
+            obj = load(path, map_location, pickle_module=module)
+        except RuntimeError as err:
+            if "explicit pickle_module" not in str(err):
+                raise
+            # TORCH_FORCE_WEIGHTS_ONLY_LOAD: the user asks for torch's own weights-only unpickler
+            return load(path, map_location)
+    else:
+        module = pickle_module(_Storages(budget=os.path.getsize(path)), trusted)
+        with _PythonReads(path, "r") as f:
+            try:
+                obj = load(f, map_location, pickle_module=module)
+            except RuntimeError as err:
+                if "explicit pickle_module" not in str(err):
+                    raise
+                f.seek(0)
+                return load(f, map_location)
+    return materialize(obj, tuple(v for v in (trusted or {}).values() if isinstance(v, type)))
+
+
+__all__ = ["ASKS_FOR_CODE", "InertUnpickler", "MAX_OPCODES", "OPT_IN", "RefusedError", "read_torch_checkpoint"]

@@ -1,0 +1,427 @@
+"""Gadget chains built from the table's own rows (records.py), as the review's attacker built them:
+each row called, created and given state with hostile arguments; chains of two or three rows
+through torch's rebuild functions; payloads that could crash run in a subprocess and end in a
+CheckpointError, never a signal; process-wide state unchanged; a bounded fuzz in a subprocess
+that composes rows with calls shaped to the stack and mutates real mmengine checkpoints.
+Runs on every stack (Makefile COMPAT_CORE)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from swin_backbone.checkpoint import CheckpointError, read_checkpoint
+from swin_backbone.checkpoint import records
+from swin_backbone.checkpoint.records import RefusedError, materialize
+from swin_backbone.checkpoint.unpickler import InertUnpickler
+
+from .pickles import (FALSE, NONE, TRUE, b, build, call, d, g, get, i, in_zip, l, legacy, new, np_array, np_dtype,
+                      program, put, s, t, tensor)
+
+HB = "mmengine.logging.history_buffer.HistoryBuffer"
+CD = "mmengine.config.config.ConfigDict"
+R2 = "torch._tensor._rebuild_from_type_v2"
+
+
+def _read(body: bytes):
+    """A pickle without storages, through the unpickler and materialize."""
+    return materialize(InertUnpickler(io.BytesIO(program(body))).load())
+
+
+def _history_state(log=None, count=None, extra=()):
+    f8, i8 = np_dtype("f8"), np_dtype("i8")
+    return d((s("max_length"), i(10)), (s("_log_history"), log or np_array((1,), f8, b(b"\0" * 8))),
+             (s("_count_history"), count or np_array((1,), i8, b(b"\1" + b"\0" * 7))), *extra)
+
+
+#: name -> (pickle body, what the refusal says). Every one is refused before anything is made of it.
+CHAINS = {
+    # the review's chain, step by step
+    "configdict-array-interface": (call(g(CD), d((s("__array_interface__"), d((s("data"), t(i(4096), FALSE)))))),
+                                   "names an attribute protocol"),
+    "historybuffer-called-with-configdicts": (call(g(HB), call(g(CD), d()), call(g(CD), d())),
+                                              "calls the global " + HB),
+    "getattr-mean-called-by-rebuild_from_type_v2": (
+        call(g(R2), call(g("builtins.getattr"), g(HB), s("mean")), g("torch.Tensor"), t(i(1), i(2)), d()),
+        "calls only torch's tensor rebuilds"),
+    "rebuild_from_type_v2-calls-a-class": (call(g(R2), g(HB), g("torch.Tensor"), t(), d()),
+                                           "calls only torch's tensor rebuilds"),
+    "rebuild_from_type_v2-calls-itself": (call(g(R2), g(R2), g("torch.Tensor"), t(), d()),
+                                          "calls only torch's tensor rebuilds"),
+    "rebuild_from_type_v2-makes-a-historybuffer": (call(g(R2), g("torch._utils._rebuild_parameter"), g(HB), t(), d()),
+                                                   "makes only tensors and parameters"),
+    "dtype-object-without-hasobject": (np_dtype("O8", t(i(3), s("|"), NONE, NONE, NONE, i(-1), i(-1), i(0x3E))),
+                                       "object, string, void and datetime dtypes are refused"),
+    "dtype-f8-forged-flags": (np_dtype("f8", t(i(3), s("<"), NONE, NONE, NONE, i(-1), i(-1), i(0x3E))),
+                              "its state must be numpy's own"),
+    "dtype-built-twice": (build(np_dtype("f8"), t(i(3), s("<"), NONE, NONE, NONE, i(-1), i(-1), i(0))),
+                          "its state must be numpy's own"),
+    "scalar-of-dtype-S": (call(g("numpy._core.multiarray.scalar"), np_dtype("S"), b(b"abcdef")),
+                          "object, string, void and datetime dtypes are refused"),
+    "scalar-of-dtype-U": (call(g("numpy.core.multiarray.scalar"), np_dtype("U"), b(b"abcd")),
+                          "object, string, void and datetime dtypes are refused"),
+    "scalar-short-bytes": (call(g("numpy._core.multiarray.scalar"), np_dtype("f8"), b(b"\0")), "expected 8 bytes"),
+    "ndarray-called": (call(g("numpy.ndarray"), t(i(2 ** 28)), np_dtype("f8")), "calls the global numpy.ndarray"),
+    "array-of-2**28-from-8-bytes": (np_array((2 ** 28,), np_dtype("f8"), b(b"\0" * 8)), "needs 2147483648 bytes"),
+    "array-data-a-configdict": (np_array((1,), np_dtype("f8"), call(g(CD), d((s("__array_interface__"), i(0))))),
+                                "names an attribute protocol"),
+    "array-data-a-list": (np_array((1,), np_dtype("f8"), l(i(0))), "its data must be bytes"),
+    "reconstruct-other-subtype": (call(g("numpy._core.multiarray._reconstruct"), g(HB), t(i(0)), b(b"b")),
+                                  "expected (numpy.ndarray, (0,), b'b')"),
+    "defaultdict-none-of-an-array": (call(g("collections.defaultdict"), NONE, np_array((0,), np_dtype("f8"), b(b""))),
+                                     "expected a dict of items"),
+    "defaultdict-factory-getattr": (call(g("collections.defaultdict"), g("builtins.getattr")),
+                                    "its factory must be None"),
+    "historybuffer-setstate-key": (build(new(g(HB)), _history_state(extra=[(s("__setstate__"), s("exec"))])),
+                                   "expected its state"),
+    "historybuffer-statistics-methods-int": (
+        build(new(g(HB)), _history_state(extra=[(s("statistics_methods"), d((s("mean"), i(0))))])),
+        "statistics_methods: expected"),
+    "historybuffer-built-twice": (build(build(new(g(HB)), _history_state()), _history_state()), "expected its state"),
+    "historybuffer-history-a-configdict": (build(new(g(HB)), _history_state(log=call(g(CD), d()))),
+                                           "expected a 1-D numpy array"),
+    "historybuffer-newobj-args": (new(g(HB), i(1)), "expected no arguments"),
+    "build-on-an-entry": (build(g(HB), d((s("statistics_methods"), d()))), "the global " + HB),
+    "build-on-a-dict": (build(d(), d((s("__class__"), i(1)))), "set the state of a dict"),
+    "build-ordereddict-keys": (build(call(g("collections.OrderedDict")), d((s("keys"), i(1)))),
+                               "set the state of a collections.OrderedDict"),
+    "build-ordereddict-metadata-entry": (build(call(g("collections.OrderedDict")), d((s("_metadata"), g(HB)))),
+                                         "expected plain data"),
+    "getattr-init": (call(g("builtins.getattr"), g(HB), s("__init__")), "builtins.getattr(the global"),
+    "getattr-with-default": (call(g("builtins.getattr"), g(HB), s("min"), NONE), "builtins.getattr(the global"),
+    "getattr-on-getattr": (call(g("__builtin__.getattr"), g("__builtin__.getattr"), s("__self__")),
+                           "builtins.getattr(the global builtins.getattr, '__self__')"),
+    "messagehub-scalars-configdict": (
+        build(new(g("mmengine.logging.message_hub.MessageHub")), d((s("_log_scalars"), d((s("x"), call(g(CD), d())))))),
+        "MessageHub _log_scalars"),
+    "setitem-into-configdict": (call(g(CD), d()) + s("k") + i(1) + pickle.SETITEM, "SETITEM into a ConfigDict"),
+    "append-into-a-tuple": (t() + i(1) + pickle.APPEND, "APPEND into a tuple"),
+    "counter-of-strings": (call(g("collections.Counter"), d((s("a"), s("b")))), "a dict of counts"),
+    "set-of-a-record": (call(g("builtins.set"), l(call(g(CD), d()))), "a dict key or set item"),
+    "entry-left-in-the-data": (d((s("x"), g("numpy.ndarray"))), "the global numpy.ndarray, which is not data"),
+    "class-left-in-the-data": (d((s("x"), g("torch.UntypedStorage"))), "which is not data"),
+    "cycle": (pickle.EMPTY_LIST + put(0) + get(0) + pickle.APPEND, "refers to itself"),
+    "deep": (pickle.EMPTY_LIST * 100 + pickle.APPEND * 99, "deeper than"),
+    "inst-opcode": (b"(ios\nsystem\nS'true'\n" + b"", "INST"),
+    "obj-opcode": (pickle.MARK + g("collections.OrderedDict") + pickle.OBJ, "OBJ"),
+    "ext1-opcode": (pickle.EXT1 + b"\x01", "EXT1"),
+    "text-persid": (pickle.PERSID + b"0\n", "PERSID"),
+    "binpersid-outside-torch": (t(s("storage")) + pickle.BINPERSID, "outside a torch checkpoint"),
+    "size-of-a-record": (call(g("torch.Size"), t(call(g(CD), d()))), "expected an int"),
+    "device-with-code": (call(g("torch.device"), s("cuda;import os")), "torch.device"),
+    "parameter-of-a-configdict": (call(g("torch._utils._rebuild_parameter"), call(g(CD), d()), TRUE, NONE),
+                                  "expected a tensor"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_a_chain_of_the_tables_rows_is_refused(name):
+    body, says = CHAINS[name]
+    with pytest.raises(RefusedError) as info:
+        _read(body)
+    assert says in str(info.value), str(info.value)
+
+
+#: Payloads with storages (the archive's record ``0`` holds 4 float32): name -> (data.pkl body, says).
+STORAGE_CHAINS = {
+    "storage-larger-than-its-record": (tensor(numel=2 ** 30, size=(2 ** 30,)), "has 16"),
+    "storage-missing-record": (tensor(key="7"), "has none"),
+    "storage-key-a-path": (tensor(key="../../etc/passwd"), "expected a short name"),
+    "storage-location-code": (t(s("storage"), g("torch.FloatStorage"), s("0"), s("cuda:0;x"), i(4)) + pickle.BINPERSID,
+                              "expected a device"),
+    "storage-typename-module": (t(s("module"), g("torch.FloatStorage"), s("0"), s("cpu"), i(4)) + pickle.BINPERSID,
+                                "only storages of the file"),
+    "tensor-past-its-storage": (tensor(offset=3, size=(4,)), "reaches past its storage"),
+    "tensor-huge-view-of-one-element": (tensor(size=(2 ** 40,), stride=(0,)), "elements over a storage of 4"),
+    "tensor-backward-hooks": (call(g("torch._utils._rebuild_tensor_v2"), t(s("storage"), g("torch.FloatStorage"), s("0"),
+                                                                         s("cpu"), i(4)) + pickle.BINPERSID,
+                                   i(0), t(i(4)), t(i(1)), FALSE, d((i(0), s("exec")))),
+                              "backward hooks"),
+    "build-on-a-tensor": (build(tensor(), t(i(0))), "set the state of a torch.Tensor"),
+    "rebuild_from_type_v2-with-state": (call(g(R2), g("torch._utils._rebuild_tensor_v2"), g("torch.Tensor"),
+                                             t(t(s("storage"), g("torch.FloatStorage"), s("0"), s("cpu"), i(4))
+                                               + pickle.BINPERSID, i(0), t(i(4)), t(i(1)), FALSE, NONE),
+                                             d((s("__class__"), g(HB)))),
+                                        "only flags"),
+    "tensor-state-shadows-data": (call(g(R2), g("torch._utils._rebuild_tensor_v2"), g("torch.Tensor"),
+                                       t(t(s("storage"), g("torch.FloatStorage"), s("0"), s("cpu"), i(4))
+                                         + pickle.BINPERSID, i(0), t(i(4)), t(i(1)), FALSE, NONE),
+                                       d((s("grad"), NONE))),
+                                  "only flags"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STORAGE_CHAINS))
+def test_a_chain_through_torchs_storages_is_refused(tmp_path, name):
+    body, says = STORAGE_CHAINS[name]
+    path = in_zip(tmp_path / "evil.pth", program(d((s("state_dict"), d((s("w"), body))))))
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path)
+    assert says in str(info.value) and path in str(info.value), str(info.value)
+
+
+def test_the_forms_real_files_use_are_read(tmp_path):
+    """The rows' honest forms, written the same way: a control that the refusals above are the
+    rows' checks, not a broken writer."""
+    f8 = np_dtype("f8")
+    got = _read(d((s("a"), np_array((2,), f8, b(np.array([1.5, 2.5]).tobytes()))),
+                  (s("s"), call(g("numpy._core.multiarray.scalar"), np_dtype("i8"), b((7).to_bytes(8, "little")))),
+                  (s("h"), build(new(g(HB)), _history_state())),
+                  (s("c"), call(g(CD), d((s("k"), l(i(1), i(2)))))),
+                  (s("n"), call(g("collections.Counter"), d((i(1), i(1))))),
+                  (s("f"), call(g("builtins.frozenset"), l(i(1)))),
+                  (s("z"), call(g("torch.Size"), t(i(2), i(3))))))
+    np.testing.assert_array_equal(got["a"], [1.5, 2.5])
+    assert got["s"] == 7 and type(got["s"]) is np.int64
+    assert type(got["h"]).__name__ == "HistoryBuffer" and got["h"].max_length == 10
+    assert got["c"].k == [1, 2] and got["n"] == {1: 1} and got["f"] == frozenset({1}) and got["z"] == (2, 3)
+    path = in_zip(tmp_path / "ok.pth", program(d((s("state_dict"), d((s("w"), tensor(offset=1, size=(3,))))))))
+    torch.testing.assert_close(read_checkpoint(path)["state_dict"]["w"], torch.ones(3))
+
+
+# ---------------------------------------------------------------- every row
+#: Arguments an attacker hands a row: plain values, dunder dicts, rows themselves, records.
+HOSTILE_ARGS = [(), (NONE,), (s("x"),), (i(1),), (b(b"b"),), (t(i(0)),), (l(i(1)),),
+                (d((s("__class__"), i(1))),), (d((s("__array_interface__"), d())),), (g(HB),), (g("builtins.getattr"),),
+                (call(g(CD), d()),), (np_dtype("f8"),), (g("numpy.ndarray"), t(i(0)), b(b"b")),
+                (s("__self__"), s("exec")), (g(HB), s("mean")), (NONE, d((s("x"), i(1)))), (i(2 ** 40), i(-1))]
+
+
+def _callables(value, depth=0):
+    """Callables anywhere in ``value`` (classes and functions; never a tensor or an array)."""
+    if depth > 40:
+        return []
+    if isinstance(value, dict):
+        found = [v for v in [getattr(value, "default_factory", None)] if v is not None]
+        return found + [c for k, v in value.items() for c in _callables(k, depth + 1) + _callables(v, depth + 1)]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [c for v in value for c in _callables(v, depth + 1)]
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        return []
+    if type(value).__name__ in ("HistoryBuffer", "ConfigDict"):
+        return _callables(vars(value), depth + 1) if type(value).__name__ == "ConfigDict" else []
+    return [value] if callable(value) else []
+
+
+@pytest.mark.parametrize("row", sorted(records.ENTRIES))
+def test_no_row_returns_or_stores_a_callable(row):
+    """Each row, called (REDUCE), created (NEWOBJ) and then given a dunder state (BUILD) with each
+    of :data:`HOSTILE_ARGS`: refused, or data without a callable in it."""
+    outcomes = {"refused": 0, "data": 0}
+    for args in HOSTILE_ARGS:
+        for body in (call(g(row), *args), new(g(row), *args),
+                     build(call(g(row), *args), d((s("__setstate__"), g("builtins.getattr")))),
+                     build(new(g(row), *args), d((s("__dict__"), d((s("x"), i(1))))))):
+            try:
+                value = _read(d((s("v"), body)))
+            except RefusedError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["data"] += 1
+            assert not _callables(value), (row, args, value)
+    assert outcomes["refused"] > 0, outcomes
+
+
+# ---------------------------------------------------------------- process-wide state
+def _process_state():
+    from mmengine.logging import HistoryBuffer
+    from mmengine.runner.checkpoint import CheckpointLoader
+
+    return dict(statistics={k: v for k, v in HistoryBuffer._statistics_methods.items()},
+                numpy_s=np.array([b"abcdef"], dtype="S").tolist(), numpy_u=np.array(["abcdef"], dtype="U").tolist(),
+                safe_globals=list(torch.serialization.get_safe_globals()) if hasattr(torch.serialization,
+                                                                                  "get_safe_globals") else None,
+                schemes=dict(CheckpointLoader._schemes), entries={k: (v, v.name) for k, v in records.ENTRIES.items()},
+                constants=dict(records.CONSTANTS))
+
+
+def test_no_chain_changes_process_wide_state(tmp_path):
+    before = _process_state()
+    for body, _ in CHAINS.values():
+        with pytest.raises(RefusedError):
+            _read(body)
+    for n, (body, _) in enumerate(STORAGE_CHAINS.values()):
+        with pytest.raises(CheckpointError):
+            read_checkpoint(in_zip(tmp_path / f"{n}.pth", program(body)))
+    assert _process_state() == before
+
+
+def test_import_changes_nothing_torch_accepts():
+    """``get_safe_globals()`` with and without ``import swin_backbone`` (the libraries it imports
+    imported in both: torch adds some of its own lazily), and torch.load of a file that names
+    a table row still refused by torch alone."""
+    if not hasattr(torch.serialization, "get_safe_globals"):
+        pytest.skip(f"torch {torch.__version__} has no process-wide weights-only list to change")
+    script = textwrap.dedent("""
+        import sys, torch
+        import mmengine.runner, mmengine.logging, mmengine.config  # what the package imports of mmengine
+        for name in ("mmdet.models", "mmseg.models"):
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+        if sys.argv[1] == "with":
+            import swin_backbone
+        named = [g if isinstance(g, tuple) else (g, "") for g in torch.serialization.get_safe_globals()]
+        print("LIST", sorted(f"{getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', type(o).__name__)} {n}"
+                             for o, n in named))
+    """)
+    lists = [subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True, check=True
+                            ).stdout.split("LIST", 1)[1] for arg in ("without", "with")]
+    assert lists[0] == lists[1] and lists[0].strip()
+
+
+# ---------------------------------------------------------------- crashes and memory: in a subprocess
+_CHILD = textwrap.dedent("""
+    import json, os, resource, sys
+    from swin_backbone.checkpoint import CheckpointError, read_checkpoint
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {}
+    for path in sys.argv[1:]:
+        try:
+            read_checkpoint(path)
+            out[os.path.basename(path)] = "loaded"
+        except CheckpointError as err:
+            out[os.path.basename(path)] = "refused: " + str(err)
+    out["maxrss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # above the imports' peak
+    print(json.dumps(out))
+""")
+
+
+def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
+    """What segfaulted, corrupted numpy or allocated 3.2 GB under the allow-list: each file is
+    refused, the process ends normally and stays under 1 GB."""
+    big = 2 ** 28
+    files = {
+        "pointer-read.pth": in_zip(tmp_path / "pointer-read.pth", program(
+            call(g(HB), call(g(CD), d((s("__array_interface__"), d((s("data"), t(i(0x41414141000), FALSE)),
+                                                                    (s("shape"), t(i(8))), (s("typestr"), s("|u1")))))))
+        )),
+        "forged-object.pth": in_zip(tmp_path / "forged-object.pth", program(
+            np_array((1,), np_dtype("O8", t(i(3), s("|"), NONE, NONE, NONE, i(-1), i(-1), i(0x3E))),
+                     b(b"AAAAAAAA")))),
+        "object-array-2-28.pth": in_zip(tmp_path / "object-array-2-28.pth", program(
+            call(g("numpy.ndarray"), t(i(big)), np_dtype("O8")))),
+        "float-array-2-28.pth": in_zip(tmp_path / "float-array-2-28.pth", program(
+            np_array((big,), np_dtype("f8"), b(b"\0" * 8)))),
+        "zip-storage-2-40.pth": in_zip(tmp_path / "zip-storage-2-40.pth", program(
+            tensor(numel=2 ** 40, size=(2 ** 40,)))),
+        "legacy-storage-2-40.pth": legacy(tmp_path / "legacy-storage-2-40.pth", program(
+            call(g("torch._utils._rebuild_tensor_v2"),
+                 t(s("storage"), g("torch.FloatStorage"), s("0"), s("cpu"), i(2 ** 40), NONE) + pickle.BINPERSID,
+                 i(0), t(i(2 ** 40)), t(i(1)), FALSE, call(g("collections.OrderedDict"))))),
+        "scalar-S.pth": in_zip(tmp_path / "scalar-S.pth", program(
+            call(g("numpy._core.multiarray.scalar"), np_dtype("S"), b(b"abcdef")))),
+    }
+    assert os.path.getsize(files["object-array-2-28.pth"]) < 4096
+    done = subprocess.run([sys.executable, "-c", _CHILD, *files.values()], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # never a signal (-11)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in files:
+        assert out[name].startswith("refused: "), (name, out[name])
+        assert "nothing in it ran" in out[name], out[name]
+    assert out["maxrss_mb"] < 1024, out["maxrss_mb"]
+
+
+_FUZZ = textwrap.dedent("""
+    import io, json, os, pickle, random, resource, signal, sys, zipfile
+    sys.path.insert(0, sys.argv[1])
+    from pickles import FALSE, NONE, TRUE, b, build, call, d, g, i, l, new, program, s, t
+    from swin_backbone.checkpoint import CheckpointError, read_checkpoint, records
+    from swin_backbone.checkpoint.records import materialize
+    from swin_backbone.checkpoint.unpickler import InertUnpickler
+
+    marker, checkpoint, count, seed = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    rng = random.Random(seed)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = sorted(records.ENTRIES) + ["builtins.exec", "posix.system", "builtins.eval"]
+    code = [s(f"open({marker!r}, 'w').close()"), s(f"touch {marker}"), b(b"touch " + marker.encode())]
+
+    def value(depth=0):
+        kind = rng.randrange(10 if depth < 3 else 6)
+        if kind == 0: return rng.choice([NONE, TRUE, FALSE])
+        if kind == 1: return i(rng.choice([0, 1, -1, 2 ** 31, 2 ** 40, 3]))
+        if kind == 2: return s(rng.choice(["x", "__class__", "__setstate__", "__array_interface__", "mean", "min",
+                                           "f8", "O8", "S", "storage", "cpu", "0", "latin1", "_metadata"]))
+        if kind == 3: return rng.choice(code)
+        if kind == 4: return b(bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 8, 16]))))
+        if kind == 5: return g(rng.choice(rows))
+        if kind == 6: return t(*[value(depth + 1) for _ in range(rng.randrange(4))])
+        if kind == 7: return l(*[value(depth + 1) for _ in range(rng.randrange(3))])
+        if kind == 8: return d(*[(value(depth + 1), value(depth + 1)) for _ in range(rng.randrange(3))])
+        return shaped(depth + 1)
+
+    def shaped(depth):
+        # a call shaped to the stack: a row with 0-4 arguments, then maybe a BUILD
+        row = g(rng.choice(rows))
+        args = [value(depth) for _ in range(rng.randrange(5))]
+        body = (call if rng.random() < 0.7 else new)(row, *args)
+        if rng.random() < 0.4:
+            body = build(body, value(depth))
+        return body
+
+    def alarm(*_):
+        raise TimeoutError("hang")
+    signal.signal(signal.SIGALRM, alarm)
+    outcomes = {"data": 0, "refused": 0}
+    for n in range(count):
+        body = program(d((s("v"), shaped(0))))
+        signal.alarm(5)
+        try:
+            materialize(InertUnpickler(io.BytesIO(body)).load())
+            outcomes["data"] += 1
+        except CheckpointError:
+            outcomes["refused"] += 1
+        finally:
+            signal.alarm(0)
+    # mutations of a real Runner checkpoint's pickle: rows spliced in at random opcodes
+    import pickletools
+    with zipfile.ZipFile(checkpoint) as z:
+        members = [(info.filename, z.read(info.filename)) for info in z.infolist()]
+    data = next(v for k, v in members if k.endswith("data.pkl"))
+    starts = [pos for _, _, pos in pickletools.genops(data)]
+    for n in range(count // 4):
+        at = starts[rng.randrange(1, len(starts) - 1)]
+        mutant = data[:at] + shaped(0) + pickle.POP + data[at:] if rng.random() < 0.5 else \\
+            data[:at] + bytes([rng.choice(b"RbQ\\x81\\x85\\x86su(te")]) + data[at + 1:]
+        path = os.path.join(os.path.dirname(marker), f"m{n}.pth")
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+            for name, content in members:
+                z.writestr(name, mutant if name.endswith("data.pkl") else content)
+        signal.alarm(5)
+        try:
+            read_checkpoint(path)
+            outcomes["data"] += 1
+        except CheckpointError:
+            outcomes["refused"] += 1
+        finally:
+            signal.alarm(0)
+        os.remove(path)
+    outcomes["maxrss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    print(json.dumps(outcomes))
+""")
+
+
+def test_a_bounded_fuzz_of_composed_rows_and_mutated_runner_checkpoints(tmp_path):
+    """Seeded: 1200 programs of rows with calls shaped to the stack, 300 real-checkpoint mutants.
+    Each is data or a CheckpointError; never code (the marker), a signal, a hang or 1 GB."""
+    from .test_code_refused import _train
+
+    _train(tmp_path / "runner", max_epochs=1)
+    checkpoint = tmp_path / "runner" / "epoch_1.pth"
+    marker = tmp_path / "ran"
+    done = subprocess.run([sys.executable, "-c", _FUZZ, os.path.dirname(__file__), str(marker), str(checkpoint),
+                           "1200", "60"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["refused"] > 0 and out["data"] + out["refused"] == 1500, out
+    assert out["maxrss_mb"] < 1024, out
+    assert not marker.exists()
