@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -217,10 +217,6 @@ def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., Non
         module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
-#: ``torch.serialization.safe_globals`` (torch >= 2.5): globals allowed for one weights-only load.
-HAS_SAFE_GLOBALS = hasattr(torch.serialization, "safe_globals")
-
-
 @functools.lru_cache(maxsize=None)
 def load_supports_mmap() -> bool:
     """Whether ``torch.load`` takes ``mmap=`` (torch >= 2.1)."""
@@ -229,16 +225,14 @@ def load_supports_mmap() -> bool:
     return "mmap" in inspect.signature(torch.load).parameters
 
 
-def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: bool = False,
-         safe_globals: Sequence[Any] = ()) -> Any:
+def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: bool = False) -> Any:
     """``torch.load`` on every supported torch.
 
     ``pickle_module``: torch reads the container (zip or legacy), the storages and
     ``map_location``; the module's unpickler reads the pickle (the package's inert unpickler,
     :mod:`swin_backbone.checkpoint.unpickler`). torch refuses a ``pickle_module`` together with
-    ``weights_only=True``, so this call passes ``weights_only=False``: the module is the restriction.
-    Without it: torch's own weights-only unpickler, with ``safe_globals`` allowed for this call
-    only (``torch.serialization.safe_globals``, torch >= 2.5; nothing is added process-wide).
+    ``weights_only=True``, so this call passes ``weights_only=False``: the module is the
+    restriction. Without it: torch's own weights-only unpickler with torch's own list.
     ``mmap=True`` maps a zip file where torch can (>= 2.1) and reads it otherwise (same result).
     """
     kwargs: Dict[str, Any] = dict(map_location=map_location)
@@ -246,10 +240,4 @@ def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: b
         kwargs["mmap"] = True
     if pickle_module is not None:
         return torch.load(f, weights_only=False, pickle_module=pickle_module, **kwargs)
-    if not safe_globals:
-        return torch.load(f, weights_only=True, **kwargs)
-    if not HAS_SAFE_GLOBALS:
-        raise RuntimeError(f"loading this file needs torch >= 2.5 (torch.serialization.safe_globals, to allow "
-                           f"{len(safe_globals)} classes for one load); the installed torch is {torch.__version__}")
-    with torch.serialization.safe_globals(list(safe_globals)):
-        return torch.load(f, weights_only=True, **kwargs)
+    return torch.load(f, weights_only=True, **kwargs)

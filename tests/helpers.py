@@ -289,12 +289,6 @@ FEATURES: Dict[str, Tuple[Callable[[], bool], str, str]] = {
         "torch.onnx.export(dynamo=True) (torch >= 2.5)",
         "the TorchScript-based ONNX exporter (torch.onnx.export without dynamo=True) is what remains",
     ),
-    "safe_globals": (
-        lambda: torch_compat.HAS_SAFE_GLOBALS,
-        "torch.serialization.safe_globals / add_safe_globals taking (object, name) pairs (torch >= 2.5)",
-        "the FSDP strategy's sharded ('local') checkpoint folders cannot be read (their ShardedTensor classes "
-        "are allowed for those loads only); every other checkpoint reads through the package's own unpickler",
-    ),
     "load_mmap": (
         torch_compat.load_supports_mmap,
         "torch.load(mmap=True) (torch >= 2.1)",

@@ -114,11 +114,11 @@ def _expected_missing():
     version = torch_compat.torch_version()
     py = sys.version_info[:2]
     if version == (2, 0):
-        missing = {"sdpa_scale", "export", "onnx_dynamo", "safe_globals", "load_mmap", "cpu_flash_sdpa",
+        missing = {"sdpa_scale", "export", "onnx_dynamo", "load_mmap", "cpu_flash_sdpa",
                    "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 11) else set())
     if version == (2, 1):
-        missing = {"export", "onnx_dynamo", "safe_globals", "cpu_flash_sdpa", "compile_one_graph"}
+        missing = {"export", "onnx_dynamo", "cpu_flash_sdpa", "compile_one_graph"}
         return missing | ({"compile"} if py >= (3, 12) else set())
     if version >= (2, 6):
         return set()
@@ -231,20 +231,3 @@ def test_the_inert_unpickler_refuses_code(tmp_path):
     assert marker.exists()
 
 
-def test_scoped_safe_globals_are_for_that_load_only(tmp_path):
-    """``load(safe_globals=...)`` allows a class for one load; other loads, torch's own
-    included, still refuse it (the FSDP strategy's ShardedTensor classes). Older torch has no
-    scoped list: a clear error."""
-    from fractions import Fraction
-
-    torch.save({"f": Fraction(1, 3)}, tmp_path / "frac.pth")
-    if not torch_compat.HAS_SAFE_GLOBALS:
-        with pytest.raises(RuntimeError, match="needs torch >= 2.5"):
-            torch_compat.load(str(tmp_path / "frac.pth"), safe_globals=[Fraction])
-        return
-    assert torch_compat.load(str(tmp_path / "frac.pth"), safe_globals=[Fraction])["f"] == Fraction(1, 3)
-    with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
-        torch_compat.load(str(tmp_path / "frac.pth"))
-    if torch_compat.HAS_SAFE_GLOBALS:
-        with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
-            torch.load(tmp_path / "frac.pth", weights_only=True)

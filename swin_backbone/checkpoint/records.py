@@ -156,9 +156,12 @@ def is_tensor(value: Any) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 
 
-def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...] = DATA_RECORDS) -> None:
+def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...] = DATA_RECORDS,
+                seen: Optional[set] = None, dunder_keys: bool = True) -> None:
     """Refuse ``value`` unless it is plain data (module docstring), ``records`` allowed in it,
-    nested at most :data:`MAX_DEPTH` deep. Keys of dicts: leaves only."""
+    nested at most :data:`MAX_DEPTH` deep. Keys of dicts: leaves only (no ``__x__`` string
+    unless ``dunder_keys``). Each container is looked at once (``seen``): shared parts cost
+    nothing more."""
     kind = type(value)
     if kind in PLAIN_LEAVES or is_tensor(value) or kind in records:
         if kind in (ArrayRecord, DtypeRecord) and not _complete(value):
@@ -169,13 +172,19 @@ def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...]
                      f"those), found {describe(value)}")
     if depth >= MAX_DEPTH:
         raise refuse(f"{what}: data nested deeper than {MAX_DEPTH} levels")
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
     if isinstance(value, dict):
         for key, item in value.items():
             check_key(key, what)
-            check_plain(item, what, depth + 1, records)
+            if not dunder_keys and type(key) is str and key.startswith("__") and key.endswith("__"):
+                raise refuse(f"{what}: the key {brief(key)} names an attribute protocol, not data")
+            check_plain(item, what, depth + 1, records, seen, dunder_keys)
     else:
         for item in value:
-            check_plain(item, what, depth + 1, records)
+            check_plain(item, what, depth + 1, records, seen, dunder_keys)
 
 
 def check_key(key: Any, what: str) -> None:
@@ -198,6 +207,23 @@ def describe(value: Any) -> str:
     if isinstance(value, Record):
         return f"a {type(value).__name__[:-6] if type(value).__name__.endswith('Record') else type(value).__name__}"
     return f"a {type(value).__module__}.{type(value).__qualname__}".replace("a builtins.", "a ")
+
+
+def brief(value: Any, depth: int = 0) -> str:
+    """A short text for ``value`` from a file, for messages: never the ``repr`` of a whole
+    structure (a file's nested or shared data could make that endless)."""
+    kind = type(value)
+    if kind in (str, bytes, bytearray):
+        text = repr(value[:40])
+        return text + ("..." if len(value) > 40 else "")
+    if kind is int:
+        return str(value) if value.bit_length() <= 64 else f"an int of {value.bit_length()} bits"
+    if kind in (bool, float, type(None)):
+        return repr(value)
+    if kind in (tuple, list) and depth < 2:
+        items = ", ".join(brief(v, depth + 1) for v in value[:6]) + (", ..." if len(value) > 6 else "")
+        return f"({items}{',' if kind is tuple and len(value) == 1 else ''})" if kind is tuple else f"[{items}]"
+    return describe(value)
 
 
 def _int(value: Any, what: str, low: int = 0, high: Optional[int] = None) -> int:
@@ -223,7 +249,7 @@ _DTYPE_STATES = {name: np.dtype(name).__reduce__()[2] for name in NUMPY_DTYPES}
 def numpy_dtype(name: Any, align: Any = False, copy: Any = True) -> DtypeRecord:
     """``numpy.dtype(name, align, copy)`` as numpy pickles it."""
     if type(name) is not str or name not in NUMPY_DTYPES or align is not False or copy is not True:
-        raise refuse(f"numpy.dtype{(name, align, copy)!r:.80}: only the numeric dtypes {', '.join(NUMPY_DTYPES)} "
+        raise refuse(f"numpy.dtype{brief((name, align, copy))}: only the numeric dtypes {', '.join(NUMPY_DTYPES)} "
                      "are read (object, string, void and datetime dtypes are refused)")
     return DtypeRecord(name)
 
@@ -232,7 +258,7 @@ def build_dtype(record: DtypeRecord, state: Any) -> None:
     if record.built or type(state) is not tuple or not all(type(v) in (int, str, type(None)) for v in state) \
             or state != _DTYPE_STATES[record.name]:
         raise refuse(f"numpy.dtype({record.name!r}): its state must be numpy's own {_DTYPE_STATES[record.name]}, "
-                     f"found {state!r:.80}")
+                     f"found {brief(state)}")
     record.built = True
 
 
@@ -241,7 +267,7 @@ def numpy_reconstruct(subtype: Any, shape: Any, dtype_char: Any) -> ArrayRecord:
     if subtype is not ENTRIES["numpy.ndarray"] or shape != (0,) or type(shape) is not tuple \
             or dtype_char not in (b"b", "b"):
         raise refuse(f"numpy _reconstruct: expected (numpy.ndarray, (0,), b'b') as numpy writes it, found "
-                     f"({describe(subtype)}, {shape!r:.40}, {dtype_char!r:.20})")
+                     f"({describe(subtype)}, {brief(shape)}, {brief(dtype_char)})")
     return ArrayRecord()
 
 
@@ -291,7 +317,7 @@ def method_name(owner: Any, name: Any, *default: Any) -> MethodName:
     looked up. Anything else is refused."""
     if owner is ENTRIES.get(HISTORY_BUFFER) and type(name) is str and name in HISTORY_STATISTICS and not default:
         return MethodName("HistoryBuffer", name)
-    raise refuse(f"{ASKS_FOR_CODE}: builtins.getattr({describe(owner)}, {name!r:.60}); only HistoryBuffer's statistics "
+    raise refuse(f"{ASKS_FOR_CODE}: builtins.getattr({describe(owner)}, {brief(name)}); only HistoryBuffer's statistics "
                  f"{'/'.join(HISTORY_STATISTICS)} are read, as names. It was refused, nothing in it ran")
 
 
@@ -355,22 +381,8 @@ def config_dict(items: Any = None) -> ConfigDictRecord:
     items = {} if items is None else items
     if type(items) is not dict:
         raise refuse(f"ConfigDict: expected a dict of plain data, found {describe(items)}")
-    check_plain(items, "ConfigDict")
-    _no_dunder_keys(items, "ConfigDict")
+    check_plain(items, "ConfigDict", dunder_keys=False)  # (a nested ConfigDict was checked when it was made)
     return ConfigDictRecord(items)
-
-
-def _no_dunder_keys(value: Any, what: str, depth: int = 0) -> None:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if type(key) is str and key.startswith("__") and key.endswith("__"):
-                raise refuse(f"{what}: the key {key!r:.60} names an attribute protocol, not data")
-            _no_dunder_keys(item, what, depth + 1)
-    elif type(value) in (list, tuple):
-        for item in value:
-            _no_dunder_keys(item, what, depth + 1)
-    elif type(value) is ConfigDictRecord:
-        _no_dunder_keys(value.items, what, depth + 1)
 
 
 # ---------------------------------------------------------------------------- containers and builtins
@@ -421,7 +433,7 @@ def codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """``_codecs.encode(str, 'latin1')``: how protocol 2 pickles ``bytes``."""
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         raise refuse(f"_codecs.encode: expected (str, 'latin1') as protocol 2 writes bytes, found "
-                     f"({describe(text)}, {encoding!r:.20})")
+                     f"({describe(text)}, {brief(encoding)})")
     return text.encode("latin-1")
 
 
@@ -527,7 +539,7 @@ def _with_flags(tensor: torch.Tensor, state: Any, what: str) -> torch.Tensor:
     for name, value in state.items():
         if type(name) is not str or not _FLAG.fullmatch(name) or name.endswith("_") or hasattr(torch.Tensor, name) \
                 or type(value) not in (bool, int, float, str, type(None)):
-            raise refuse(f"{what} with the Python attribute {name!r:.60} = {describe(value)}: only flags (a new "
+            raise refuse(f"{what} with the Python attribute {brief(name)} = {describe(value)}: only flags (a new "
                          "private name, a number, string or None) are read")
     for name, value in state.items():
         setattr(tensor, name, value)
@@ -566,11 +578,11 @@ def torch_size(dims: Any = ()) -> torch.Size:
 def torch_device(kind: Any, index: Any = None) -> torch.device:
     if type(kind) is not str or not re.fullmatch(r"[a-z_]{1,16}(:\d{1,4})?", kind) or not (
             index is None or type(index) is int and 0 <= index < 10000):
-        raise refuse(f"torch.device: expected ('cpu' | 'cuda' ..., index), found ({kind!r:.30}, {index!r:.20})")
+        raise refuse(f"torch.device: expected ('cpu' | 'cuda' ..., index), found ({brief(kind)}, {brief(index)})")
     try:
         return torch.device(kind) if index is None else torch.device(kind, index)
     except RuntimeError as err:  # a device type torch does not know
-        raise refuse(f"torch.device({kind!r}): {str(err).splitlines()[0][:120]}") from None
+        raise refuse(f"torch.device({brief(kind)}): {str(err).splitlines()[0][:120]}") from None
 
 
 # ---------------------------------------------------------------------------- the table
@@ -668,30 +680,41 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
     what is not plain data (an :class:`Entry`, a :class:`MethodName` outside a HistoryBuffer),
     nesting deeper than :data:`MAX_DEPTH` and cycles. Instances of ``trusted`` classes (a load's
     own, :func:`~.unpickler.read_torch_checkpoint`) are kept as they are."""
-    done: Dict[int, Any] = {}
+    done: Dict[int, Tuple[Any, int]] = {}  # id -> (what it became, its height: levels below it)
     active: set = set()
+    deep = refuse(f"data nested deeper than {MAX_DEPTH} levels")
 
-    def walk(value: Any, depth: int) -> Any:
+    def walk(value: Any, depth: int) -> Tuple[Any, int]:
         kind = type(value)
         if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.storage.TypedStorage, torch.UntypedStorage) \
                 or (trusted and isinstance(value, trusted)):
-            return value
+            return value, 0
         key = id(value)
-        if key in done:
-            return done[key]
+        if key in done:  # shared: made once; its height counts wherever it hangs
+            out, height = done[key]
+            if depth + height > MAX_DEPTH:
+                raise deep
+            return out, height
         if key in active:
             raise refuse("the data refers to itself (a cycle)")
         if depth >= MAX_DEPTH:
-            raise refuse(f"data nested deeper than {MAX_DEPTH} levels")
+            raise deep
+        heights = [0]
+
+        def child(v: Any) -> Any:
+            out, height = walk(v, depth + 1)
+            heights.append(height + 1)
+            return out
+
         active.add(key)
         try:
-            out = _made(value, lambda v: walk(v, depth + 1))
+            out = _made(value, child)
         finally:
             active.discard(key)
-        done[key] = out
-        return out
+        done[key] = (out, max(heights))
+        return out, max(heights)
 
-    return walk(value, 0)
+    return walk(value, 0)[0]
 
 
 def _made(value: Any, walk: Callable[[Any], Any]) -> Any:

@@ -31,8 +31,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from ..torch_compat import load
-from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, build, call, check_key, describe,
-                      materialize, new, refuse)
+from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, call, check_key,
+                      describe, materialize, new, refuse)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
@@ -60,11 +60,11 @@ class _Storages:
         if type(storage_type) is not torch.serialization.StorageType and storage_type is not torch.UntypedStorage:
             raise refuse(f"storage type {describe(storage_type)}: not a torch storage type")
         if type(key) is not str or not _KEY.fullmatch(key):
-            raise refuse(f"storage key {key!r:.40}: expected a short name")
+            raise refuse(f"storage key {brief(key)}: expected a short name")
         if type(location) is not str or not _LOCATION.fullmatch(location):
-            raise refuse(f"storage location {location!r:.40}: expected a device such as 'cpu' or 'cuda:0'")
+            raise refuse(f"storage location {brief(location)}: expected a device such as 'cpu' or 'cuda:0'")
         if type(numel) is not int or numel < 0:
-            raise refuse(f"storage size {numel!r:.40}: expected an int >= 0")
+            raise refuse(f"storage size {brief(numel)}: expected an int >= 0")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         nbytes = numel * torch._utils._element_size(dtype)
         if not legacy:
@@ -94,8 +94,8 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     #: set per load (:func:`pickle_module`)
     storages: Optional[_Storages] = None
-    #: name -> real object, for one load's own classes only (FSDP's sharded tensors): what
-    #: ``torch.load(weights_only=True)`` with a scoped ``safe_globals`` would call; empty otherwise
+    #: name -> real object, for one load's own classes only (FSDP's sharded tensors), called as
+    #: Python's unpickler would; empty otherwise
     trusted: Dict[str, Any] = {}
 
     def _is_trusted(self, obj: Any) -> bool:
@@ -223,10 +223,11 @@ _DICTS = (dict, collections.OrderedDict, collections.Counter, collections.defaul
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 
 #: Python's data opcodes, as Python's unpickler runs them: they push numbers, strings, bytes,
-#: containers and memo references, and call nothing.
+#: containers and memo references, and call nothing. (Not BYTEARRAY8: Python's unpickler
+#: allocates the length it declares before reading; torch.save never writes it.)
 _DATA_OPCODES = ("PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "INT",
                  "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING",
-                 "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE",
+                 "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "UNICODE",
                  "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
                  "EMPTY_LIST", "LIST", "EMPTY_DICT", "DICT", "EMPTY_SET", "FROZENSET", "GET", "BINGET", "LONG_BINGET",
                  "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
@@ -258,9 +259,10 @@ def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None)
 
 
 def zip_records(path: str) -> Dict[str, int]:
-    """``name -> size`` of a torch zip archive's records (names without the archive's folder).
-    Refuses a TorchScript archive (``torch.load`` would hand it to ``torch.jit.load``), one with
-    two records of one name or records outside one folder."""
+    """``name -> size`` of a torch zip archive's records (names without the archive's folder),
+    from its central directory (nothing is decompressed). Refuses a TorchScript archive
+    (``torch.load`` would hand it to ``torch.jit.load``), one with two records of one name,
+    records outside one folder, or a compressed record (torch never writes one)."""
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
     records: Dict[str, int] = {}
@@ -270,6 +272,9 @@ def zip_records(path: str) -> Dict[str, int]:
         folders.add(folder)
         if name in records:
             raise refuse(f"the archive holds two records named {info.filename!r:.80}")
+        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; a compressed record is a bomb's shape
+            raise refuse(f"the archive's record {info.filename!r:.80} is compressed ({info.file_size} bytes from "
+                         f"{info.compress_size}); torch.save stores its records uncompressed")
         records[name] = info.file_size
     if len(folders) > 1:
         raise refuse(f"the archive's records lie in {len(folders)} folders; torch.save writes one")
@@ -281,10 +286,15 @@ def zip_records(path: str) -> Dict[str, int]:
 
 class _PythonReads(io.FileIO):
     """A file torch reads through Python calls (no ``fileno``): torch then never tries the
-    pre-1.0 tar format on it, whose reader allocates what the file declares."""
+    pre-1.0 tar format on it, whose reader allocates what the file declares. A read asks for
+    at most what is left of the file (``FileIO.read(n)`` allocates ``n`` bytes first)."""
 
     def fileno(self) -> int:  # noqa: D102
         raise io.UnsupportedOperation("read through Python")
+
+    def read(self, size: int = -1) -> bytes:  # noqa: D102
+        left = max(os.fstat(super().fileno()).st_size - self.tell(), 0)
+        return super().read(left if size is None or size < 0 else min(size, left))
 
 
 def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.device, Any] = "cpu",

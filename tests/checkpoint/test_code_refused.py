@@ -217,7 +217,11 @@ def test_the_chain_through_every_path_of_the_package(tmp_path):
     name = GETATTR_CHAIN
     _refused(path, name, marker, read=lambda p: load_checkpoint(SwinBackbone(**TINY), p, logger=None))
     mmdet_models = pytest.importorskip("mmdet.registry").MODELS
-    model = mmdet_models.build(dict(TINY, type="SwinBackbone", init_cfg=dict(type="Pretrained", checkpoint=str(path))))
+    from mmengine.registry import DefaultScope
+
+    with DefaultScope.overwrite_default_scope("mmdet"):  # (a Runner of another test may have left its scope current)
+        model = mmdet_models.build(dict(TINY, type="SwinBackbone", init_cfg=dict(type="Pretrained",
+                                                                                 checkpoint=str(path))))
     _refused(path, name, marker, read=lambda p: model.init_weights())
     from swin_backbone.tools.convert_checkpoint import main
 
@@ -330,6 +334,26 @@ def test_a_runner_checkpoint_loads_weights_only_through_mmengine(runner_checkpoi
     assert len(runner.message_hub.get_scalar("train/loss").data[0]) == 6  # 4 iterations resumed + 2 new
 
 
+def test_resume_drops_the_config_text_mmengine_would_execute(runner_checkpoint, tmp_path):
+    """``meta['config']`` (mmcv 1.x / early mmengine runs) is Python that ``Runner.resume``
+    executes: dropped with a warning naming it; the rest of the resume is as before."""
+    from mmengine.config import Config
+
+    marker = tmp_path / "ran"
+    checkpoint = read_checkpoint(str(runner_checkpoint))
+    checkpoint["meta"]["config"] = f"open({str(marker)!r}, 'w').close()\ngpu_ids = [0]\n"
+    path = tmp_path / "old_meta.pth"
+    torch.save(checkpoint, path)
+    with pytest.warns(UserWarning, match=r"meta\['config'\] dropped"):
+        runner = _train(tmp_path / "resumed", max_epochs=3, resume_from=str(path))
+    assert not marker.exists()
+    assert runner.epoch == 3 and runner.iter == 6
+    assert len(runner.message_hub.get_scalar("train/loss").data[0]) == 6
+    # the control: what mmengine's resume would have run
+    Config.fromstring(checkpoint["meta"]["config"], file_format=".py")
+    assert marker.exists()
+
+
 def test_a_hostile_runner_checkpoint_is_refused_through_mmengine(runner_checkpoint, tmp_path):
     """The chain inside a real Runner checkpoint's message hub, through mmengine's own loader."""
     marker = tmp_path / "pwned"
@@ -410,3 +434,20 @@ def test_fuzzed_checkpoints_load_or_are_refused(runner_checkpoint, timm_checkpoi
     finally:
         signal.signal(signal.SIGALRM, old)
     assert outcomes["refused"] > 0 and sum(outcomes.values()) == 80, outcomes
+
+
+def test_torch_force_weights_only_load_falls_back_to_torchs_own_unpickler(tmp_path, monkeypatch, runner_checkpoint):
+    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` makes torch refuse any unpickler but its own: a plain
+    state dict still loads (through torch's), a Runner checkpoint is a CheckpointError, code is
+    refused either way."""
+    torch.save({"state_dict": OrderedDict(w=torch.arange(3.0))}, tmp_path / "plain.pth")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    torch.testing.assert_close(read_checkpoint(str(tmp_path / "plain.pth"))["state_dict"]["w"], torch.arange(3.0))
+    marker = tmp_path / "ran"
+    torch.save({"x": _Call(os.system, f"touch {marker}")}, tmp_path / "evil.pth")
+    with pytest.raises(CheckpointError):
+        read_checkpoint(str(tmp_path / "evil.pth"))
+    assert not marker.exists()
+    if torch_compat.torch_version() >= (2, 4):  # (older torch has no such variable: the package's reader as always)
+        with pytest.raises(CheckpointError):
+            read_checkpoint(str(runner_checkpoint))

@@ -110,6 +110,13 @@ CHAINS = {
     "class-left-in-the-data": (d((s("x"), g("torch.UntypedStorage"))), "which is not data"),
     "cycle": (pickle.EMPTY_LIST + put(0) + get(0) + pickle.APPEND, "refers to itself"),
     "deep": (pickle.EMPTY_LIST * 100 + pickle.APPEND * 99, "deeper than"),
+    # 20 levels built once, then hung 20 levels down: each part is shallow, the whole is 40 deep
+    "deep-through-sharing": (pickle.EMPTY_LIST * 20 + pickle.APPEND * 19 + put(0) + pickle.POP
+                             + pickle.EMPTY_LIST * 20 + get(0) + pickle.APPEND * 20, "deeper than"),
+    # a DAG of 2**40 paths: [x, x] nested 40 deep, inside a ConfigDict (checked at construction)
+    "exponential-dag": (call(g(CD), d((s("k"), l(i(0)) + b"".join(put(1) + pickle.POP + l(get(1), get(1))
+                                                                    for _ in range(40))))),
+                        "deeper than"),
     "inst-opcode": (b"(ios\nsystem\nS'true'\n" + b"", "INST"),
     "obj-opcode": (pickle.MARK + g("collections.OrderedDict") + pickle.OBJ, "OBJ"),
     "ext1-opcode": (pickle.EXT1 + b"\x01", "EXT1"),
@@ -318,6 +325,10 @@ def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
             call(g("torch._utils._rebuild_tensor_v2"),
                  t(s("storage"), g("torch.FloatStorage"), s("0"), s("cpu"), i(2 ** 40), NONE) + pickle.BINPERSID,
                  i(0), t(i(2 ** 40)), t(i(1)), FALSE, call(g("collections.OrderedDict"))))),
+        "legacy-bytes-2-40.pth": legacy(tmp_path / "legacy-bytes-2-40.pth",
+                                        program(pickle.BINBYTES8 + (2 ** 40).to_bytes(8, "little") + b"x")),
+        "bytearray-2-34.pth": in_zip(tmp_path / "bytearray-2-34.pth", program(pickle.BYTEARRAY8
+                                                                           + (2 ** 34).to_bytes(8, "little"))),
         "scalar-S.pth": in_zip(tmp_path / "scalar-S.pth", program(
             call(g("numpy._core.multiarray.scalar"), np_dtype("S"), b(b"abcdef")))),
     }
@@ -327,8 +338,26 @@ def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     for name in files:
         assert out[name].startswith("refused: "), (name, out[name])
-        assert "nothing in it ran" in out[name], out[name]
+        assert "nothing in it ran" in out[name] or "cannot be read" in out[name], out[name]
     assert out["maxrss_mb"] < 1024, out["maxrss_mb"]
+
+
+def test_a_zip_bomb_is_refused_without_decompressing_it(tmp_path):
+    """The review's file: a checkpoint beside a deflated 600 MB record (588 KB on disk). Refused
+    from the central directory alone, in a subprocess that stays small."""
+    import zipfile
+
+    path = in_zip(tmp_path / "bomb.pth", program(d((s("w"), tensor()))))
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as z:
+        with z.open("bomb/extra.pkl", "w") as f:
+            chunk = b"\0" * (1 << 20)
+            for _ in range(600):
+                f.write(chunk)
+    assert os.path.getsize(path) < 2 * 2 ** 20
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "is compressed" in out["bomb.pth"] and out["maxrss_mb"] < 200, out
 
 
 _FUZZ = textwrap.dedent("""
