@@ -225,6 +225,13 @@ def load_supports_mmap() -> bool:
     return "mmap" in inspect.signature(torch.load).parameters
 
 
+def zip_record_names(path: str) -> list:
+    """The record names of a torch zip archive as torch's own reader (miniz) lists them, without
+    the archive's folder (``data.pkl``, ``data/0``, ...): what ``torch.load`` will read, and what
+    it tests for a TorchScript archive (``constants.pkl``). Every supported torch has it."""
+    return list(torch._C.PyTorchFileReader(path).get_all_records())
+
+
 def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: bool = False) -> Any:
     """``torch.load`` on every supported torch.
 

@@ -156,7 +156,7 @@ def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device]
     except RefusedError as err:
         text = str(err)
         if not text.startswith(ASKS_FOR_CODE):
-            text = f"refused, nothing in it ran: {text}"
+            text = f"refused, nothing in it ran: {text}" if err.ran_nothing else f"refused: {text}"
         raise CheckpointError(f"checkpoint {path!r}: {text}") from None
     except Exception as err:  # torch's container reader raises anything from IndexError to RuntimeError
         what = "zip archive" if kind == "torch-zip" else "pickle stream"

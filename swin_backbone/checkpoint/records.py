@@ -42,6 +42,10 @@ MAX_DIMS = 32
 #: A tensor may view at most this many times its storage's elements (stride-0 broadcasts), so
 #: that a view of one element cannot stand for terabytes once copied.
 MAX_VIEW_RATIO = 64
+#: Objects the data may hold counted along every path (shared parts once per place they hang):
+#: what a consumer that copies without a memo walks (mmengine's ``ConfigDict``, torch's optimizer
+#: ``_cast``). A Runner checkpoint holds a few thousand.
+MAX_EXPANDED = 1 << 20
 
 
 #: What the message of a file that names or calls code says first (tests and callers match it).
@@ -54,7 +58,9 @@ OPT_IN = ("If you trust this file and its source, read it yourself with torch.lo
 
 class RefusedError(CheckpointError):
     """A checkpoint asked for something the table does not allow (the message says what).
-    Nothing in the file ran."""
+    Nothing in the file ran (``ran_nothing``)."""
+
+    ran_nothing = True
 
 
 def refuse(what: str) -> RefusedError:
@@ -680,30 +686,34 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
     what is not plain data (an :class:`Entry`, a :class:`MethodName` outside a HistoryBuffer),
     nesting deeper than :data:`MAX_DEPTH` and cycles. Instances of ``trusted`` classes (a load's
     own, :func:`~.unpickler.read_torch_checkpoint`) are kept as they are."""
-    done: Dict[int, Tuple[Any, int]] = {}  # id -> (what it became, its height: levels below it)
+    done: Dict[int, Tuple[Any, int, int]] = {}  # id -> (what it became, height, expanded size)
     active: set = set()
     deep = refuse(f"data nested deeper than {MAX_DEPTH} levels")
 
-    def walk(value: Any, depth: int) -> Tuple[Any, int]:
+    def walk(value: Any, depth: int) -> Tuple[Any, int, int]:
         kind = type(value)
         if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.storage.TypedStorage, torch.UntypedStorage) \
                 or (trusted and isinstance(value, trusted)):
-            return value, 0
+            return value, 0, 1
         key = id(value)
-        if key in done:  # shared: made once; its height counts wherever it hangs
-            out, height = done[key]
+        if key in done:  # shared: made once; its height and size count wherever it hangs
+            out, height, size = done[key]
             if depth + height > MAX_DEPTH:
                 raise deep
-            return out, height
+            return out, height, size
         if key in active:
             raise refuse("the data refers to itself (a cycle)")
         if depth >= MAX_DEPTH:
             raise deep
-        heights = [0]
+        height, size = [0], [1]
 
         def child(v: Any) -> Any:
-            out, height = walk(v, depth + 1)
-            heights.append(height + 1)
+            out, h, n = walk(v, depth + 1)
+            height[0] = max(height[0], h + 1)
+            size[0] += n
+            if size[0] > MAX_EXPANDED:  # (before a ConfigDict copies it along every path)
+                raise refuse(f"the data holds more than {MAX_EXPANDED} objects counted along every path (shared "
+                             "parts multiply)")
             return out
 
         active.add(key)
@@ -711,8 +721,8 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
             out = _made(value, child)
         finally:
             active.discard(key)
-        done[key] = (out, max(heights))
-        return out, max(heights)
+        done[key] = (out, height[0], size[0])
+        return done[key]
 
     return walk(value, 0)[0]
 

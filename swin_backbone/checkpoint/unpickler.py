@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from ..torch_compat import load
+from ..torch_compat import load, zip_record_names
 from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, call, check_key,
                       describe, materialize, new, refuse)
 
@@ -49,6 +49,18 @@ class _Storages:
     def __init__(self, records: Optional[Dict[str, int]] = None, budget: int = 0) -> None:
         self.records, self.budget = records, budget
         self.seen: Dict[str, int] = {}
+        #: what the module-level loads of a legacy file returned (magic, protocol, sys info, the
+        #: keys of the storages its tail fills)
+        self.plain_loads: list = []
+
+    def check_filled(self) -> None:
+        """A legacy file fills every storage its pickle declared (torch allocates them
+        uninitialised and fills those the keys after the pickle name)."""
+        if self.records is None and self.seen:
+            keys = self.plain_loads[-1] if self.plain_loads else None
+            if type(keys) is not list or not set(self.seen) <= {k for k in keys if type(k) is str}:
+                raise refuse("the file declares storages its data does not fill (they would hold uninitialised "
+                             "memory)")
 
     def check(self, pid: Any) -> None:
         if type(pid) is not tuple or not pid or pid[0] != "storage":
@@ -249,7 +261,9 @@ def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None)
     unpickler = type("Unpickler", (InertUnpickler,), dict(storages=storages, trusted=dict(trusted or {})))
 
     def load_(file: Any, **kwargs: Any) -> Any:
-        return unpickler(file, **kwargs).load()
+        value = unpickler(file, **kwargs).load()
+        storages.plain_loads.append(value)
+        return value
 
     def loads(data: bytes, **kwargs: Any) -> Any:
         return unpickler(io.BytesIO(data), **kwargs).load()
@@ -260,11 +274,20 @@ def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None)
 
 def zip_records(path: str) -> Dict[str, int]:
     """``name -> size`` of a torch zip archive's records (names without the archive's folder),
-    from its central directory (nothing is decompressed). Refuses a TorchScript archive
-    (``torch.load`` would hand it to ``torch.jit.load``), one with two records of one name,
-    records outside one folder, or a compressed record (torch never writes one)."""
+    from its central directory (nothing is decompressed). Refuses an archive that Python's
+    ``zipfile`` and torch's reader would read differently (the central directory's place and
+    count, the record names), a TorchScript archive (``torch.load`` would hand it to
+    ``torch.jit.load``), two records of one name, records outside one folder, or a compressed
+    record (torch never writes one)."""
+    with open(path, "rb") as f:
+        end = zipfile._EndRecData(f)  # type: ignore[attr-defined]  (the end record, as zipfile reads it)
     with zipfile.ZipFile(path) as archive:
-        infos = archive.infolist()
+        infos, start = archive.infolist(), archive.start_dir
+    # Python finds the central directory at (end record - its size), torch's miniz at the offset
+    # the end record names: where they differ (or the counts do), the two readers see two archives.
+    if end is None or start != end[zipfile._ECD_OFFSET] or end[zipfile._ECD_ENTRIES_TOTAL] != len(infos):  # type: ignore[attr-defined]
+        raise refuse("the archive's central directory is not where its end record says, or holds another number "
+                     "of records: two zip readers would read two different archives")
     records: Dict[str, int] = {}
     folders = set()
     for info in infos:
@@ -272,15 +295,20 @@ def zip_records(path: str) -> Dict[str, int]:
         folders.add(folder)
         if name in records:
             raise refuse(f"the archive holds two records named {info.filename!r:.80}")
-        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; a compressed record is a bomb's shape
-            raise refuse(f"the archive's record {info.filename!r:.80} is compressed ({info.file_size} bytes from "
-                         f"{info.compress_size}); torch.save stores its records uncompressed")
         records[name] = info.file_size
     if len(folders) > 1:
         raise refuse(f"the archive's records lie in {len(folders)} folders; torch.save writes one")
+    torch_names = zip_record_names(path)  # what torch.load itself will read
+    if sorted(torch_names) != sorted(records):
+        raise refuse("torch's zip reader lists other records than Python's: two zip readers would read two "
+                     "different archives")
     if "constants.pkl" in records or any(n.startswith("code/") for n in records):
         raise refuse("a TorchScript archive (torch.jit.save): it holds code; load it with torch.jit.load if you "
                      "trust it, or save the model's state_dict() with torch.save")
+    packed = next((info for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:  # torch.save stores; a compressed record is a zip bomb's shape
+        raise refuse(f"the archive's record {packed.filename!r:.80} is compressed ({packed.file_size} bytes from "
+                     f"{packed.compress_size}); torch.save stores its records uncompressed")
     return records
 
 
@@ -318,6 +346,7 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
             return load(path, map_location)
     else:
         module = pickle_module(_Storages(budget=os.path.getsize(path)), trusted)
+        storages = module.Unpickler.storages
         with _PythonReads(path, "r") as f:
             try:
                 obj = load(f, map_location, pickle_module=module)
@@ -326,6 +355,11 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
                     raise
                 f.seek(0)
                 return load(f, map_location)
+        storages.check_filled()
+    if isinstance(obj, torch.jit.ScriptModule):  # (never: the archive checks above refuse TorchScript)
+        ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")
+        ran.ran_nothing = False
+        raise ran
     return materialize(obj, tuple(v for v in (trusted or {}).values() if isinstance(v, type)))
 
 

@@ -114,3 +114,35 @@ def legacy(path, data_pkl: bytes, storages: bytes = b"") -> str:
     with open(path, "wb") as f:
         f.write(out.getvalue())
     return str(path)
+
+
+def twin_zip(path, members, python_view) -> str:
+    """An archive two zip readers read differently (the review's trick): the local records and a
+    central directory of ``members`` (``[(name, bytes)]``) at the offset the end record names,
+    where torch's miniz looks; a second central directory of ``python_view`` (``[(name, size)]``,
+    pointing at the same records) right before the end record, where Python's zipfile looks
+    (end record - directory size)."""
+    import zlib
+
+    out, offsets = io.BytesIO(), []
+    for name, data in members:
+        offsets.append(out.tell())
+        encoded = name.encode()
+        out.write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data),
+                              len(encoded), 0) + encoded + data)
+
+    def directory(entries):
+        return b"".join(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, crc, size, size,
+                                    len(name.encode()), 0, 0, 0, 0, 0, offset) + name.encode()
+                        for name, size, crc, offset in entries)
+
+    by_name = dict(zip((n for n, _ in members), zip(offsets, (d for _, d in members))))
+    for_torch = directory([(n, len(d), zlib.crc32(d), o) for (n, d), o in zip(members, offsets)])
+    for_python = directory([(n, size, zlib.crc32(by_name[n][1]) if n in by_name else 0, by_name.get(n, (0,))[0])
+                            for n, size in python_view])
+    start = out.tell()
+    out.write(for_torch + for_python)
+    out.write(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(members), len(members), len(for_python), start, 0))
+    with open(path, "wb") as f:
+        f.write(out.getvalue())
+    return str(path)

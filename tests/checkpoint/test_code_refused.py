@@ -19,6 +19,7 @@ import random
 import signal
 import struct
 import subprocess
+import uuid
 import zipfile
 from collections import OrderedDict
 
@@ -279,7 +280,7 @@ def _train(work_dir, max_epochs, resume_from=None):
             return dict(x=torch.full((2,), float(i)))
 
     runner = Runner(
-        model=Linear(), work_dir=str(work_dir), experiment_name=f"code_refused_{max_epochs}_{resume_from is not None}",
+        model=Linear(), work_dir=str(work_dir), experiment_name=f"code_refused_{uuid.uuid4().hex[:8]}",  # (mmengine keys its hub and visualizer by it)
         train_dataloader=dict(dataset=Data(), batch_size=2, sampler=dict(type="DefaultSampler", shuffle=True),
                               collate_fn=dict(type="default_collate")),
         optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1, momentum=0.9)),

@@ -24,7 +24,7 @@ from swin_backbone.checkpoint.records import RefusedError, materialize
 from swin_backbone.checkpoint.unpickler import InertUnpickler
 
 from .pickles import (FALSE, NONE, TRUE, b, build, call, d, g, get, i, in_zip, l, legacy, new, np_array, np_dtype,
-                      program, put, s, t, tensor)
+                      program, put, s, t, tensor, twin_zip)
 
 HB = "mmengine.logging.history_buffer.HistoryBuffer"
 CD = "mmengine.config.config.ConfigDict"
@@ -358,6 +358,104 @@ def test_a_zip_bomb_is_refused_without_decompressing_it(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "is compressed" in out["bomb.pth"] and out["maxrss_mb"] < 200, out
+
+
+# ---------------------------------------------------------------- the independent review's attacks
+_SCRIPTED = textwrap.dedent("""
+    import sys, torch
+    from typing import Tuple
+
+    class Writes(torch.nn.Module):  # its TorchScript __setstate__ creates and writes a file
+        def __init__(self, path: str):
+            super().__init__()
+            self.path = path
+            self.payload = torch.tensor(list(b"pwned"), dtype=torch.uint8)
+
+        def forward(self, x):
+            return x
+
+        @torch.jit.export
+        def __getstate__(self) -> Tuple[str, torch.Tensor]:
+            return (self.path, self.payload)
+
+        @torch.jit.export
+        def __setstate__(self, state: Tuple[str, torch.Tensor]):
+            self.training = False
+            self.path = state[0]
+            f = torch.from_file(state[0], True, state[1].numel(), dtype=torch.uint8)
+            f.copy_(state[1])
+            self.payload = f
+
+    torch.jit.save(torch.jit.script(Writes(sys.argv[1])), sys.argv[2])
+""")
+
+
+def _members(path):
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return [(info.filename, z.read(info.filename)) for info in z.infolist()]
+
+
+def test_a_torchscript_archive_is_refused_however_its_directory_reads(tmp_path):
+    """A TorchScript module whose ``__setstate__`` writes a file: as it is, and hidden behind a
+    second central directory that Python's zipfile reads as a plain checkpoint while torch's
+    reader sees TorchScript (torch.load would hand it to torch.jit.load). Never written."""
+    marker = tmp_path / "written"
+    scripted = tmp_path / "scripted.pt"
+    script = tmp_path / "make_scripted.py"  # (torch.jit.script reads the class's source from a file)
+    script.write_text(_SCRIPTED)
+    subprocess.run([sys.executable, str(script), str(marker), str(scripted)], check=True, timeout=300)
+    members = _members(scripted)
+    folder = members[0][0].split("/")[0]
+    twin = twin_zip(tmp_path / "twin.pth", members,
+                    [(f"{folder}/data.pkl", 100), (f"{folder}/version", 2)] + [(f"{folder}/pad{k}", 0)
+                                                                                for k in range(len(members))])
+    for path, says in ((str(scripted), "TorchScript"), (twin, "two zip readers would read two different archives")):
+        with pytest.raises(CheckpointError, match=says):
+            read_checkpoint(path)
+        assert not marker.exists()
+    torch.jit.load(str(scripted))  # the control: the file is a real attack
+    assert marker.read_bytes() == b"pwned"
+
+
+def test_a_storage_size_only_pythons_directory_states_is_refused_in_a_subprocess(tmp_path):
+    """The same trick for sizes: Python's directory says data/0 holds 16 MB, torch's the real 16
+    bytes (torch 2.0 segfaulted, 2.1 read the heap)."""
+    members = [(n, program(d((s("w"), tensor(numel=1 << 22, size=(1 << 22,))))) if n.endswith("data.pkl") else v)
+               for n, v in _members(in_zip(tmp_path / "seed.pth", b""))]
+    view = [(n, 1 << 24 if n.endswith("/data/0") else len(v)) for n, v in members]
+    twin = twin_zip(tmp_path / "twin-sizes.pth", members, view)
+    done = subprocess.run([sys.executable, "-c", _CHILD, twin], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "two zip readers would read two different archives" in out["twin-sizes.pth"], out
+
+
+def test_a_configdict_over_shared_lists_is_refused_before_it_copies_them(tmp_path):
+    """A 1.7 KB file: ``ConfigDict({'a': L})``, L 26 levels of ``[x, x]`` (memo references).
+    Read once each, they are small; ConfigDict copies along every path (2**26 lists)."""
+    body = pickle.EMPTY_LIST + put(0) + pickle.POP
+    for _ in range(26):
+        body += pickle.EMPTY_LIST + pickle.MARK + get(0) + get(0) + pickle.APPENDS + put(0) + pickle.POP
+    path = in_zip(tmp_path / "cfgdag.pth", program(body + d((s("meta"), call(g(CD), d((s("a"), get(0))))))))
+    assert os.path.getsize(path) < 4096
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "counted along every path" in out["cfgdag.pth"] and out["maxrss_mb"] < 200, out
+
+
+def test_a_legacy_storage_its_data_never_fills_is_refused(tmp_path):
+    """torch allocates a legacy file's storages uninitialised and fills those the keys after the
+    pickle name: one it never fills would hand back process memory."""
+    n = 4096
+    pid = t(s("storage"), g("torch.FloatStorage"), s("0"), s("cpu"), i(n), NONE) + pickle.BINPERSID
+    body = program(d((s("w"), call(g("torch._utils._rebuild_tensor_v2"), pid, i(0), t(i(n)), t(i(1)), FALSE,
+                                   call(g("collections.OrderedDict"))))))
+    path = legacy(tmp_path / "unfilled.pth", body, storages=b"\0" * (4 * n))
+    with pytest.raises(CheckpointError, match="does not fill"):
+        read_checkpoint(path)
 
 
 _FUZZ = textwrap.dedent("""
