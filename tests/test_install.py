@@ -19,7 +19,10 @@ only torch, and use it there (no checkout on ``sys.path``).
    pip user runs it (``swin-make-toy-data``, ``swin-train``, ``swin-test``);
 5. mmcv-lite's ``_ext`` finder, installed at interpreter start by the wheel's one-line ``.pth``
    from a wheel, an sdist and an editable install, on the oldest and newest Python declared, and
-   removed by ``pip uninstall`` (bare venvs: no torch needed).
+   removed by ``pip uninstall`` (bare venvs: no torch needed);
+6. what the sdist and the wheel carry besides the code: the sdist the license, the README and
+   docs/*.md (not docs/measurements) and everything the wheel is built from; both the license
+   (License-File) and the project URLs in their metadata.
 
 torch and torchvision come from the machine's local wheels (pip config), the rest from the
 package index. Run alone: ``pytest -m install``; leave out: ``-m 'not install'``.
@@ -32,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -53,6 +57,18 @@ SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark",
 OLD_STACKS = {"torch2.1": ".venv-torch2.1", "torch2.0": ".venv-torch2.0"}
 #: What installing the package must never change in a user's environment.
 NEVER_TOUCHED = ("torch", "torchvision", "triton", "numpy", "mmcv", "mmdet", "mmsegmentation", "mmengine")
+
+
+@pytest.fixture(scope="module")
+def sdist(wheel):
+    """The sdist, built as pip and ``python -m build`` build it (setuptools' PEP 517 hook), from
+    the copy of the source tree the wheel was built from (a second of work: nothing compiles)."""
+    root = os.path.dirname(os.path.dirname(wheel))
+    out = os.path.join(root, "sdist")
+    run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_sdist(sys.argv[1])", out],
+        os.path.join(root, "src"))
+    (found,) = [n for n in os.listdir(out) if n.startswith("swin_backbone-") and n.endswith(".tar.gz")]
+    return os.path.join(out, found)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +118,44 @@ def test_wheel_ships_the_one_copy_of_the_configs(wheel):
     assert "Provides-Extra: triton" not in metadata
     for script in SCRIPTS:
         assert f"{script} = swin_backbone.tools." in entry_points
+
+
+def test_sdist_and_wheel_carry_the_license_docs_and_project_urls(wheel, sdist):
+    with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        license_text = f.read()
+    assert b"Apache License\n                           Version 2.0, January 2004" in license_text
+    docs = {"docs/" + n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")}
+    assert "docs/checkpoints.md" in docs
+    shipped = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(CONFIGS) for f in fs
+               if f.endswith(".py")}
+    # The sdist: the license, the README and the docs it links to, and what the wheel is built from.
+    with tarfile.open(sdist) as t:
+        members = {m.name.split("/", 1)[1]: m for m in t.getmembers() if m.isfile()}
+        names = set(members)
+        assert {"LICENSE", "README.md", "PKG-INFO", "setup.py", "setup.cfg", "pyproject.toml",
+                "_swin_backbone_mmcv_ext.py", "swin_backbone/.mim/model-index.yml"} <= names, sorted(names)
+        assert t.extractfile(members["LICENSE"]).read() == license_text
+        pkg_info = t.extractfile(members["PKG-INFO"]).read().decode()
+    assert {n for n in names if n.startswith("docs/")} == docs  # every docs/*.md; no measurement scripts or logs
+    assert not [n for n in names if n.startswith("docs/measurements")]
+    # The configs once, in the package (./configs in the checkout is a link to them).
+    assert {n for n in names if n.startswith("swin_backbone/.mim/configs/")} == shipped
+    assert not [n for n in names if n.startswith("configs/")]
+    # The wheel: the license in its dist-info (licenses/ from setuptools 77, metadata 2.4), and both
+    # metadata files name it and the project's URLs.
+    with zipfile.ZipFile(wheel) as z:
+        licenses = [n for n in z.namelist() if re.fullmatch(r"[^/]+\.dist-info/(licenses/)?LICENSE", n)]
+        assert len(licenses) == 1, z.namelist()
+        assert z.read(licenses[0]) == license_text
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for text in (metadata, pkg_info):
+        lines = text.split("\n\n", 1)[0].splitlines()  # the headers (the README follows)
+        assert "License-File: LICENSE" in lines
+        assert "License: Apache-2.0" in lines
+        urls = dict(line[len("Project-URL: "):].split(", ", 1) for line in lines if line.startswith("Project-URL: "))
+        assert sorted(urls) == ["Documentation", "Issues", "Source"], urls
+        assert all(url.startswith("https://") for url in urls.values()), urls
+        assert urls["Documentation"].endswith("/docs") and urls["Issues"].endswith("/issues"), urls
 
 
 def test_bare_install_imports_and_runs(venv):
@@ -430,7 +484,7 @@ def find_python(version: str):
 
 
 @pytest.mark.parametrize("how,python", [("wheel", "3.8"), ("wheel", "3.12"), ("sdist", "3.8"), ("editable", "3.12")])
-def test_pth_installs_the_finder_at_start_and_uninstall_removes_it(wheel, how, python, tmp_path):
+def test_pth_installs_the_finder_at_start_and_uninstall_removes_it(wheel, sdist, how, python, tmp_path):
     """A bare venv of the oldest and newest Python declared (no torch: the .pth needs nothing),
     the package from a wheel, an sdist or a checkout (editable): at start the finder is last on
     sys.meta_path and nothing heavy is imported; ``pip uninstall`` removes the .pth and the module."""
@@ -438,12 +492,7 @@ def test_pth_installs_the_finder_at_start_and_uninstall_removes_it(wheel, how, p
     if interpreter is None:
         pytest.skip(f"no python{python} on this machine (PATH, pyenv)")
     src = os.path.join(os.path.dirname(os.path.dirname(wheel)), "src")
-    if how == "sdist":
-        run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_sdist(sys.argv[1])",
-             str(tmp_path)], src)
-        target = [str(next(tmp_path.glob("swin_backbone-*.tar.gz")))]
-    else:
-        target = [wheel] if how == "wheel" else ["-e", src]
+    target = {"wheel": [wheel], "sdist": [sdist], "editable": ["-e", src]}[how]
     run([interpreter, "-m", "venv", str(tmp_path / "venv")], str(tmp_path))
     env = Venv(str(tmp_path / "venv"), str(tmp_path))
     env.pip("install", "-q", "--no-deps", *target)
