@@ -26,19 +26,19 @@ LOAD_STATE_DICT_PRE_HOOKS: List[Callable[..., None]] = []
 PRETRAINED_INIT = "SwinBackbonePretrained"
 
 
-#: What the first compiled forward logs, by device type (docs/compiled-mode.md; '': any other).
+#: What the first compiled forward logs, by device type ('': any other). The figures are in
+#: docs/performance.md, not here.
 COMPILE_NOTES = {
-    "cuda": "measured faster than eager on an H200 (eval 8x3x800x1344 1.21-1.24x, training 2x3x800x1344 1.02-1.13x), "
-            "after about 1 minute (eval) and 2.5 minutes (training) of compiling; compiled mmdet (static shapes) "
-            "was still 1.41x faster in eval, 1.48x in training; for one input size, compile=dict(mode='reduce-overhead', "
-            "dynamic=False, regions=False) trained 5.8x faster than eager",
-    "cpu": "slower than eager on the CPU (compiling the whole model was measured slower; compile=False is faster)",
+    "cuda": "measured faster than eager on CUDA, behind compiled mmdet, after minutes of compiling per kind of "
+            "forward; for one input size compile=dict(mode='reduce-overhead', dynamic=False, regions=False) is the "
+            "fastest mode measured (docs/performance.md, \"GPU\")",
+    "cpu": "measured slower than eager on the CPU (compile=False is faster)",
     "": "not measured on this device",
 }
 #: What building a backbone compiled whole logs (its forward is traced: no log line there).
-COMPILE_WHOLE_NOTE = ("the whole backbone is compiled; with mode='reduce-overhead', dynamic=False measured on an H200 "
-                      "at 5.8x eager in training 2x3x512x512 (7.5 against 43.4 ms) after 77 s of compiling, once per "
-                      "input size; a forward with valid_sizes runs eagerly")
+COMPILE_WHOLE_NOTE = ("the whole backbone is compiled, once per input size with dynamic=False; with "
+                      "mode='reduce-overhead' (CUDA graphs) the fastest mode measured for fixed-size inputs "
+                      "(docs/performance.md, \"GPU\"); a forward with valid_sizes runs eagerly")
 
 
 class SwinBackbone(BaseModule):
@@ -95,14 +95,13 @@ class SwinBackbone(BaseModule):
             ``valid_sizes`` runs eagerly); with ``mode='reduce-overhead', dynamic=False`` (CUDA
             graphs, one input size) the fastest measured, for fixed-size inputs such as
             segmentation crops.
-            On an H200 the compiled mode was measured faster than eager (eval 1.21-1.24x,
-            training 1.02-1.13x), after about a minute of compiling per kind of forward; on the
-            CPU compiling was slower (a log line says which, by device).
+            Measured faster than eager on CUDA, slower on the CPU (docs/performance.md; a log
+            line says which, by device).
         save_memory: in training, keep no LayerNorm or GELU output for backward (backward rebuilds
             them from their inputs: pointwise, no matmul, every module run once). ``None`` (the
             default): on the CPU only, where it costs no measured time; ``True``: on every device
-            (an H200 in bf16: 0.67x mmdet's peak training memory instead of 0.90x, at 15% more
-            time per step, mmdet's speed); ``False``: never (docs/performance.md).
+            (on CUDA it saves memory for time per step: docs/performance.md, "GPU"); ``False``:
+            never.
 
     Shapes:
         input ``(B, in_channels, H, W)``, any ``B, H, W >= 1``; output: a tuple with one

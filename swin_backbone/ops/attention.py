@@ -162,7 +162,7 @@ def window_attention(
     if plan.attention == "recompute":  # (CPU training: SDPA's forward, a backward that gives the bias gradient)
         return _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale, plan)
     out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
-                               KERNELS[plan.attention], plan.align_masks, layout.plain_windows)
+                               KERNELS[plan.attention], plan.align_masks)
     return window_reverse(out, layout, plan)
 
 
@@ -173,39 +173,29 @@ Attend = Callable[..., torch.Tensor]
 
 def attention_in_windows(
     qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], num_windows: int, num_heads: int,
-    scale: float, dropout_p: float, run: Attend, align: bool = False, plain_windows: int = 0,
+    scale: float, dropout_p: float, run: Attend, align: bool = False,
 ) -> torch.Tensor:
     """Attention of every window with ``run``: ``(B, nW * N, 3C)`` -> ``(B, nW * N, C)``; ``bias``
-    ``(nH, N, N)``; ``mask`` ``(nW - plain_windows, N, N)`` for the windows after the first
-    ``plain_windows``, which need none (a layout puts the windows that mix regions last:
-    :attr:`~.layouts.WindowLayout.plain_windows`), or ``None``.
+    ``(nH, N, N)``; ``mask`` ``(nW, N, N)`` or ``None``.
 
-    Unmasked windows attend with the bias alone, broadcast over windows; masked ones with
-    per-window biases, their windows in the heads dimension (``(B, nM * nH, N, d)``, one copy) so
-    the biases broadcast over the batch. One copy writes both back in token order."""
+    Without a mask the windows attend with the bias alone, broadcast over windows; with one,
+    with per-window biases, their windows in the heads dimension (``(B, nW * nH, N, d)``, one
+    copy) so the biases broadcast over the batch. One copy writes the result back in token order."""
     batch, tokens, three_c = qkv.shape
     n, head_dim = tokens // num_windows, three_c // (3 * num_heads)
     heads = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)  # (3, B, nW, nH, N, d)
-    parts = []
-    if mask is None or plain_windows:
-        plain = heads if mask is None else heads.narrow(2, 0, plain_windows)
-        q, k, v = plain.flatten(1, 2).unbind(0)
+    if mask is None:
+        q, k, v = heads.flatten(1, 2).unbind(0)
         # (4-d: CPU SDPA runs its fused kernel for a (1, nH, N, N) mask, its math one for (nH, N, N))
-        bias_4d = sdpa_ready(bias, qkv.dtype, align).unsqueeze(0)
-        parts.append(run(q, k, v, attn_mask=bias_4d, dropout_p=dropout_p, scale=scale))
-    if mask is not None:
-        masked = num_windows - plain_windows
-        heads = heads.narrow(2, plain_windows, masked) if plain_windows else heads
-        if batch == 1:
-            q, k, v = heads.flatten(1, 2).unbind(0)
-            attn_bias = per_window_bias(mask, bias, qkv.dtype, align)
-        else:
-            q, k, v = heads.reshape(3, batch, masked * num_heads, n, head_dim).unbind(0)
-            attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, masked * num_heads, n, n)
-        parts.append(run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale))
-    out = parts[0].view(batch, -1, num_heads, n, head_dim).transpose(2, 3)  # (B, w, N, nH, d)
-    if len(parts) == 2:
-        out = torch.cat((out, parts[1].view(batch, -1, num_heads, n, head_dim).transpose(2, 3)), 1)
+        attn_bias = sdpa_ready(bias, qkv.dtype, align).unsqueeze(0)
+    elif batch == 1:
+        q, k, v = heads.flatten(1, 2).unbind(0)
+        attn_bias = per_window_bias(mask, bias, qkv.dtype, align)
+    else:
+        q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+        attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, num_windows * num_heads, n, n)
+    out = run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
+    out = out.view(batch, -1, num_heads, n, head_dim).transpose(2, 3)  # (B, nW, N, nH, d)
     return out.reshape(batch, tokens, three_c // 3)
 
 
@@ -230,7 +220,7 @@ class _RecomputedAttention(torch.autograd.Function):
         # (No attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0,
-                                   scaled_dot_product_attention, plan.align_masks, layout.plain_windows)
+                                   scaled_dot_product_attention, plan.align_masks)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
         ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, plan.chunk_bytes
@@ -255,14 +245,10 @@ class _RecomputedAttention(torch.autograd.Function):
         grad_bias = bias.new_zeros(bias.shape, dtype=acc) if ctx.needs_input_grad[1] else None
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
-        # The first plain_windows need no mask; mask_c holds the rest's.
-        plain = num_windows if mask is None else layout.plain_windows
         window_bytes = batch * num_heads * n * n * qkv.element_size()
-        for first, count, masks in ((0, plain, None), (plain, num_windows - plain, mask_c)):
-            for part in row_chunks(count, window_bytes, ctx.chunk_bytes // 2) if count else ():
-                wins = slice(first + part.start, first + part.stop)
-                attention_backward(qkv[:, wins], grad_out[:, wins], delta[:, wins], bias_c,
-                                   None if masks is None else masks[part], scale, grad_qkv[:, wins], grad_bias)
+        for wins in row_chunks(num_windows, window_bytes, ctx.chunk_bytes // 2):
+            attention_backward(qkv[:, wins], grad_out[:, wins], delta[:, wins], bias_c,
+                               None if mask_c is None else mask_c[wins], scale, grad_qkv[:, wins], grad_bias)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None

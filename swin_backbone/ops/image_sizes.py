@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .layouts import CPU, WindowLayout, get_window_layout, masked_last, size_cache, to_device
+from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device
 from .plan import Sizes
 from .windows import ceil_div, mask_rows, output_size, row_length
 
@@ -18,7 +18,7 @@ ValidSizes = Optional[Sizes]
 
 def packed_layout(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
-    align: bool = False, table_window: int = 0, traced: bool = False, split: bool = False,
+    align: bool = False, table_window: int = 0, traced: bool = False,
 ) -> WindowLayout:
     """The windows of a batch's images, each as it is alone, packed into one row of tokens.
 
@@ -26,8 +26,8 @@ def packed_layout(
     gets the layout it has alone (its own map padded to whole windows, shifted by ``shift``
     within it, padding a region of its own), its ``h_b * w_b`` real tokens following image
     ``b - 1``'s: ``T = sum h_b * w_b`` tokens in ``K = sum nW_b`` windows, whose masks are the
-    images' own (zeros for an image that needs none; ``split``: the windows that need no mask
-    first, :func:`~.layouts.masked_last`). Windows holding batch padding only are not in it.
+    images' own (zeros for an image that needs none). Windows holding batch padding only are not
+    in it.
     :attr:`~.layouts.WindowLayout.rows`: the ``(T,)`` rows of the flat ``(B * height * width)``
     map the tokens are, and :attr:`~.layouts.WindowLayout.image_tokens` each image's
     ``h_b * w_b``; the layout itself is one row (height 1, width ``T``). Built on the CPU from the
@@ -39,7 +39,7 @@ def packed_layout(
     (a recompile when they later differ).
     """
     n = window * window
-    parts = [get_window_layout(h, w, window, shift, True, CPU, dtype, align, False, table_window, split)
+    parts = [get_window_layout(h, w, window, shift, True, CPU, dtype, align, False, table_window)
              for h, w in valid_sizes]
     index, inverse, pad_slots, rows, masks = [], [], [], [], []
     tokens = slots = 0
@@ -54,14 +54,12 @@ def packed_layout(
     num_windows = slots // n
     index, inverse = torch.cat(index), torch.cat(inverse)
     pad_slots = torch.cat(pad_slots) if pad_slots else None
-    buffer, plain = None, 0
+    buffer = None
     if any(part.mask is not None for _, part in masks):
         buffer = torch.zeros(num_windows, n, row_length(n, align), dtype=dtype)  # rows aligned as the shared ones
         for first, part in masks:
-            if part.mask is not None:  # (a split part's mask: its windows after the plain ones)
-                buffer.narrow(0, first + part.plain_windows, part.mask.shape[0]).narrow(-1, 0, n).copy_(part.mask)
-        if split:
-            index, inverse, pad_slots, buffer, plain = masked_last(index, inverse, pad_slots, buffer)
+            if part.mask is not None:
+                buffer.narrow(0, first, part.mask.shape[0]).narrow(-1, 0, n).copy_(part.mask)
     mask = None if buffer is None else mask_rows(to_device(buffer, device), n)
     if traced and pad_slots is not None:
         index[pad_slots] = tokens
@@ -71,7 +69,7 @@ def packed_layout(
         index=to_device(index, device), inverse=to_device(inverse, device),
         pad_slots=to_device(pad_slots, device) if pad_slots is not None and not traced else None, mask=mask,
         bias_index=to_device(parts[0].bias_index, device), rows=to_device(torch.cat(rows), device),
-        image_tokens=tuple(h * w for h, w in valid_sizes), traced=traced, plain_windows=plain,
+        image_tokens=tuple(h * w for h, w in valid_sizes), traced=traced,
     )
 
 

@@ -45,10 +45,8 @@ class WindowLayout:
             while tracing ``H * W`` is an appended zero token).
         inverse: ``(H * W,)`` gather back to row-major tokens.
         pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or tracing).
-        mask: ``(nW - plain_windows, N, N)`` additive mask of the windows after the first
-            ``plain_windows``, or ``None``; bias_index: ``(N * N,)`` bias table rows.
-        plain_windows: how many windows come first that hold one region each and need no mask
-            (a layout built with ``split``: :func:`masked_last`); 0: the mask covers every window.
+        mask: ``(nW, N, N)`` additive mask of every window, or ``None`` (no window needs one);
+            bias_index: ``(N * N,)`` bias table rows.
         rows: a *packed* layout's (:func:`~.image_sizes.packed_layout`) ``(T,)`` rows of the flat
             ``(B * H * W)`` map that its ``T`` tokens are; ``None``: the layout of the whole map.
         image_tokens: a packed layout's tokens per image, in order (``sum = T``); ``None`` otherwise.
@@ -69,40 +67,14 @@ class WindowLayout:
     rows: Optional[torch.Tensor] = None
     image_tokens: Optional[Tuple[int, ...]] = None
     traced: bool = False
-    plain_windows: int = 0
-
-
-def masked_last(
-    index: torch.Tensor, inverse: torch.Tensor, pad_slots: Optional[torch.Tensor], buffer: torch.Tensor,
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], int]:
-    """A window layout reordered so that the windows whose mask is all zeros come first:
-    ``(index, inverse, pad_slots, buffer, plain)``, ``buffer`` (a :func:`~.windows.mask_buffer`,
-    ``(nW, N, R)``) keeping the masked windows' rows only (``None``, ``plain`` 0 where no window
-    is masked), ``plain`` the unmasked windows' count. Attention then needs no mask for ``plain``
-    windows (:func:`~.attention.attention_in_windows`)."""
-    num_windows, n = buffer.shape[0], buffer.shape[1]
-    masked = buffer.flatten(1).ne(0).any(1)
-    plain = num_windows - int(masked.sum())
-    if plain == num_windows:
-        return index, inverse, pad_slots, None, 0
-    order = torch.cat((torch.nonzero(~masked).squeeze(1), torch.nonzero(masked).squeeze(1)))
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(num_windows)
-
-    def moved(position: torch.Tensor) -> torch.Tensor:  # window-layout positions, old -> new
-        return rank[position // n] * n + position % n
-
-    return (index.view(num_windows, n)[order].reshape(-1), moved(inverse),
-            None if pad_slots is None else moved(pad_slots), buffer[order[plain:]], plain)
 
 
 def build_window_layout(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
-    align: bool = False, tracing: bool = False, table_window: int = 0, split: bool = False,
+    align: bool = False, tracing: bool = False, table_window: int = 0,
 ) -> WindowLayout:
     """An uncached :class:`WindowLayout` (``table_window`` 0: ``window``). While tracing, sizes may
-    be symbolic, so the layout always allows for padding: one graph serves every size. ``split``
-    (eager only): the windows that need no mask first (:func:`masked_last`)."""
+    be symbolic, so the layout always allows for padding: one graph serves every size."""
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
     device = torch.device(device)
@@ -126,17 +98,15 @@ def build_window_layout(
         is_pad = index == height * width
         pad_slots = is_pad.nonzero().squeeze(1)
         index = index.masked_fill(is_pad, 0)
-    buffer, plain = None, 0
+    buffer = None
     if needs_mask(height, width, window, shift, mask_padding):
         labels = partition_grid(region_labels(height, width, window, shift, mask_padding, CPU), window)
         buffer = mask_buffer(labels, dtype, align)
-        if split:
-            index, inverse, pad_slots, buffer, plain = masked_last(index, inverse, pad_slots, buffer)
     # The whole (8-aligned) buffer is copied, so that the mask's rows stay aligned on the device.
     mask = None if buffer is None else mask_rows(to_device(buffer, device), window * window)
     return WindowLayout(has_padding=has_padding, index=to_device(index, device), inverse=to_device(inverse, device),
                         pad_slots=None if pad_slots is None else to_device(pad_slots, device), mask=mask,
-                        bias_index=to_device(bias_index, device), plain_windows=plain, **sizes)
+                        bias_index=to_device(bias_index, device), **sizes)
 
 
 def register_cache(cache: T) -> T:

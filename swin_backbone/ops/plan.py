@@ -27,9 +27,6 @@ class Plan:
     attention: str  #: the kernel: a key of :data:`~.attention.KERNELS`
     #: training: norm and GELU outputs rebuilt in backward, not kept (:func:`~.regions.lean_saves`)
     save_memory: bool
-    #: window layouts put the windows that need no mask first, and attention runs them without one
-    #: (:attr:`~.layouts.WindowLayout.plain_windows`)
-    split_masks: bool
     chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
     #: no hook, adapter or wrapper holds a module's output (``plain`` of :func:`~.planner.read_modules`), so
     #: it may be written into (residual adds, in-place normalising or zeroing; sites add ``not

@@ -39,14 +39,11 @@ class Switches:
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
     #: training: no LayerNorm / GELU output kept for backward (:func:`~.regions.lean_saves`). None:
-    #: the backbone's ``save_memory`` argument, whose default is the CPU only (on an H200 they cost
-    #: 15% of a bf16 training step: docs/performance.md).
+    #: the backbone's ``save_memory`` argument, whose default is the CPU only (on CUDA they cost
+    #: time per step: docs/performance.md, "GPU").
     save_memory: Optional[bool] = None
     chunk_bytes: Optional[int] = None  #: CPU row chunks (None: :func:`cpu_chunk_bytes`; 0: whole tensors)
     align_masks: Optional[bool] = None  #: 8-aligned mask rows for fused CUDA kernels (None: on CUDA)
-    #: eager: windows that need no mask attend without one (off: no gain on the CPU, slower on an H200;
-    #: its cached masks are 11x smaller: docs/performance.md, "Straddling-only masks")
-    split_masks: bool = False
 
 
 _SWITCHES = Switches()
@@ -226,7 +223,6 @@ def _decide(device: str, mask_dtype: torch.dtype, grad: bool, tracing: bool, sto
         device=device, mask_dtype=mask_dtype, align_masks=device == "cuda" if s.align_masks is None else s.align_masks,
         grad=grad, tracing=tracing, attn_dropout=attn_dropout, attention=attention,
         save_memory=eager and grad and (cpu if s.save_memory is None else s.save_memory),
-        split_masks=eager and s.split_masks,
         chunk_bytes=chunk_bytes,
         may_write_module_outputs=plain, chunked=plain and chunk_bytes > 0 and not grad and not stochastic,
     )
@@ -268,10 +264,10 @@ def plan_stage(
     for offset in (0, shift) if shift > 0 else (0,):
         if plan.valid_sizes is not None:  # (never while tracing: plan_forward refuses sizes then)
             layout = get_packed_layout(height, width, window, offset, plan.valid_sizes, device, plan.mask_dtype,
-                                       plan.align_masks, window_size, plan.tracing, plan.split_masks)
+                                       plan.align_masks, window_size, plan.tracing)
         else:
             args = (height, width, window, offset, mask_padding, device, plan.mask_dtype, plan.align_masks,
-                    plan.tracing, window_size, plan.split_masks)
+                    plan.tracing, window_size)
             # (A traced forward's sizes may be symbolic: built each time. The compiled blocks' planner
             # runs eagerly with ints: their traced-form layouts are cached as eager ones are.)
             traced_now = is_compiling() or torch.jit.is_tracing()

@@ -659,7 +659,6 @@ ABLATIONS: Dict[str, Dict[str, object]] = {
     "no recompute attention (autograd)": dict(recompute_attention=False),
     "no lean saves (norm / GELU outputs kept)": dict(save_memory=False),
     "no CPU row chunks": dict(chunk_bytes=0),
-    "split masks ON (opt-in: unmasked windows without a mask)": dict(split_masks=True),
     "row chunks x0.5": dict(chunk_bytes="half"),
     "row chunks x2": dict(chunk_bytes="double"),
 }

@@ -14,8 +14,6 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    without;
 4. lean saves on this device: training bf16 at 2 images, ours with ``save_memory=True`` beside
    ours as built (and mmdet), time and (CUDA) peak memory growth of one step, in one process;
-   and ours with ``split_masks=True`` (opt-in: the windows that need no mask attend without
-   one) in that row and in eval bf16 at 8 images;
 5. stochastic depth as the detection configs set it (``drop_path_rate=0.2``, Swin-T's): training
    bf16 at 2 images, mmdet and ours both at that rate (the branches still run; the draws add a
    few small kernels per block, on the host a GPU step waits on), beside ours at rate 0;
@@ -67,7 +65,6 @@ VARIANTS = {
     "ours_whole": "ours compiled whole (compile=dict(..., regions=False))",  # the CUDA-graph rows
     "ours_save_memory": "ours save_memory=True",  # the lean-saves row (with CUDA's peak memory)
     "ours_rate_0": "ours at rate 0",  # the stochastic-depth row: ours without it
-    "ours_split_masks": "ours split_masks=True",  # (opt-in, switched on here)
 }
 #: The steps of the module docstring, in order: ``--steps`` name -> its name in the notes.
 STEPS = {"rows": "eval / training rows", "memory": "peak memory", "padded": "padded batch", "lean": "lean saves",
@@ -198,22 +195,12 @@ def run(args: argparse.Namespace) -> dict:
         x = torch.randn(2, 3, h, w, device=args.device)
         step = B.train_step(models["ours"], x, bf16)
         fns = {k: B.train_step(m, x, bf16) for k, m in models.items() if k != "ours"}
-        fns.update(ours=step, ours_save_memory=B.with_switches(step, dict(save_memory=True)),
-                   ours_split_masks=B.with_switches(step, dict(split_masks=True)))
+        fns.update(ours=step, ours_save_memory=B.with_switches(step, dict(save_memory=True)))
         times = B.interleave(fns, args.device, args.iters, args.warmup)
         row = B.summarize(f"lean_saves train fwd+bwd bf16 2x3x{h}x{w}", times)
         if args.device == "cuda":
             row["peak_bytes"] = {k: B.step_peak_cuda(fn) for k, fn in fns.items()}
         results[f"lean_saves_train_bf16_2x3x{h}x{w}"] = row
-        # The unmasked windows without a mask (opt-in) in eval too.
-        for m in models.values():
-            m.eval()
-        x = torch.randn(8, 3, h, w, device=args.device)
-        step = B.eval_step(models["ours"], x, bf16)
-        fns = {k: B.eval_step(m, x, bf16) for k, m in models.items() if k != "ours"}
-        fns.update(ours=step, ours_split_masks=B.with_switches(step, dict(split_masks=True)))
-        times = B.interleave(fns, args.device, args.iters, args.warmup)
-        results[f"split_masks_eval_bf16_8x3x{h}x{w}"] = B.summarize(f"split_masks eval bf16 8x3x{h}x{w}", times)
 
     def stochastic_depth() -> None:
         x = torch.randn(2, 3, h, w, device=args.device)

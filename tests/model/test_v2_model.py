@@ -186,8 +186,7 @@ def test_any_size(size):
 
 def test_every_kernel_gives_the_same_v2_features():
     # SDPA (inference), plain matmul + softmax, and the CPU recompute kernel (training) with its
-    # hand-written backward, on masks of every window or (split_masks) of the masked ones only,
-    # all serve V2 unchanged: same features, same gradients.
+    # hand-written backward all serve V2 unchanged: same features, same gradients.
     model = _randomize(SwinV2Backbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(2, 4), window_size=4,
                                       out_indices=(0, 1), drop_path_rate=0.0))
     x = torch.randn(2, 3, 37, 45)
@@ -199,7 +198,7 @@ def test_every_kernel_gives_the_same_v2_features():
         torch.testing.assert_close(a, b, rtol=ATOL, atol=ATOL)
     grads = []
     model.double()  # float64: weight gradients sum many tokens; fp32 ordering noise would hide bugs
-    for switches in (dict(), dict(recompute_attention=False, save_memory=False), dict(split_masks=True)):
+    for switches in (dict(), dict(recompute_attention=False, save_memory=False)):
         model.zero_grad()
         with ops.override(**switches):
             outs = model.train()(x.double())

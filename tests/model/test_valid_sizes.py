@@ -77,9 +77,8 @@ def test_v2_batch_equals_each_image_alone():
         dict(),  # CPU default: SDPA with per-window biases, row chunks
         dict(chunk_bytes=0),  # whole tensors
         dict(sdpa=False),  # matmul + softmax
-        dict(split_masks=True),  # unmasked windows first, without a mask (opt-in)
     ],
-    ids=["default", "whole", "plain", "split-masks"],
+    ids=["default", "whole", "plain"],
 )
 def test_eval_batch_equals_each_image_alone(name, strategy):
     size, sizes = BATCHES[name]
@@ -178,7 +177,7 @@ def _loss(outs, weights, i=None):
 
 @pytest.mark.parametrize(
     "variant",
-    ["recompute", "recompute-chunked", "autograd", "frozen-abs-pos", "with-cp", "v2", "split-masks"],
+    ["recompute", "recompute-chunked", "autograd", "frozen-abs-pos", "with-cp", "v2"],
 )
 def test_training_gradients_equal_sum_over_images_alone(variant):
     # (image 3 fills the batch; image 2 is smaller than a window at stage 0)
@@ -204,7 +203,7 @@ def test_training_gradients_equal_sum_over_images_alone(variant):
         recompute=dict(chunk_bytes=0),
         **{"recompute-chunked": dict(chunk_bytes=2 * 2 * 16 * 16 * 8)},  # backward groups of one window
         autograd=dict(recompute_attention=False, save_memory=False),
-        **{"frozen-abs-pos": {}, "with-cp": {}, "v2": {}, "split-masks": dict(split_masks=True)},
+        **{"frozen-abs-pos": {}, "with-cp": {}, "v2": {}},
     )[variant]
     params = [p for p in model.parameters() if p.requires_grad]
     with ops.override(**switches):

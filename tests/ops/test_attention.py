@@ -64,17 +64,14 @@ def test_kernels_agree_forward_and_backward(size, shift, batch, backward_mode):
 
 
 @pytest.mark.parametrize("size,shift,mask_padding", [((4, 6), 0, False), ((3, 5), 1, True), ((4, 4), 1, False)])
-@pytest.mark.parametrize("split", [False, True], ids=["every-window-masked", "unmasked-first"])
-def test_recompute_kernel_gradcheck(size, shift, mask_padding, split, backward_mode):
+def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     # The hand-written backward against finite differences, for qkv and the bias, with no
-    # mask, with shift + padding masks, and with a shift mask alone; the mask on every window, or
-    # the windows that need none first, without one (chunks then cross from one kind to the other).
+    # mask, with shift + padding masks, and with a shift mask alone.
     torch.manual_seed(0)
     heads, d, window = 2, 3, 2
     chunk = backward_mode(2 * heads * window**4 * 8)
-    layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64, split=split)
+    layout = build_window_layout(*size, window, shift, mask_padding, torch.device("cpu"), torch.float64)
     assert (layout.mask is None) == (shift == 0 and not mask_padding)
-    assert (layout.plain_windows > 0) == (split and layout.mask is not None)
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
@@ -220,40 +217,6 @@ def test_layout_masks_are_the_window_attention_masks(size, shift, mask_padding, 
     assert torch.equal(layout.mask, expected)
 
 
-@pytest.mark.parametrize("size,shift,mask_padding", [((14, 21), 3, True), ((9, 12), 0, True), ((9, 12), 3, False),
-                                                     ((22, 15), 3, True), ((14, 14), 0, True)])
-@pytest.mark.parametrize("align", [False, True])
-def test_split_layouts_are_the_windows_reordered_unmasked_first(size, shift, mask_padding, align):
-    # A split layout holds the same windows, those whose mask is all zeros first: its gathers are
-    # the natural layout's with whole windows permuted, its mask holds the masked windows' rows
-    # only (aligned as the natural one), and gather then inverse is still the identity.
-    from swin_backbone.ops.attention import gather_tokens
-
-    cpu, n = torch.device("cpu"), 49
-    natural = build_window_layout(*size, 7, shift, mask_padding, cpu, torch.float32, align)
-    split = build_window_layout(*size, 7, shift, mask_padding, cpu, torch.float32, align, split=True)
-    if natural.mask is None:
-        assert split.mask is None and split.plain_windows == 0 and torch.equal(split.index, natural.index)
-        return
-    masked = (natural.mask != 0).flatten(1).any(1)
-    order = torch.cat((torch.nonzero(~masked).squeeze(1), torch.nonzero(masked).squeeze(1)))
-    assert split.plain_windows == int((~masked).sum()) > 0 and split.num_windows == natural.num_windows
-    assert torch.equal(split.index.view(-1, n), natural.index.view(-1, n)[order])
-    assert torch.equal(split.mask, natural.mask[order[split.plain_windows:]])
-    assert split.mask.stride()[-2:] == natural.mask.stride()[-2:]
-    x = torch.randn(2, size[0] * size[1], 3)
-    windows = gather_tokens(x, split.index, split.has_padding, split.pad_slots)
-    assert torch.equal(windows.view(2, -1, n, 3), gather_tokens(x, natural.index, natural.has_padding,
-                                                               natural.pad_slots).view(2, -1, n, 3)[:, order])
-    assert torch.equal(gather_tokens(windows, split.inverse, False, None), x)
-    # no masked window: the layout unchanged, no mask
-    from swin_backbone.ops.layouts import masked_last
-
-    zeros = torch.zeros(natural.num_windows, n, n)
-    kept = masked_last(natural.index, natural.inverse, natural.pad_slots, zeros)
-    assert kept[0] is natural.index and kept[1] is natural.inverse and kept[3:] == (None, 0)
-
-
 def test_masked_windows_are_the_last_row_and_column():
     # Without padding only the last row / column of windows mixes shift regions: the other
     # windows' masks are all zeros.
@@ -269,13 +232,11 @@ def test_masked_windows_are_the_last_row_and_column():
 ])
 @pytest.mark.parametrize("kernel", ["plain", "sdpa", "recompute"])
 @pytest.mark.parametrize("save_memory", [False, True], ids=["autograd", "lean-saves"])
-@pytest.mark.parametrize("split", [False, True], ids=["every-window-masked", "unmasked-first"])
-def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, window, kernel, save_memory, split):
+def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, window, kernel, save_memory):
     # The block's attention (norm -> qkv -> kernel -> projection), whichever kernel runs it,
     # with its input side (norm, gather, qkv) under lean saves (the norm's output and the gathered
-    # windows rebuilt in backward) or not, and with the mask on every window or the windows that
-    # need none first, without one, computes what the plain reference function computes (values
-    # and gradients).
+    # windows rebuilt in backward) or not, computes what the plain reference function computes
+    # (values and gradients).
     from swin_backbone.ops.attention import reference_window_attention
 
     torch.manual_seed(0)
@@ -287,8 +248,7 @@ def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, wind
         norm.weight.normal_(1, 0.3)
     x = torch.randn(2, h * w, 16, dtype=torch.float64, requires_grad=True)
     plan = ops.plan_for(x, attention=kernel, grad=True, save_memory=save_memory)
-    layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype, table_window=table_window,
-                                 split=split)
+    layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype, table_window=table_window)
     with ops.lean_saves(plan):
         got = attn(x, norm, layout, plan)
     ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, table_window, h,

@@ -252,7 +252,7 @@ def test_sdpa_calls_meet_the_fused_cuda_kernels_conditions(train, autocast):
     # The masks were built once in the compute dtype (bf16 under autocast) and cached.
     dtype = torch.bfloat16 if autocast else torch.float32
     before = L.get_window_layout.cache_info()
-    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7, False)  # stage 1 of 61x75
+    layout = L.get_window_layout(16, 19, 7, 3, True, torch.device("cpu"), dtype, True, False, 7)  # stage 1 of 61x75
     assert L.get_window_layout.cache_info().misses == before.misses
     assert layout.mask.dtype == dtype
 

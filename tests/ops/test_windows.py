@@ -258,27 +258,16 @@ def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.rows is None
-    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7, False)
-    assert shifted.plain_windows == 0 and shifted.mask.shape[0] == shifted.num_windows
+    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
+    assert shifted.mask.shape[0] == shifted.num_windows
     sizes = ((13, 20), (9, 11))
     valid = ops.plan_for(x, grad=False, valid_sizes=sizes)
     _, regular2, shifted2 = ops.plan_stage(valid,
         height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False, False)
-    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False, False)
+    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False)
+    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False)
     assert L.get_window_layout.cache_info().misses == 4  # image 0 (= the map) hit; image 1's two built
     assert V.get_packed_layout.cache_info().misses == 2
-    # Split masks (opt-in): the split layouts, cached beside the others; the packed ones from the
-    # images' split layouts (image 0's is the map's).
-    with ops.override(split_masks=True):
-        _, _, shifted3 = ops.plan_stage(ops.plan_for(x, grad=False),
-            height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-        packed = ops.plan_stage(ops.plan_for(x, grad=False, valid_sizes=sizes),
-            height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)[2]
-    assert shifted3 is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7, True)
-    assert shifted3.plain_windows == 2 and shifted3.mask.shape[0] == shifted3.num_windows - 2
-    assert packed is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False, True)
-    assert packed.plain_windows > 0 and L.get_window_layout.cache_info().misses == 8  # the map's 2, image 1's 2
     # a window no larger than the map with no shift: no shifted layout at all
     assert ops.plan_stage(plan,
         height=13, width=20, window_size=7, shift_size=0, pad_small_map=True, mask_padding=True,
@@ -367,15 +356,6 @@ def test_packed_layout_is_each_image_alone(size, ws, shift, align):
     assert got.mask.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
     keep = V.valid_token_mask(h, w, valid, cpu)
     assert torch.equal(got.rows, keep.reshape(-1).nonzero().squeeze(1))  # every image's tokens, row-major
-    # Split (the CPU's): the same windows, those whose mask is all zeros first; the rest's masks.
-    split = V.packed_layout(h, w, ws, shift, valid, cpu, torch.float64, align, split=True)
-    masked = torch.cat(masks).flatten(1).ne(0).any(1)
-    order = torch.cat((torch.nonzero(~masked).squeeze(1), torch.nonzero(masked).squeeze(1)))
-    assert split.plain_windows == int((~masked).sum())
-    torch.testing.assert_close(window_partition(packed, split, plan), expected.view(1, -1, n, 2)[:, order].view(1, -1, 2),
-                               rtol=0, atol=0)
-    torch.testing.assert_close(window_reverse(window_partition(packed, split, plan), split, plan), packed, rtol=0, atol=0)
-    torch.testing.assert_close(split.mask, torch.cat(masks)[order[split.plain_windows:]], rtol=0, atol=0)
 
 
 def test_package_clear_caches_clears_every_ops_cache():
@@ -438,7 +418,7 @@ def test_batched_gather_reads_cached_rows(batch):
     # once per layout and batch size (cached), not in every forward.
     from swin_backbone.ops import attention as A
 
-    layout = L.get_window_layout(9, 12, 4, 2, True, torch.device("cpu"), torch.float32, False, False, 4, False)
+    layout = L.get_window_layout(9, 12, 4, 2, True, torch.device("cpu"), torch.float32, False, False, 4)
     x = torch.randn(batch, 9 * 12, 5)
     windows = A.gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots)
     for i in range(batch):
