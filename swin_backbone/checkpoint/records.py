@@ -327,12 +327,6 @@ def method_name(owner: Any, name: Any, *default: Any) -> MethodName:
                  f"{'/'.join(HISTORY_STATISTICS)} are read, as names. It was refused, nothing in it ran")
 
 
-def new_history_buffer(*args: Any) -> HistoryBufferRecord:
-    if args:
-        raise refuse(f"HistoryBuffer: expected no arguments to its NEWOBJ, found {len(args)}")
-    return HistoryBufferRecord()
-
-
 def _history(value: Any, what: str) -> ArrayRecord:
     if type(value) is not ArrayRecord or value.data is None or len(value.shape) != 1:
         raise refuse(f"HistoryBuffer {what}: expected a 1-D numpy array, found {describe(value)}")
@@ -358,12 +352,6 @@ def build_history_buffer(record: HistoryBufferRecord, state: Any) -> None:
         raise refuse(f"HistoryBuffer: histories of lengths {log.shape[0]} and {count.shape[0]}")
     record.max_length = _int(state.get("max_length", 1000000), "HistoryBuffer max_length", 1, 2 ** 31)
     record.log, record.count = log, count
-
-
-def new_message_hub(*args: Any) -> MessageHubRecord:
-    if args:
-        raise refuse(f"MessageHub: expected no arguments to its NEWOBJ, found {len(args)}")
-    return MessageHubRecord()
 
 
 def build_message_hub(record: MessageHubRecord, state: Any) -> None:
@@ -616,10 +604,11 @@ CALLS: Dict[str, Callable[..., Any]] = {
     "torch.Size": torch_size,
     "torch.device": torch_device,
 }
-#: name -> what NEWOBJ of that row runs (classes pickled by ``copyreg.__newobj__``).
-NEWS: Dict[str, Callable[..., Any]] = {
-    HISTORY_BUFFER: new_history_buffer,
-    "mmengine.logging.message_hub.MessageHub": new_message_hub,
+#: name -> the record NEWOBJ of that row makes (classes pickled by ``copyreg.__newobj__``, with
+#: no arguments: their BUILD brings the state).
+NEWS: Dict[str, Callable[[], Any]] = {
+    HISTORY_BUFFER: HistoryBufferRecord,
+    "mmengine.logging.message_hub.MessageHub": MessageHubRecord,
 }
 #: Rows that are names only (arguments of the rows above).
 NAMES = ("numpy.ndarray", "builtins.list", "builtins.dict", "builtins.int", "builtins.float", *_TENSOR_TYPES)
@@ -659,9 +648,10 @@ def new(cls: Any, args: Any, kwargs: Any = None) -> Any:
     if handler is None:
         raise refuse(f"{ASKS_FOR_CODE}: it creates {describe(cls)}, which the loader never creates; it was refused, "
                      "nothing in it ran")
-    if type(args) is not tuple or kwargs not in (None, {}):
-        raise refuse(f"{cls.name}: expected no keyword arguments and a tuple, found {describe(args)}")
-    return handler(*args)
+    if type(args) is not tuple or args or kwargs not in (None, {}):
+        raise refuse(f"{cls.name}: expected no arguments to its NEWOBJ, found {brief(args)}"
+                     + ("" if kwargs in (None, {}) else f" and keyword arguments ({brief(kwargs)})"))
+    return handler()
 
 
 def build(inst: Any, state: Any) -> None:

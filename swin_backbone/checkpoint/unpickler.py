@@ -20,6 +20,7 @@ another library's ``torch.load`` accepts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
@@ -49,15 +50,15 @@ class _Storages:
     def __init__(self, records: Optional[Dict[str, int]] = None, budget: int = 0) -> None:
         self.records, self.budget = records, budget
         self.seen: Dict[str, int] = {}
-        #: what the module-level loads of a legacy file returned (magic, protocol, sys info, the
-        #: keys of the storages its tail fills)
-        self.plain_loads: list = []
+        #: what the last module-level load returned (a legacy file's last: the keys of the storages
+        #: its tail fills)
+        self.last_load: Any = None
 
     def check_filled(self) -> None:
         """A legacy file fills every storage its pickle declared (torch allocates them
         uninitialised and fills those the keys after the pickle name)."""
         if self.records is None and self.seen:
-            keys = self.plain_loads[-1] if self.plain_loads else None
+            keys = self.last_load
             if type(keys) is not list or not set(self.seen) <= {k for k in keys if type(k) is str}:
                 raise refuse("the file declares storages its data does not fill (they would hold uninitialised "
                              "memory)")
@@ -111,7 +112,7 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     trusted: Dict[str, Any] = {}
 
     def _is_trusted(self, obj: Any) -> bool:
-        return any(obj is value for value in self.trusted.values())
+        return bool(self.trusted) and any(obj is value for value in self.trusted.values())
 
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3 and self.fix_imports:  # protocol 2 writes Python 2 names (__builtin__.getattr)
@@ -144,7 +145,7 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.append = self.stack.append
         self.proto = 0
         read, dispatch = self.read, self.dispatch
-        left = MAX_OPCODES
+        left, key = MAX_OPCODES, b""
         try:
             while True:
                 key = read(1)
@@ -163,29 +164,29 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         except RefusedError:
             raise
         except Exception as err:  # a malformed pickle: an empty stack, an unhashable key, a bad memo index ...
+            where = f"opcode {_OPCODE_NAMES.get(key[0], key)!s}" if key else "its end"
             raise refuse(f"a malformed pickle ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-                         f" at opcode {_OPCODE_NAMES.get(key[0], key)!s} after {MAX_OPCODES - left} opcodes)") from None
+                         f" at {where} after {MAX_OPCODES - left} opcodes)") from None
 
     # -- calls and state: the table decides
     def load_reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
-        self.stack[-1] = func(*args) if self.trusted and self._is_trusted(func) else call(func, args)
+        self.stack[-1] = func(*args) if self._is_trusted(func) else call(func, args)
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls.__new__(cls, *args) if self.trusted and self._is_trusted(cls) else new(cls, args))
+        self.append(cls.__new__(cls, *args) if self._is_trusted(cls) else new(cls, args))
 
     def load_newobj_ex(self) -> None:
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls.__new__(cls, *args, **kwargs) if self.trusted and self._is_trusted(cls)
-                    else new(cls, args, kwargs))
+        self.append(cls.__new__(cls, *args, **kwargs) if self._is_trusted(cls) else new(cls, args, kwargs))
 
     def load_build(self) -> None:
-        if self.trusted and self._is_trusted(type(self.stack[-2])):
+        if self._is_trusted(type(self.stack[-2])):
             super().load_build()
             return
         state = self.stack.pop()
@@ -261,9 +262,8 @@ def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None)
     unpickler = type("Unpickler", (InertUnpickler,), dict(storages=storages, trusted=dict(trusted or {})))
 
     def load_(file: Any, **kwargs: Any) -> Any:
-        value = unpickler(file, **kwargs).load()
-        storages.plain_loads.append(value)
-        return value
+        storages.last_load = unpickler(file, **kwargs).load()
+        return storages.last_load
 
     def loads(data: bytes, **kwargs: Any) -> Any:
         return unpickler(io.BytesIO(data), **kwargs).load()
@@ -335,27 +335,19 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
     ``trusted`` (``{'module.name': object}``): objects this one load calls and creates as
     Python's unpickler would, beside the table; only for files whose writer the caller knows
     (the FSDP strategy's own shards, :mod:`swin_backbone.mmlab.fsdp`), never for a user's file."""
-    if kind == "torch-zip":
-        module = pickle_module(_Storages(records=zip_records(path)), trusted)
+    legacy = kind != "torch-zip"
+    storages = _Storages(budget=os.path.getsize(path)) if legacy else _Storages(records=zip_records(path))
+    with _PythonReads(path, "r") if legacy else contextlib.nullcontext(path) as source:
         try:
-            obj = load(path, map_location, pickle_module=module)
+            obj = load(source, map_location, pickle_module=pickle_module(storages, trusted))
         except RuntimeError as err:
             if "explicit pickle_module" not in str(err):
                 raise
             # TORCH_FORCE_WEIGHTS_ONLY_LOAD: the user asks for torch's own weights-only unpickler
-            return load(path, map_location)
-    else:
-        module = pickle_module(_Storages(budget=os.path.getsize(path)), trusted)
-        storages = module.Unpickler.storages
-        with _PythonReads(path, "r") as f:
-            try:
-                obj = load(f, map_location, pickle_module=module)
-            except RuntimeError as err:
-                if "explicit pickle_module" not in str(err):
-                    raise
-                f.seek(0)
-                return load(f, map_location)
-        storages.check_filled()
+            if legacy:
+                source.seek(0)
+            return load(source, map_location)
+    storages.check_filled()
     if isinstance(obj, torch.jit.ScriptModule):  # (never: the archive checks above refuse TorchScript)
         ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")
         ran.ran_nothing = False

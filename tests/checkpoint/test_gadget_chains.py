@@ -137,6 +137,12 @@ def test_a_chain_of_the_tables_rows_is_refused(name):
     assert says in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("data", [b"", b"\x80\x02", program(b"")[:-1] + pickle.EMPTY_DICT])
+def test_an_empty_or_cut_off_pickle_is_refused_as_malformed(data):
+    with pytest.raises(RefusedError, match="a malformed pickle .*EOFError"):
+        InertUnpickler(io.BytesIO(data)).load()
+
+
 #: Payloads with storages (the archive's record ``0`` holds 4 float32): name -> (data.pkl body, says).
 STORAGE_CHAINS = {
     "storage-larger-than-its-record": (tensor(numel=2 ** 30, size=(2 ** 30,)), "has 16"),
