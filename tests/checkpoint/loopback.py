@@ -1,13 +1,14 @@
 """A real HTTP server on 127.0.0.1 for the checkpoint-URL tests: serves bytes by path, counts
 the requests per path, answers 404 for unknown paths, and can cut a response off part way, stall
-in the middle of one, answer an error status first, answer late, trickle or redirect."""
+in the middle of one, answer an error status first, answer late, trickle, redirect, or stream a
+body of any declared length (none, or a false one) or an endless one."""
 from __future__ import annotations
 
 import collections
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 import pytest
 
@@ -18,7 +19,11 @@ class Loopback:
     until the server closes; ``fail``: path -> HTTP statuses to answer first, one per request
     (with ``Retry-After: 0``); ``delay``: path -> seconds to wait before answering;
     ``trickle``: path -> seconds between single bytes of the body; ``redirect``: path -> the
-    ``Location`` of a 302 answer; ``requests``: path -> GET count."""
+    ``Location`` of a 302 answer; ``requests``: path -> GET count; ``streams`` (:meth:`stream`):
+    path -> how to stream it; ``sent``: body bytes streamed per path."""
+
+    #: A stream never lasts longer: a downloader without bounds fails its test instead of hanging it.
+    STREAM_S = 8.0
 
     def __init__(self) -> None:
         self.files: Dict[str, bytes] = {}
@@ -29,6 +34,8 @@ class Loopback:
         self.trickle: Dict[str, float] = {}
         self.redirect: Dict[str, str] = {}
         self.requests: Dict[str, int] = collections.Counter()
+        self.streams: Dict[str, dict] = {}
+        self.sent: Dict[str, int] = collections.Counter()
         self.closing = threading.Event()
         server = self
 
@@ -45,6 +52,9 @@ class Loopback:
                 path = self.path  # the query string included: ``/uc?id=A`` and ``/uc?id=B`` are two files
                 server.requests[path] += 1
                 time.sleep(server.delay.get(path, 0.0))
+                if path in server.streams:
+                    self.stream(server.streams[path])
+                    return
                 if path in server.redirect:
                     self.send_response(302)
                     self.send_header("Location", server.redirect[path])
@@ -87,6 +97,28 @@ class Loopback:
                     return
                 self.wfile.write(body)
 
+            def stream(self, spec: dict) -> None:
+                """``spec['body']`` in ``chunk``-byte pieces every ``every`` s, or ``fill * chunk``
+                endlessly, after a ``Content-Length`` of ``declared`` (``None``: none; the body
+                ends when the connection closes)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                if spec["declared"] is not None:
+                    self.send_header("Content-Length", str(spec["declared"]))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                body, chunk, every = spec["body"], spec["chunk"], spec["every"]
+                end, at = time.monotonic() + server.STREAM_S, 0
+                while time.monotonic() < end and (body is None or at < len(body)):
+                    if every and server.closing.wait(every) or server.closing.is_set():
+                        break
+                    piece = body[at:at + chunk] if body is not None else spec["fill"] * chunk
+                    self.wfile.write(piece)
+                    self.wfile.flush()
+                    at += len(piece)
+                    server.sent[self.path] += len(piece)
+
             def log_message(self, *args) -> None:  # quiet
                 pass
 
@@ -106,6 +138,12 @@ class Loopback:
     def serve(self, path: str, body: bytes) -> str:
         """Serve ``body`` at ``path``; its URL."""
         self.files[path] = body
+        return self.url(path)
+
+    def stream(self, path: str, declared: Optional[int], body: Optional[bytes] = None, fill: bytes = b"\0",
+               chunk: int = 4096, every: float = 0.0) -> str:
+        """Stream ``body`` (or ``fill`` endlessly) at ``path`` (:meth:`Handler.stream`); its URL."""
+        self.streams[path] = dict(declared=declared, body=body, fill=fill, chunk=chunk, every=every)
         return self.url(path)
 
     def total(self) -> int:

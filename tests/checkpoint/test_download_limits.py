@@ -3,14 +3,12 @@ by the processes waiting on the lock; a size cap ($SWIN_BACKBONE_DOWNLOAD_MAX_BY
 server declares or sends; non-ASCII file names; the cache checked against its records; each row
 of the issue's error table a CheckpointError naming the URL or path and the remedy, with no
 retry where a retry cannot help. Against the real HTTP server on 127.0.0.1 (loopback.py)."""
-import collections
 import fcntl
 import io
 import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -31,6 +29,12 @@ def _body(seed=0, n=4):
     return buf.getvalue()
 
 
+def _settings(monkeypatch, **values):
+    """``$SWIN_BACKBONE_DOWNLOAD_<NAME>`` for each ``name=value``."""
+    for name, value in values.items():
+        monkeypatch.setenv(f"SWIN_BACKBONE_DOWNLOAD_{name.upper()}", str(value))
+
+
 def _w(obj):
     return obj["state_dict"]["w"]
 
@@ -40,83 +44,12 @@ def _cached():
     return sorted(f for f in os.listdir(folder) if not f.endswith(".lock")) if os.path.isdir(folder) else []
 
 
-class _Streams:
-    """A second loopback server, for the bodies :class:`.loopback.Loopback` does not send: per path a
-    dict ``declared`` (the Content-Length announced; ``None``: none, the body ends when the connection
-    closes), ``body`` (bytes, sent in ``chunk``-byte pieces every ``every`` s) or ``fill`` (one byte
-    repeated, endless). It never sends for more than ``LAST_S`` s, so that a downloader without
-    bounds fails the test instead of hanging it. ``sent``: body bytes written per path."""
-
-    LAST_S = 8.0
-
-    def __init__(self) -> None:
-        self.paths, self.sent, self.requests = {}, collections.Counter(), collections.Counter()
-        self.closing = threading.Event()
-        streams = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                streams.requests[self.path] += 1
-                spec = streams.paths.get(self.path)
-                if spec is None:
-                    self.send_error(404, "Not Found")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                if spec.get("declared") is not None:
-                    self.send_header("Content-Length", str(spec["declared"]))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                body, chunk, every = spec.get("body"), spec.get("chunk", 4096), spec.get("every", 0.0)
-                end, at = time.monotonic() + streams.LAST_S, 0
-                try:
-                    while time.monotonic() < end and (body is None or at < len(body)):
-                        if every and streams.closing.wait(every) or streams.closing.is_set():
-                            break
-                        piece = body[at:at + chunk] if body is not None else spec["fill"] * chunk
-                        self.wfile.write(piece)
-                        self.wfile.flush()
-                        at += len(piece)
-                        streams.sent[self.path] += len(piece)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up
-                    pass
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
-        self.thread.start()
-
-    def serve(self, path: str, **spec) -> str:
-        self.paths[path] = spec
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
-
-    def close(self) -> None:
-        self.closing.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def streams():
-    srv = _Streams()
-    yield srv
-    srv.close()
-
-
 # ---------------------------------------------------------------- the deadline
 def test_a_trickling_server_ends_at_the_deadline(server, torch_home, monkeypatch):
     body = _body()
     url = server.serve("/slow/swin_trickle.pth", body)
     server.trickle["/slow/swin_trickle.pth"] = 0.05  # a byte every 0.05 s: never a read timeout
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "0.5")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "0")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", str(len(body)))  # deadline: 0.5 + 1 s
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed=str(len(body)))  # deadline: 0.5 + 1 s
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ sent \d+ of {len(body)} bytes, "
                                               r"and it did not finish within its deadline of 1\.5 s .*"
@@ -128,9 +61,7 @@ def test_a_trickling_server_ends_at_the_deadline(server, torch_home, monkeypatch
 
 def test_waiting_on_another_download_shares_its_deadline(server, torch_home, monkeypatch):
     url = server.serve("/held/swin_held.pth", _body())
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "0.5")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "0")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000")
     os.makedirs(cache_dir())
     lock = cached_file(url) + ".lock"
     holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # a stuck downloader: holds the lock, says 1000 bytes, has 10
@@ -159,12 +90,10 @@ def test_bad_min_speed_names_the_variable(server, torch_home, monkeypatch):
 
 
 # ---------------------------------------------------------------- the size cap
-def test_a_declared_size_above_the_cap_is_refused_before_the_body(server, streams, torch_home, monkeypatch):
+def test_a_declared_size_above_the_cap_is_refused_before_the_body(server, torch_home, monkeypatch):
     # the review's case: Content-Length 10**12, a byte every 0.4 s; the default cap (8 GiB) refuses it at once
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "1")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "2")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
-    url = streams.serve("/huge/swin_huge.pth", declared=10 ** 12, fill=b"x", chunk=1, every=0.4)
+    _settings(monkeypatch, timeout="1", retries="2", min_speed="1000")
+    url = server.stream("/huge/swin_huge.pth", declared=10 ** 12, fill=b"x", chunk=1, every=0.4)
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ declares 1000000000000 bytes "
                                               r"\(Content-Length\), more than the download cap of 8589934592 bytes "
@@ -173,7 +102,7 @@ def test_a_declared_size_above_the_cap_is_refused_before_the_body(server, stream
                                               r"kept"):
         fetch(url)
     assert time.monotonic() - start < 1.0
-    assert streams.requests["/huge/swin_huge.pth"] == 1 and streams.sent["/huge/swin_huge.pth"] <= 2  # no retry
+    assert server.requests["/huge/swin_huge.pth"] == 1 and server.sent["/huge/swin_huge.pth"] <= 2  # no retry
     assert _cached() == []
     # an honest checkpoint above a small cap: refused, nothing cached; under a cap it fits, downloaded
     body = _body(5, n=5000)
@@ -188,12 +117,10 @@ def test_a_declared_size_above_the_cap_is_refused_before_the_body(server, stream
     assert _cached() == ["swin_capped.pth", "swin_capped.pth.json"]
 
 
-def test_a_stream_without_a_size_is_cut_at_the_cap(streams, torch_home, monkeypatch):
+def test_a_stream_without_a_size_is_cut_at_the_cap(server, torch_home, monkeypatch):
     # the review's case: no Content-Length, an endless 40 KB/s (above MIN_SPEED); cut at a 60 KB cap, not retried
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "2")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", "60000")
-    url = streams.serve("/endless/swin_endless.pth", declared=None, fill=b"\0", chunk=4000, every=0.1)
+    _settings(monkeypatch, retries="2", min_speed="1000", max_bytes="60000")
+    url = server.stream("/endless/swin_endless.pth", declared=None, fill=b"\0", chunk=4000, every=0.1)
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ sent more than the download "
                                               r"cap of 60000 bytes \(\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES; it declared "
@@ -201,10 +128,10 @@ def test_a_stream_without_a_size_is_cut_at_the_cap(streams, torch_home, monkeypa
                                               r"raise \$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES.*nothing was kept"):
         fetch(url)
     assert 1.0 < time.monotonic() - start < 5.0  # 60000 bytes at 40 KB/s: 1.5 s, then cut
-    assert streams.requests["/endless/swin_endless.pth"] == 1 and _cached() == []
+    assert server.requests["/endless/swin_endless.pth"] == 1 and _cached() == []
     # the cap is inclusive: a checkpoint of exactly MAX_BYTES with no Content-Length downloads, one byte less is cut
     body = _body(6)
-    url = streams.serve("/nolength/swin_nolength.pth", declared=None, body=body)
+    url = server.stream("/nolength/swin_nolength.pth", declared=None, body=body)
     monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", str(len(body) - 1))
     with pytest.raises(CheckpointError, match=rf"sent more than the download cap of {len(body) - 1} bytes"):
         fetch(url)
@@ -218,10 +145,7 @@ def test_a_waiter_takes_the_cap_not_a_huge_declared_size_for_its_deadline(server
     """A lock file saying the holder expects 10**12 bytes: the deadline is TIMEOUT + MAX_BYTES /
     MIN_SPEED (0.5 + 2000 / 1000 s), not 10**9 s."""
     url = server.serve("/held/swin_held_huge.pth", _body())
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_TIMEOUT", "0.5")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_RETRIES", "0")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MIN_SPEED", "1000")
-    monkeypatch.setenv("SWIN_BACKBONE_DOWNLOAD_MAX_BYTES", "2000")
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000", max_bytes="2000")
     os.makedirs(cache_dir())
     holder = os.open(cached_file(url) + ".lock", os.O_RDWR | os.O_CREAT)
     release = threading.Timer(7.0, fcntl.flock, (holder, fcntl.LOCK_UN))  # without the clamp: the waiter gets it
