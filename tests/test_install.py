@@ -52,7 +52,7 @@ TORCH_VERSION = torch.__version__.split("+")[0]
 MMCV_VERSION = "2.1.0"  # as tools/setup_env.sh
 TORCHVISION_VERSION = {"2.14.1": "0.29.1"}.get(TORCH_VERSION)  # the one built for this torch
 SCRIPTS = ("swin-extract-features", "swin-convert-checkpoint", "swin-benchmark", "swin-train", "swin-test",
-           "swin-make-toy-data")
+           "swin-make-toy-data", "swin-buckets")
 #: The old-stack venvs of `make test` (tools/setup_env.sh <stack>): environments users have.
 OLD_STACKS = {"torch2.1": ".venv-torch2.1", "torch2.0": ".venv-torch2.0"}
 #: What installing the package must never change in a user's environment.

@@ -38,7 +38,8 @@ COMPILE_NOTES = {
 #: What building a backbone compiled whole logs (its forward is traced: no log line there).
 COMPILE_WHOLE_NOTE = ("the whole backbone is compiled, once per input size with dynamic=False; with "
                       "mode='reduce-overhead' (CUDA graphs) the fastest mode measured for fixed-size inputs "
-                      "(docs/performance.md, \"GPU\"); a forward with valid_sizes runs eagerly")
+                      "(docs/performance.md, \"GPU\"); per-image valid sizes are a tensor input of the same "
+                      "graph (docs/shape-buckets.md)")
 
 
 class SwinBackbone(BaseModule):
@@ -76,7 +77,7 @@ class SwinBackbone(BaseModule):
         channels_last_outputs: ``True``: outputs are NCHW *views* of channels-last tokens (one
             copy less each); ``False``: contiguous NCHW (mmcv's CPU RoIAlign misreads channels-last).
         attention: the window-attention kernel: ``'auto'`` (= ``'sdpa'``) or ``'sdpa'``;
-            ``SWIN_BACKBONE_ATTENTION`` overrides it (``'triton'``, a removed kernel, is an error).
+            ``SWIN_BACKBONE_ATTENTION`` overrides it.
         strides, act_cfg, norm_cfg, pretrained, convert_weights: mmdet 3.x / mmseg 1.x
             ``SwinTransformer`` arguments, meaning what they mean there
             (:mod:`swin_backbone.model.dropin`); values this backbone cannot honour are a
@@ -91,10 +92,10 @@ class SwinBackbone(BaseModule):
             ``fullgraph``, ...; ``dynamic`` defaults to ``True``): the blocks, patch embedding,
             mergings and output norms are compiled (regional compilation,
             docs/compiled-mode.md); ``False`` (the default): eager. ``regions=False`` in the
-            dict compiles the whole backbone instead (its forward one graph; a forward with
-            ``valid_sizes`` runs eagerly); with ``mode='reduce-overhead', dynamic=False`` (CUDA
-            graphs, one input size) the fastest measured, for fixed-size inputs such as
-            segmentation crops.
+            dict compiles the whole backbone instead (:meth:`forward_static`: one graph per input
+            shape, per-image ``valid_sizes`` a tensor input of it); with ``mode='reduce-overhead',
+            dynamic=False`` (CUDA graphs) the fastest measured, for fixed-size inputs such as
+            segmentation crops or shape buckets (docs/shape-buckets.md).
             Measured faster than eager on CUDA, slower on the CPU (docs/performance.md; a log
             line says which, by device).
         save_memory: in training, keep no LayerNorm or GELU output for backward (backward rebuilds
@@ -188,6 +189,8 @@ class SwinBackbone(BaseModule):
         #: its regions compiled (``compile``, not ``regions=False``); a forward on CUDA marks one step of
         #: their CUDA graphs (set where they are compiled: :func:`~swin_backbone.model.compiled.compile_regions`)
         self.regions_compiled = self.marks_cuda_graph_steps = False
+        #: ``compile=dict(regions=False)``: :meth:`forward_static` compiled (called with the backbone first)
+        self.whole_graph: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
         self._warned_compile = False
         #: training keeps no LayerNorm / GELU output for backward (``ops.lean_saves``); ``None``: on the CPU only
         if save_memory is not None:
@@ -322,7 +325,12 @@ class SwinBackbone(BaseModule):
             valid_sizes = attached_valid_sizes(x, self)
         valid = None if valid_sizes is None else check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
-        if valid is not None and is_compiling():  # (compiled whole) per-image valid sizes run eagerly
+        whole = self.whole_graph is not None and not is_compiling()
+        if whole and (valid is None or self.absolute_pos_embed is None):  # (compile=dict(regions=False))
+            if self.marks_cuda_graph_steps and x.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()  # one forward, one step of its CUDA graphs
+            return self.whole_graph(self, x, None if valid is None else ops.sizes_tensor(valid, x.device))
+        if valid is not None and is_compiling():  # (compiled by its user) per-image valid sizes run eagerly
             return run_eagerly(self.forward)(x, valid_sizes)
         compiled = self.regions_compiled
         if compiled and not self._warned_compile:
@@ -335,6 +343,25 @@ class SwinBackbone(BaseModule):
         plan = ops.plan_forward(x, self, valid, compiled_blocks=compiled)
         if valid is not None:  # images in a padded batch: patches across their edges read zeros
             x = ops.mask_input(x, valid, self.patch_size)
+        return self._stages(x, plan)
+
+    def forward_static(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
+        """:meth:`forward` with every shape fixed by ``x``'s, for one graph per input shape
+        (``compile=dict(regions=False)`` compiles this; a CUDA graph replays it): the per-image
+        valid ``sizes`` (``(B, 2)`` int tensor of input pixels, or ``None``) are a tensor, the
+        whole map is computed, and beyond each image is a region of its own in every window, so
+        the features are those of :meth:`forward` with ``valid_sizes`` (image-exact).
+        ``(B, C_in, H, W)`` -> as :meth:`forward`; no absolute position embedding with ``sizes``."""
+        plan = ops.plan_forward(x, self, compiled_blocks=True)  # (traced stage plans: plain torch ops)
+        if sizes is None:
+            return self._stages(x, plan)
+        x = torch.where(ops.valid_map(sizes, x.shape[-2], x.shape[-1]).unsqueeze(1), x, x.new_zeros(()))
+        return self._stages(x, plan, ops.stage_sizes(sizes, self.patch_size, self.num_stages))
+
+    def _stages(self, x: torch.Tensor, plan: ops.Plan, sizes: Optional[Sequence[torch.Tensor]] = None
+                ) -> Tuple[torch.Tensor, ...]:
+        """Patch embedding, stages and output norms of :meth:`forward`; ``sizes``: per stage the
+        images' ``(B, 2)`` token sizes of :meth:`forward_static`."""
         x = self.patch_embed(x)  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
             x = x + self._position_embeddings(x.shape[1], x.shape[2], plan.stages[0])
@@ -343,9 +370,11 @@ class SwinBackbone(BaseModule):
         last = self.out_indices[-1]
         for i in range(last + 1):
             stage, stage_plan = self.stages[i], plan.stages[i]
-            out = stage(x, stage_plan)
+            valid = None if sizes is None else ops.valid_map(sizes[i], x.shape[1], x.shape[2])  # (B, H_i, W_i)
+            out = stage(x, stage_plan) if valid is None else stage(x, stage_plan, valid)
             if i in self.out_indices:
-                outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan))
+                y = ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan)
+                outs.append(y if valid is None else torch.where(valid.unsqueeze(1), y, y.new_zeros(())))
             if i < last:
                 x = stage.downsample(out)
         return tuple(outs)

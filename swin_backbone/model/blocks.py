@@ -215,19 +215,24 @@ class SwinStage(nn.Module):
         )
         self.downsample = merging(embed_dims, norm=patch_norm) if downsample else None
 
-    def forward(self, x: torch.Tensor, plan: ops.Plan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ops.Plan, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
         stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or for a stage called on
         its own :func:`swin_backbone.ops.plan_forward`'s.
 
         With the plan's per-image valid sizes the blocks run on the images' real tokens alone,
         packed into ``(1, T, C)`` (each image in the windows it has alone: the planner's packed
-        layouts), and the map returned is zero beyond each image."""
+        layouts), and the map returned is zero beyond each image. ``valid`` (``(B, H, W)`` bool,
+        a traced plan's: static shapes) does the same on the whole map, with a mask per image."""
         b, h, w, c = x.shape
         with_cp = self.with_cp and self.training and plan.grad
         plan, regular, shifted = ops.plan_stage(
             plan, height=h, width=w, window_size=self.window_size, shift_size=self.shift_size,
             pad_small_map=self.pad_small_map, mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
+        if valid is not None:  # (each image a region of its own in every window)
+            valid = valid.reshape(b, h * w)
+            regular = ops.image_masked_layout(regular, valid)
+            shifted = None if shifted is None else ops.image_masked_layout(shifted, valid)
         packed = regular.rows  # (T,) rows of the flat map, or None: the whole map
         if packed is None:
             tokens = x.reshape(b, h * w, c)
@@ -240,6 +245,8 @@ class SwinStage(nn.Module):
                     tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
                 else:
                     tokens = block(tokens, layout, plan)
+        if valid is not None:  # zeros beyond each image, as packed
+            tokens = torch.where(valid.unsqueeze(-1), tokens, tokens.new_zeros(()))
         if packed is None:
             return tokens.view(b, h, w, c)
         # Zeros beyond each image: the next merging's cells there read what they read alone.

@@ -56,29 +56,35 @@ def compiles_regions(options: Optional[Mapping[str, Any]]) -> bool:
 
 def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
     """``module.compile(**options)`` for every module of :func:`compiled_regions`, or with
-    ``options['regions']`` ``False`` for the backbone itself; sets the backbone's
+    ``options['regions']`` ``False`` ``torch.compile`` of the backbone's ``forward_static`` (its
+    ``whole_graph``: static shapes with per-image sizes as a tensor); sets the backbone's
     ``regions_compiled`` and ``marks_cuda_graph_steps``; returns how many modules."""
     check_can_compile()
     backbone.regions_compiled = compiles_regions(options)
     backbone.marks_cuda_graph_steps = cuda_graph_steps(options)
-    regions = compiled_regions(backbone) if backbone.regions_compiled else [backbone]
     torch_options = {k: v for k, v in options.items() if k != "regions"}  # (regions is the backbone's own key)
-    for module in regions:
-        module.compile(**torch_options)
+    if backbone.regions_compiled:
+        regions = compiled_regions(backbone)
+        for module in regions:
+            module.compile(**torch_options)
+    else:
+        # The class's function, called with the backbone: a deep copy (an EMA model) runs its own weights.
+        regions = [backbone]
+        backbone.whole_graph = torch.compile(type(backbone).forward_static, **torch_options)
     allow_recompiles()
     return len(regions)
 
 
 def cuda_graph_steps(options: Optional[Mapping[str, Any]]) -> bool:
-    """Whether a CUDA forward with regions compiled with ``options`` replays them as CUDA graphs
-    (inductor's ``mode='reduce-overhead'`` or ``'max-autotune'``, ``options={'triton.cudagraphs':
-    True}``, or the ``'cudagraphs'`` backend; inductor's CPU code has none), so it marks a step.
+    """Whether a CUDA forward compiled with ``options`` replays CUDA graphs (inductor's
+    ``mode='reduce-overhead'`` or ``'max-autotune'``, ``options={'triton.cudagraphs': True}``, or
+    the ``'cudagraphs'`` backend; inductor's CPU code has none), so it marks a step.
 
     CUDA graph trees start a new step at each compiled call that no backward waits on: in
     inference each region would free the previous region's outputs, its own input (torch raises
     "accessing tensor output of CUDAGraphs that has been overwritten"). One forward is one step.
     """
-    if not compiles_regions(options):
+    if options is None:
         return False
     backend = options.get("backend", "inductor")
     if backend == "cudagraphs":

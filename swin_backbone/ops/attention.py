@@ -67,18 +67,19 @@ def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Ten
 
 
 def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
-    """``mask[:, None] + bias``: ``(nW, N, N)`` and ``(nH, N, N)`` -> ``(nW, nH, N, N)`` in ``dtype``
-    (with ``align``, a view with 8-aligned rows made by one addition)."""
+    """``mask[..., None, :, :] + bias``: ``(nW, N, N)`` (or per image ``(B, nW, N, N)``) and
+    ``(nH, N, N)`` -> ``(nW, nH, N, N)`` (``(B, nW, nH, N, N)``) in ``dtype`` (with ``align``, a view
+    with 8-aligned rows made by one addition)."""
     mask, bias = mask.to(dtype), bias.to(dtype)
     n = mask.shape[-1]
     pad = -n % 8
     if not align or pad == 0:
-        return mask.unsqueeze(1) + bias
+        return mask.unsqueeze(-3) + bias
     if mask.stride(-1) == 1 and mask.stride(-2) == n + pad:
         mask = mask.as_strided(mask.shape[:-1] + (n + pad,), mask.stride())
     else:
         mask = F.pad(mask, (0, pad))
-    return (mask.unsqueeze(1) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
+    return (mask.unsqueeze(-3) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
 
 
 class _TokenGather(torch.autograd.Function):
@@ -176,11 +177,12 @@ def attention_in_windows(
     scale: float, dropout_p: float, run: Attend, align: bool = False,
 ) -> torch.Tensor:
     """Attention of every window with ``run``: ``(B, nW * N, 3C)`` -> ``(B, nW * N, C)``; ``bias``
-    ``(nH, N, N)``; ``mask`` ``(nW, N, N)`` or ``None``.
+    ``(nH, N, N)``; ``mask`` ``(nW, N, N)``, per image ``(B, nW, N, N)``, or ``None``.
 
     Without a mask the windows attend with the bias alone, broadcast over windows; with one,
     with per-window biases, their windows in the heads dimension (``(B, nW * nH, N, d)``, one
-    copy) so the biases broadcast over the batch. One copy writes the result back in token order."""
+    copy) so the biases broadcast over the batch (or, per image, match it). One copy writes the
+    result back in token order."""
     batch, tokens, three_c = qkv.shape
     n, head_dim = tokens // num_windows, three_c // (3 * num_heads)
     heads = qkv.view(batch, num_windows, n, 3, num_heads, head_dim).permute(3, 0, 1, 4, 2, 5)  # (3, B, nW, nH, N, d)
@@ -188,12 +190,13 @@ def attention_in_windows(
         q, k, v = heads.flatten(1, 2).unbind(0)
         # (4-d: CPU SDPA runs its fused kernel for a (1, nH, N, N) mask, its math one for (nH, N, N))
         attn_bias = sdpa_ready(bias, qkv.dtype, align).unsqueeze(0)
-    elif batch == 1:
+    elif batch == 1 and mask.dim() == 3:
         q, k, v = heads.flatten(1, 2).unbind(0)
         attn_bias = per_window_bias(mask, bias, qkv.dtype, align)
     else:
         q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-        attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(1, num_windows * num_heads, n, n)
+        images = mask.shape[0] if mask.dim() == 4 else 1
+        attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(images, num_windows * num_heads, n, n)
     out = run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     out = out.view(batch, -1, num_heads, n, head_dim).transpose(2, 3)  # (B, nW, N, nH, d)
     return out.reshape(batch, tokens, three_c // 3)

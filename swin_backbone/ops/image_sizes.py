@@ -4,13 +4,14 @@ reads alone (docs/image-exact-batches.md).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 
 from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device
 from .plan import Sizes
-from .windows import ceil_div, mask_rows, output_size, row_length
+from .windows import MASK_VALUE, ceil_div, mask_rows, output_size, row_length
 
 #: :data:`~.plan.Sizes`, or ``None``: every image fills the map.
 ValidSizes = Optional[Sizes]
@@ -141,3 +142,46 @@ def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> tor
     if not boxes or (x.device.type == "cpu" and not any(x[b, :, r0:r1, c0:c1].any() for b, r0, r1, c0, c1 in boxes)):
         return x
     return zero_straddles_(x.clone(), valid_sizes, 2, patch_size)
+
+
+# ------------------------------------------------------------------------------ static shapes
+# The same image-exact result with every shape fixed by the batch alone (a static-shape graph,
+# a CUDA graph): the sizes are a tensor, the whole map is computed, and each image's tokens beyond
+# its size are a region of their own in every window (masks instead of packing).
+def sizes_tensor(valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
+    """``(B, 2)`` int64 ``(h, w)`` per image on ``device`` (moved without a host wait)."""
+    return to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
+
+
+def valid_map(sizes: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``(B, H, W)`` bool, True inside each image's ``(h, w)`` of ``sizes`` ``(B, 2)`` (traceable)."""
+    rows = torch.arange(height, device=sizes.device)[None, :, None] < sizes[:, 0, None, None]
+    cols = torch.arange(width, device=sizes.device)[None, None, :] < sizes[:, 1, None, None]
+    return rows & cols
+
+
+def stage_sizes(sizes: torch.Tensor, patch_size: int, num_stages: int) -> Tuple[torch.Tensor, ...]:
+    """Per stage, ``(B, 2)`` token sizes of the images whose input-pixel sizes are ``sizes``: the
+    patch embedding's ``ceil(s / patch_size)``, then each merging's ``ceil(s / 2)`` (as
+    :func:`~.windows.output_size`, on tensors)."""
+    out = [(sizes + patch_size - 1) // patch_size]
+    for _ in range(num_stages - 1):
+        out.append((out[-1] + 1) // 2)
+    return tuple(out)
+
+
+def image_masked_layout(layout: WindowLayout, valid: torch.Tensor) -> WindowLayout:
+    """``layout`` (a traced one, of the whole map) with one mask per image: ``(B, nW, N, N)``,
+    the map's own mask plus a mask between each image's tokens and those beyond it, so each image
+    attends within its windows as it does alone (its padding is a region of its own there too).
+    ``valid``: ``(B, H * W)`` bool, True inside the image."""
+    if not layout.traced:
+        raise ValueError("image_masked_layout: expected a traced layout (padding read at index H * W)")
+    n = layout.window * layout.window
+    dtype = torch.float32 if layout.mask is None else layout.mask.dtype
+    # (window padding reads the appended False: beyond every image)
+    flags = torch.nn.functional.pad(valid, (0, 1)).index_select(1, layout.index).view(valid.shape[0], -1, n)
+    mask = (flags[..., :, None] != flags[..., None, :]).to(dtype) * MASK_VALUE
+    if layout.mask is not None:
+        mask = mask + layout.mask
+    return dataclasses.replace(layout, mask=mask)

@@ -316,3 +316,61 @@ def test_upernet_slide_inference_crops_get_their_part():
     # input 96 x 96 (padded to 32); crops at 0 and 32 on each axis (stride 48, last aligned)
     crops = [(c[0], c[1]) for c in rec.calls]
     assert crops == [((64, 64), ((64, 64),)), ((64, 64), ((64, 58),)), ((64, 64), ((43, 64),)), ((64, 64), ((43, 58),))]
+
+
+def test_buckets_pad_batches_to_few_shapes_in_a_real_mask_rcnn():
+    """SwinDetDataPreprocessor(buckets=...) pads each batch up to its bucket (either orientation:
+    images, gt masks, batch_input_shape / pad_shape, as BatchFixedSizePad), the sizes still
+    attached; with the backbone compiled whole (dynamic=False) training batches of varied sizes
+    in one bucket add no graph after the first, and features stay each image's own."""
+    from mmengine.logging import MMLogger
+    from torch._dynamo.utils import counters
+
+    cfg = _cfg(DET, buckets=[(224, 256)])
+    cfg.model.backbone.drop_path_rate = 0.0
+    cfg.model.backbone.compile = dict(backend="aot_eager", dynamic=False, regions=False)
+    model = _build(cfg).train()
+    recorder = Recorder(model.backbone)
+    graphs = []
+    sizes = DET_SIZES + [(250, 120)]  # (the last one fits the bucket turned: 256 x 224)
+    for idx in ([0, 1], [1, 3], [0, 2], [4]):
+        images = _images(sizes)
+        data = model.data_preprocessor(_det_data(images, idx, with_gt=True), training=True)
+        inputs, samples = data["inputs"], data["data_samples"]
+        bucket = (256, 224) if idx == [4] else (224, 256)
+        assert tuple(inputs.shape[-2:]) == bucket, idx
+        for i, sample in zip(idx, samples):
+            assert sample.batch_input_shape == bucket and sample.pad_shape == bucket
+            assert sample.gt_instances.masks.masks.shape[-2:] == bucket
+            assert tuple(sample.img_shape) == sizes[i]
+        losses = model.loss(inputs, samples)
+        model.parse_losses(losses)[0].backward()
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    assert graphs[1] == graphs[2] == graphs[0] and graphs[3] == graphs[0] + 1  # one graph per bucket shape
+    _, attached, outs = recorder.calls[1]
+    assert attached == (DET_SIZES[1], DET_SIZES[3])
+    eager = _build(_cfg(DET)).eval()
+    eager.backbone.load_state_dict(model.backbone.state_dict())
+    with torch.no_grad():  # (image 3 alone, its valid size attached: its own features)
+        alone = eager.backbone(eager.data_preprocessor(_det_data(_images(sizes), [3]), False)["inputs"])
+    h, w = alone[0].shape[-2:]
+    assert (outs[0][1, :, :h, :w] - alone[0][0]).abs().max() < 1e-4 and outs[0][1, :, h:].abs().sum() == 0
+    # a batch larger than every bucket keeps its shape, and says so once
+    preprocessor = model.data_preprocessor
+    logger = MMLogger.get_current_instance()
+    records = []
+    handler = type("H", (__import__("logging").Handler,), {"emit": lambda self, r: records.append(r.getMessage())})()
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            big = preprocessor(_det_data(_images([(300, 200)]), [0]), training=False)
+            assert tuple(big["inputs"].shape[-2:]) == (320, 224)
+    finally:
+        logger.removeHandler(handler)
+    assert sum("fits none of the buckets" in m for m in records) == 1, records
+
+
+@pytest.mark.parametrize("bad", [[(224,)], [(0, 256)], "224x256", [(224.0, 256)]])
+def test_bad_buckets_are_a_clear_error(bad):
+    with pytest.raises(ValueError, match="buckets: expected"):
+        _build(_cfg(DET, buckets=bad))

@@ -126,8 +126,8 @@ def test_every_console_script_runs_and_exits_0(plain_venv):
     scripts = run([python, "-c", "import importlib.metadata as m; print('SCRIPTS', sorted(e.name for e in "
                    "m.distribution('swin-backbone').entry_points if e.group == 'console_scripts'))"], work)
     # Each installed entry point is run below: a new one fails here until it is covered.
-    assert last(scripts, "SCRIPTS ") == str(["swin-benchmark", "swin-convert-checkpoint", "swin-extract-features",
-                                             "swin-make-toy-data", "swin-test", "swin-train"])
+    assert last(scripts, "SCRIPTS ") == str(["swin-benchmark", "swin-buckets", "swin-convert-checkpoint",
+                                             "swin-extract-features", "swin-make-toy-data", "swin-test", "swin-train"])
     run([python, "-c", textwrap.dedent("""
         import numpy as np, torch
         from PIL import Image
@@ -166,7 +166,7 @@ def test_every_console_script_runs_and_exits_0(plain_venv):
                       "--num-val", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isfile(os.path.join(work, "data", "toy_coco", "annotations", "instances_val2017.json"))
-    for name, args in (("swin-train", []), ("swin-test", ["none.pth"])):
+    for name, args in (("swin-train", []), ("swin-test", ["none.pth"]), ("swin-buckets", [])):
         proc = script_run(python, work, name, "swin_backbone::toy/mask-rcnn_swin-toy_fpn_toy-coco.py", *args)
         error = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(error) == 1, proc.stderr[-3000:]
