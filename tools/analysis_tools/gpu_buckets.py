@@ -19,6 +19,9 @@ autocast, Swin-T, stochastic depth 0.2 as the detection configs:
    the stream's compiled one: no second compile).
 4. ``upernet`` (if the budget allows): UPerNet Swin-T 2x3x512x512 iterations, stock against ours
    eager and ours compiled whole with CUDA graphs (``configs/mmseg/upernet_swin-t_cudagraphs_...``).
+5. ``compiled_mmdet`` (a call of its own: ``--rows compiled_mmdet``): the stream's landscape
+   batches, mmdet compiled as a user would beside ours with buckets and CUDA graphs, first pass
+   (compiling) times and peak memory including the CUDA graph pools.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from swin_backbone.buckets import choose_bucket  # noqa: E402
 ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
 GRAPHS = dict(mode="reduce-overhead", dynamic=False, regions=False)
 CONFIG_1X = "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py"
+SAVE = [lambda: None]  #: writes the JSON (set by main)
 
 
 def sync(device):
@@ -166,6 +170,51 @@ def row_stream(args, results, device):
     row["peak_step_memory_mib_largest_batch"] = mem
     results["stream"] = row
     return models
+
+
+def row_compiled_mmdet(args, results, device):
+    """The landscape batches of the stream (one bucket, 800x1344): mmdet eager, mmdet
+    ``torch.compile``d as a user would (defaults: static first, dynamic shapes after a size
+    change), ours eager, ours with buckets and CUDA graphs; each model's first pass (compiling)
+    timed and its peak memory over it (CUDA graph pools included), then interleaved rounds."""
+    batches = [(shape, imgs) for shape, imgs in stream_batches(args) if shape[0] <= shape[1]]
+    bucket_set = [(800, 1344)] if not args.smoke else [(64, 96)]
+    models = backbones(device, 0.2)
+    models["mmdet_compiled"] = torch.compile(copy.deepcopy(models["mmdet"]))
+    items = []
+    for i, (shape, imgs) in enumerate(batches):
+        bucket = choose_bucket(*shape, bucket_set) or shape
+        items.append((make_input(shape, imgs, device, i), make_input(bucket, imgs, device, i), list(imgs)))
+    runs = {"mmdet": lambda x, b, s: train_backbone(models["mmdet"], x),
+            "mmdet_compiled": lambda x, b, s: train_backbone(models["mmdet_compiled"], x),
+            "ours": lambda x, b, s: train_backbone(models["ours"], x, s),
+            "ours_graphs": lambda x, b, s: train_backbone(models["ours_graphs"], b, s)}
+    row = {"batches": len(items), "distinct_shapes": len({tuple(x.shape[-2:]) for x, _, _ in items}),
+           "first_pass_s": {}, "peak_memory_mib_first_pass": {}}
+    for name, run in runs.items():
+        base = peak_reset(device)
+        t0 = time.perf_counter()
+        for x, b, s in items:
+            run(x, b, s)
+        sync(device)
+        row["first_pass_s"][name] = round(time.perf_counter() - t0, 1)
+        row["peak_memory_mib_first_pass"][name] = peak_mib(device, base)
+        results["compiled_mmdet"] = row
+        SAVE[0]()  # (each first pass may take minutes: kept if the call runs out of time)
+    before = graphs()
+    times = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for x, b, s in items:
+                run(x, b, s)
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / len(items) * 1e3)
+    row["graphs_added_after_first_pass"] = graphs() - before
+    row["ms_per_step"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    row["speedup_vs_mmdet"] = {k: round(row["ms_per_step"]["mmdet"] / v, 2) for k, v in row["ms_per_step"].items()}
+    results["compiled_mmdet"] = row
 
 
 def row_eval(args, results, device, models):
@@ -393,6 +442,7 @@ def main(argv=None):
             json.dump(results, f, indent=1, default=str)
         print(json.dumps(results, default=str), flush=True)
 
+    SAVE[0] = save
     models = None
     rows = args.rows.split(",")
     for name in rows:
@@ -408,6 +458,8 @@ def main(argv=None):
                 row_mask_rcnn(args, results, device, models)
             elif name == "upernet":
                 row_upernet(args, results, device)
+            elif name == "compiled_mmdet":
+                row_compiled_mmdet(args, results, device)
         except Exception as err:  # recorded, the next row still runs
             results["errors"][name] = traceback.format_exc()[-3000:]
             print(f"{name}: {type(err).__name__}: {err}", flush=True)
