@@ -336,7 +336,7 @@ def _load_for_arch(backbone: nn.Module, checkpoint: str, arch: Optional[str]) ->
     """Load ``checkpoint`` (any format; V1 or V2 detected from its keys); a checkpoint of the
     other Swin version is refused with the ``arch`` names that would take it."""
     from .checkpoint import CheckpointError, detect_format, load_checkpoint, read_checkpoint, unwrap_state_dict
-    from .checkpoint.formats_v2 import swin_version
+    from .checkpoint.base import swin_version
 
     try:
         load_checkpoint(backbone, checkpoint)

@@ -12,7 +12,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swin_backbone.tools.extract_features import *  # noqa: E402,F401,F403  (the old module's names)
 from swin_backbone.tools.extract_features import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swin_backbone.tools.test import *  # noqa: E402,F401,F403  (the module's names, as before the move)
 from swin_backbone.tools.test import cli  # noqa: E402
 
 if __name__ == "__main__":

@@ -30,9 +30,8 @@ from typing import Dict, List
 
 import torch
 
-from .base import FROM_OURS, CheckpointError, to_ours  # noqa: F401  (importable from here, as before)
-from .base import Converted, Rule, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename, register_format
-from .base import rewrite_key, stage_depths, stage_tensor
+from .base import CheckpointError, Converted, Rule, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename
+from .base import register_format, rewrite_key, stage_depths, stage_tensor
 from .resize import table_window
 
 V1_FORMATS = ("ours", "official", "mmdet", "timm", "torchvision")

@@ -31,7 +31,6 @@ from typing import Dict, Iterable, List
 
 import torch
 
-from .base import V2_FROM_OURS, swin_version  # noqa: F401  (importable from here, as before)
 from .base import CheckpointError, Converted, StateDict, _drop_common, _final_norm_rule, _num_stages, _rename
 from .base import register_format, rewrite_key, stage_depths, stage_tensor
 from .formats import MMLAB_TO_OURS, OURS_TO_MMLAB, STAGES_TO_LAYERS, official_to_unfold, timm_to_ours

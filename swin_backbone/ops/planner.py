@@ -25,9 +25,6 @@ from .windows import output_size
 
 #: The backbone's ``attention`` argument (``'auto'`` = ``'sdpa'``).
 ATTENTION_CHOICES = ("auto", "sdpa")
-#: Values that were accepted once, and where the reason they went is written down.
-REMOVED_ATTENTION = {"triton": "the fused Triton kernel was removed (docs/performance.md, \"The fused Triton kernel, "
-                               "removed\"): use 'auto' or 'sdpa'"}
 
 ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention`` argument
 
@@ -67,8 +64,7 @@ def resolve_attention(value: object, name: str = "attention") -> str:
     if env:
         name, value = ENV_VAR, env
     if not isinstance(value, str) or value not in ATTENTION_CHOICES:
-        removed = f"; {REMOVED_ATTENTION[value]}" if isinstance(value, str) and value in REMOVED_ATTENTION else ""
-        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}{removed}")
+        raise ValueError(f"{name}: expected one of {ATTENTION_CHOICES}, got {value!r}")
     return value
 
 

@@ -14,15 +14,8 @@ from typing import Optional
 import torch
 from mmengine.config import Config
 
-from ..mmlab.optim import BF16AutocastOptimWrapper  # noqa: F401  (what --amp names on the CPU)
+from ..mmlab.runner import config_scope, require_checkpoint_match
 from .common import one_line
-from .job import leave_job  # noqa: F401  (tools/train.py and tools/test.py end with it)
-from ..mmlab.runner import (  # noqa: F401  (the tools' one namespace: tools/test.py uses them as R.*)
-    SCOPES,
-    CheckpointMismatchError,
-    config_scope,
-    require_checkpoint_match,
-)
 
 
 def add_common_args(parser) -> None:
@@ -160,7 +153,8 @@ def enable_amp(cfg: Config) -> None:
 
     On CUDA: ``AmpOptimWrapper`` with dynamic loss scaling (fp16). Without CUDA, mmengine's
     AmpOptimWrapper refuses to run, so CPU training uses bf16 autocast (no loss scaling
-    needed) with :class:`BF16AutocastOptimWrapper`.
+    needed) with :class:`~swin_backbone.mmlab.optim.BF16AutocastOptimWrapper` (registered by
+    ``import swin_backbone``).
     """
     if torch.cuda.is_available():
         cfg.optim_wrapper.type = "AmpOptimWrapper"

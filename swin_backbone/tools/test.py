@@ -10,7 +10,9 @@ import argparse
 import os
 
 from ..checkpoint.remote import fetch, is_reference, resolve
+from ..mmlab.runner import CheckpointMismatchError, config_scope
 from . import runner as R
+from .job import leave_job
 
 
 def parse_args(argv=None):
@@ -38,7 +40,7 @@ def main(argv=None):
         elif not os.path.isfile(args.checkpoint):
             raise FileNotFoundError(f"checkpoint {args.checkpoint!r}: no such file")
         R.single_process_runner(cfg, args.checkpoint)
-        scope = R.config_scope(cfg)
+        scope = config_scope(cfg)
         if args.out and scope == "mmdet" and not args.out.endswith((".pkl", ".pickle")):
             raise ValueError(f"--out: expected a .pkl file, got {args.out!r}")
         if args.out and scope == "mmseg" and os.path.isfile(args.out):
@@ -60,7 +62,7 @@ def main(argv=None):
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
     try:
         metrics = runner.test()
-    except R.CheckpointMismatchError as err:
+    except CheckpointMismatchError as err:
         raise SystemExit(f"{R.program('test.py')}: error: {err}") from err
     return metrics
 
@@ -68,7 +70,7 @@ def main(argv=None):
 def cli() -> None:
     """The command (``swin-test``, ``python -m swin_backbone.tools.test``, tools/test.py)."""
     main()
-    R.leave_job(0)  # a torchrun rank ends without the process group's teardown
+    leave_job(0)  # a torchrun rank ends without the process group's teardown
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from . import runner as R
+from .job import leave_job
 
 
 def parse_args(argv=None):
@@ -53,7 +54,7 @@ def main(argv=None):
 def cli() -> None:
     """The command (``swin-train``, ``python -m swin_backbone.tools.train``, tools/train.py)."""
     main()
-    R.leave_job(0)  # a torchrun rank ends without the process group's teardown
+    leave_job(0)  # a torchrun rank ends without the process group's teardown
 
 
 if __name__ == "__main__":

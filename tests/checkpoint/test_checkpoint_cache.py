@@ -17,7 +17,7 @@ import torch
 
 from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
 from swin_backbone.checkpoint import read_checkpoint
-from swin_backbone.checkpoint.formats import FROM_OURS
+from swin_backbone.checkpoint.base import FROM_OURS
 from swin_backbone.checkpoint.remote import cache_dir, cached_file, expected_hash, fetch, is_ambiguous
 
 from ..helpers import TINY

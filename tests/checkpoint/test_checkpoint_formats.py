@@ -7,7 +7,7 @@ import torch
 
 from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
 from swin_backbone.checkpoint import detect_format, unwrap_state_dict
-from swin_backbone.checkpoint.formats import FROM_OURS
+from swin_backbone.checkpoint.base import FROM_OURS
 
 from ..helpers import randomize as _randomize
 
@@ -277,7 +277,7 @@ def test_every_format_module_registers_its_layouts():
     # checkpoint.detect imports the three format modules (V1, V2, transformers); each registers
     # into checkpoint.base, in this order
     from swin_backbone.checkpoint import FORMATS
-    from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
+    from swin_backbone.checkpoint.base import V2_FROM_OURS
 
     assert FORMATS == ("ours", "official", "mmdet", "timm", "torchvision", "ours-v2", "official-v2",
                        "mmpretrain-v2", "timm-v2", "torchvision-v2", "hf", "hf-v2")
@@ -288,7 +288,7 @@ def test_every_format_module_registers_its_layouts():
 def test_whole_model_load_reports_leftovers_through_torch():
     # Through the state-dict pre-hook (load_from / --resume path), keys the backbone lacks are
     # not dropped silently: torch lists them, already converted to our names.
-    from swin_backbone.checkpoint.formats import FROM_OURS
+    from swin_backbone.checkpoint.base import FROM_OURS
 
     class Detector(torch.nn.Module):
         def __init__(self, arch):

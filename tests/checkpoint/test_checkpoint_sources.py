@@ -6,8 +6,7 @@ import torch
 
 from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint
 from swin_backbone.checkpoint import read_checkpoint, write_checkpoint
-from swin_backbone.checkpoint.formats import FROM_OURS
-from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
+from swin_backbone.checkpoint.base import FROM_OURS, V2_FROM_OURS
 
 from ..helpers import TINY as V1
 

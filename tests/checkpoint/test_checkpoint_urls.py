@@ -15,7 +15,7 @@ import torch
 
 from swin_backbone import CheckpointError, SwinBackbone, load_checkpoint
 from swin_backbone.checkpoint import read_checkpoint
-from swin_backbone.checkpoint.formats import FROM_OURS
+from swin_backbone.checkpoint.base import FROM_OURS
 from swin_backbone.checkpoint.remote import cache_dir, cached_file, fetch
 
 from ..helpers import TINY

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone, load_checkpoint
-from swin_backbone.checkpoint.formats import FROM_OURS
+from swin_backbone.checkpoint.base import FROM_OURS
 
 from ..helpers import TINY
 

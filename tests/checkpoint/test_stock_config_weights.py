@@ -33,7 +33,7 @@ pytest.importorskip("mmseg")
 
 from swin_backbone import SwinBackbone, load_checkpoint  # noqa: E402
 from swin_backbone.checkpoint import prepare_state_dict  # noqa: E402
-from swin_backbone.checkpoint.formats import FROM_OURS  # noqa: E402
+from swin_backbone.checkpoint.base import FROM_OURS  # noqa: E402
 from swin_backbone.model.dropin import PRETRAINED_DEPRECATION  # noqa: E402
 
 from ..mmlab.library_configs import (CASES, assert_case_features, build, config_root, one_word_change,  # noqa: E402

@@ -5,8 +5,8 @@ import torch
 
 from swin_backbone import SwinV2Backbone, load_checkpoint
 from swin_backbone.checkpoint import detect_format
+from swin_backbone.checkpoint.base import V2_FROM_OURS
 from swin_backbone.checkpoint.formats import official_to_unfold
-from swin_backbone.checkpoint.formats_v2 import V2_FROM_OURS
 from swin_backbone.tools.convert_checkpoint import main as convert_main
 
 from ..helpers import TINY as SMALL

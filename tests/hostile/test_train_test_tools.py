@@ -29,8 +29,8 @@ def files(tmp_path_factory):
 
 
 def _tool(name):
-    from tools import test as test_tool
-    from tools import train as train_tool
+    from swin_backbone.tools import test as test_tool
+    from swin_backbone.tools import train as train_tool
 
     return {"test": test_tool, "train": train_tool}[name]
 

@@ -17,7 +17,6 @@ import glob
 import json
 import math
 import os
-import runpy
 
 import pytest
 import torch
@@ -144,9 +143,10 @@ def test_sharded_folder_tests_at_its_world_size_only(tmp_path, seg_fsdp_run, toy
     work, _ = seg_fsdp_run
     folder = os.path.join(work, f"iter_{ITERS}.pth")
     cfg = os.path.join(work, os.path.basename(SEG_FSDP))  # the work-dir copy
-    tool = runpy.run_path(os.path.join(ROOT, "tools", "test.py"), run_name="tools_test")  # as a module
+    from swin_backbone.tools.test import main
+
     with pytest.raises(SystemExit) as one:  # in one process (no launcher): the one-line error, status 1
-        tool["main"]([cfg, folder, "--work-dir", str(tmp_path / "one")])
+        main([cfg, folder, "--work-dir", str(tmp_path / "one")])
     assert str(one.value).startswith("tools/test.py: error: checkpoint")
     assert "a sharded FSDP checkpoint of 2 ranks" in str(one.value) and "this run has 1 process" in str(one.value)
     launch(["tools/slurm_test.sh", "debug", "swin-toy-test", cfg, folder, "--work-dir", str(tmp_path / "test")],

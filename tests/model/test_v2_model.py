@@ -246,7 +246,7 @@ def test_training_gradients_match_timm_in_float64():
     ref_grads = dict(zip([n for n, _ in ref.named_parameters() if not n.startswith("head")],
                          torch.autograd.grad((expected * probe).sum(),
                                              [p for n, p in ref.named_parameters() if not n.startswith("head")])))
-    from swin_backbone.checkpoint.formats import to_ours
+    from swin_backbone.checkpoint.base import to_ours
 
     converted, _, _ = to_ours(ref_grads, "timm-v2")
     assert set(converted) == set(ours_grads)

@@ -91,18 +91,18 @@ def test_bad_kernel_arguments_raise():
         ops.resolve_attention("flash")
 
 
-def test_the_removed_triton_kernel_is_a_clear_error(monkeypatch):
-    # attention='triton' (the fused kernel, removed without a GPU measurement, issue #47) names the
-    # argument, the accepted values, that the kernel was removed and where the reason is written.
+@pytest.mark.parametrize("value", ["flash", "triton", "SDPA"])
+def test_an_unknown_attention_value_is_a_clear_error(monkeypatch, value):
+    # The backbone's argument and the environment variable that overrides it: the error names
+    # which one was wrong, the accepted values and the value given.
     from swin_backbone import SwinBackbone
 
-    removed = (r"\('auto', 'sdpa'\), got 'triton'; the fused Triton kernel was removed "
-               r"\(docs/performance.md, \"The fused Triton kernel, removed\"\)")
     tiny = dict(embed_dims=8, depths=(1,), num_heads=(1,), out_indices=(0,))
-    with pytest.raises(ValueError, match=r"^attention: expected one of " + removed):
-        SwinBackbone(**tiny, attention="triton")
-    monkeypatch.setenv(planner.ENV_VAR, "triton")
-    with pytest.raises(ValueError, match=r"^SWIN_BACKBONE_ATTENTION: expected one of " + removed):
+    expected = r" expected one of \('auto', 'sdpa'\), got '%s'$" % value
+    with pytest.raises(ValueError, match=r"^attention:" + expected):
+        SwinBackbone(**tiny, attention=value)
+    monkeypatch.setenv(planner.ENV_VAR, value)
+    with pytest.raises(ValueError, match=r"^SWIN_BACKBONE_ATTENTION:" + expected):
         SwinBackbone(**tiny)
 
 
@@ -201,20 +201,113 @@ def test_per_window_bias_aligned_equals_plain_sum(size, shift):
             assert all(st % 8 == 0 for st in out.stride()[:-1])
 
 
-@pytest.mark.parametrize("size,shift,mask_padding", [((14, 21), 3, True), ((14, 21), 3, False), ((9, 12), 0, True),
-                                                     ((9, 12), 3, True), ((14, 14), 0, True)])
-@pytest.mark.parametrize("align", [False, True])
-def test_layout_masks_are_the_window_attention_masks(size, shift, mask_padding, align):
-    # The layout's mask is the official region mask (None where no window mixes regions), in
-    # the compute dtype, with 8-aligned rows where asked.
+def _same_shifted_window(y1, x1, y2, x2, window, shift):
+    """Whether two tokens of the padded map share a window of the shifted partition (Liu et al.
+    2021, Figure 2: the window grid moved by ``shift`` down and right, its windows at the map's
+    edges cut short; rows / columns above / left of ``shift`` form windows of their own)."""
+    return (y1 - shift) // window == (y2 - shift) // window and (x1 - shift) // window == (x2 - shift) // window
+
+
+def _allowed_pairs(height, width, window, shift, mask_padding):
+    """Brute force over token coordinates: ``(nW, N, N)`` bool, whether query ``i`` of a window of
+    the cyclically shifted map may attend to its key ``j``. The map is padded bottom / right to
+    whole windows and rolled by ``-shift``: position ``(r, c)`` shows the padded map's
+    ``((r + shift) % Hp, (c + shift) % Wp)``; windows row-major, tokens row-major in a window. Two
+    tokens attend iff they share a window of the shifted partition and, with ``mask_padding``,
+    both are image tokens, or both are padding (whose outputs are cropped)."""
+    hp, wp = -(-height // window) * window, -(-width // window) * window
+    windows = []
+    for top in range(0, hp, window):
+        for left in range(0, wp, window):
+            tokens = [((r + shift) % hp, (c + shift) % wp)
+                      for r in range(top, top + window) for c in range(left, left + window)]
+            rows = []
+            for y1, x1 in tokens:
+                row = []
+                for y2, x2 in tokens:
+                    together = _same_shifted_window(y1, x1, y2, x2, window, shift)
+                    if mask_padding:
+                        real1, real2 = y1 < height and x1 < width, y2 < height and x2 < width
+                        together = (together and real1 and real2) or not (real1 or real2)
+                    row.append(together)
+                rows.append(row)
+            windows.append(rows)
+    return torch.tensor(windows)
+
+
+MASK_CASES = [  # (H, W), window, shift, mask_padding
+    ((14, 21), 7, 3, True), ((14, 21), 7, 3, False), ((14, 14), 7, 0, True), ((9, 12), 7, 0, True),
+    ((9, 12), 7, 0, False), ((9, 12), 7, 3, True), ((9, 12), 7, 3, False), ((22, 15), 7, 3, True), ((5, 3), 7, 3, True),
+    ((3, 5), 3, 1, True), ((8, 10), 4, 2, True), ((8, 10), 4, 2, False),
+]
+
+
+@pytest.mark.parametrize("size,window,shift,mask_padding", MASK_CASES)
+@pytest.mark.parametrize("dtype,align", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_masks_allow_exactly_the_pairs_of_one_shifted_window(size, window, shift, mask_padding, dtype, align):
+    # The layout's mask and window_attention_mask against token coordinates worked out here:
+    # (nW, N, N), 0 exactly where two tokens may attend to each other; elsewhere a finite value
+    # whose softmax weight is exactly 0; None where no window mixes regions; 8-aligned rows
+    # where asked.
     cpu = torch.device("cpu")
-    layout = build_window_layout(*size, 7, shift, mask_padding, cpu, torch.bfloat16, align)
-    expected = window_attention_mask(*size, 7, shift, mask_padding, cpu, torch.bfloat16, align)
-    if expected is None:
-        assert layout.mask is None
-        return
-    assert layout.mask.dtype == torch.bfloat16 and layout.mask.stride() == expected.stride()
-    assert torch.equal(layout.mask, expected)
+    allowed = _allowed_pairs(*size, window, shift, mask_padding)
+    n = window * window
+    assert allowed.shape == (-(-size[0] // window) * -(-size[1] // window), n, n)
+    layout = build_window_layout(*size, window, shift, mask_padding, cpu, dtype, align)
+    for mask in (layout.mask, window_attention_mask(*size, window, shift, mask_padding, cpu, dtype, align)):
+        if bool(allowed.all()):
+            assert mask is None
+            continue
+        assert mask.shape == allowed.shape and mask.dtype == dtype
+        assert torch.equal(mask == 0, allowed)
+        masked = mask[~allowed].float()
+        assert torch.isfinite(masked).all() and torch.exp(masked).eq(0).all()
+        if align:
+            assert mask.stride(-1) == 1 and mask.stride(-2) % 8 == 0 and mask.stride(0) % 8 == 0
+
+
+def _attention_token_by_token(x, qkv, proj, table, table_window, height, width, window, shift, heads, scale,
+                              mask_padding):
+    """Shifted-window attention of each image token, computed on its own: its keys are the tokens
+    of its window of the shifted partition (:func:`_same_shifted_window`) in the padded map
+    (padding: zero inputs), only the image's with ``mask_padding``; the bias is the table's row
+    of their offset."""
+    b, _, c = x.shape
+    hp, wp = -(-height // window) * window, -(-width // window) * window
+    grid = x.new_zeros(b, hp, wp, c)
+    grid[:, :height, :width] = x.view(b, height, width, c)
+    q, k, v = qkv(grid).view(b, hp, wp, 3, heads, c // heads).unbind(3)  # (B, Hp, Wp, nH, d) each
+    side = 2 * table_window - 1
+    out = []
+    for y in range(height):
+        for x_ in range(width):
+            keys = [(y2, x2) for y2 in range(hp) for x2 in range(wp)
+                    if _same_shifted_window(y, x_, y2, x2, window, shift)
+                    and (not mask_padding or (y2 < height and x2 < width))]
+            ys, xs = torch.tensor(keys).unbind(1)
+            bias = table[(y - ys + table_window - 1) * side + (x_ - xs + table_window - 1)].t()  # (nH, K)
+            logits = torch.einsum("bhd,bkhd->bhk", q[:, y, x_], k[:, ys, xs]) * scale + bias
+            out.append(torch.einsum("bhk,bkhd->bhd", logits.softmax(-1), v[:, ys, xs]).reshape(b, c))
+    return proj(torch.stack(out, 1))
+
+
+@pytest.mark.parametrize("size,window,shift,mask_padding", [
+    ((9, 12), 7, 3, True), ((9, 12), 7, 3, False), ((9, 12), 7, 0, True), ((14, 14), 7, 3, True), ((5, 3), 7, 3, True),
+    ((8, 10), 4, 2, False),
+])
+def test_reference_attention_is_each_token_attending_its_shifted_window(size, window, shift, mask_padding):
+    # The reference algorithm (pad, roll, windows, mask, unroll) that every kernel is checked
+    # against computes, for each token, attention over its window of the shifted partition.
+    from swin_backbone.ops.attention import reference_window_attention
+
+    torch.manual_seed(0)
+    (h, w), heads, table_window = size, 2, 7
+    attn = WindowAttention(16, heads, table_window).double()
+    torch.nn.init.normal_(attn.relative_position_bias_table, std=1.0)
+    x = torch.randn(2, h * w, 16, dtype=torch.float64)
+    args = (attn.qkv, attn.proj, attn.relative_position_bias_table, table_window, h, w, window, shift, heads,
+            attn.scale, mask_padding)
+    torch.testing.assert_close(reference_window_attention(x, *args), _attention_token_by_token(x, *args))
 
 
 def test_masked_windows_are_the_last_row_and_column():

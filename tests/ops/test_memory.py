@@ -8,6 +8,8 @@
   run by row chunks, in place: same values as whole tensors. A hook or a replaced module turns
   the chunks off (the hook sees the whole tensor once).
 """
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -50,19 +52,28 @@ def _residual(block, x, save_memory, plain=True):
         return ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, block.mlp.fc1.out_features, plan)
 
 
-@pytest.mark.parametrize("total,row_bytes,budget", [(0, 8, 32), (1, 8, 32), (2048, 3, 4096), (32768, 12, 65536),
-                                                     (10, 8, 24), (10, 8, 80), (10, 8, 8), (10, 100, 8), (10, 8, 0)])
-def test_row_chunks_cover_evenly(total, row_bytes, budget):
-    parts = regions.row_chunks(total, row_bytes, budget)
-    covered = [i for p in parts for i in range(total)[p]]
-    assert covered == list(range(total))  # in order, each once
-    sizes = [len(range(total)[p]) for p in parts]
-    if budget == 0:
-        assert len(parts) == 1
-    else:  # within the budget where a row fits it, else one row each; as few slices as that allows
-        assert (max(sizes) - 1) * row_bytes < budget  # within the budget, up to a row of the even split
-        assert len(parts) == max(1, min(total, -(-total * row_bytes // budget)))
-    assert max(sizes) - min(sizes) <= 1
+def test_row_chunks_cover_every_row_once_in_as_few_chunks_as_the_budget_allows():
+    # Over a grid of row counts, row sizes and budgets (0: whole tensors): the chunks are the
+    # rows in order, each once, none empty (one empty chunk for no rows); as even as possible;
+    # each within the budget, or over it by less than a row (rows do not split, and even
+    # chunks round up); and no chunk more than needed: one chunk fewer could not hold every byte
+    # within the budget, which any chunking must respect.
+    for total, row_bytes, budget in itertools.product((0, 1, 2, 3, 7, 10, 64, 1000, 2048), (1, 3, 8, 100),
+                                                      (0, 1, 8, 20, 24, 80, 100, 4096, 65536)):
+        case = dict(total=total, row_bytes=row_bytes, budget=budget)
+        parts = regions.row_chunks(total, row_bytes, budget)
+        rows = [list(range(total)[p]) for p in parts]
+        assert [i for chunk in rows for i in chunk] == list(range(total)), case
+        assert all(rows) or (total == 0 and len(parts) == 1), case
+        sizes = [len(chunk) for chunk in rows]
+        assert max(sizes) - min(sizes) <= 1, case
+        if budget == 0:
+            assert len(parts) == 1, case
+            continue
+        assert all(size * row_bytes < budget + row_bytes for size in sizes), case
+        if row_bytes > budget:
+            assert max(sizes) <= 1, case  # a row over the budget: one row each
+        assert (len(parts) - 1) * budget < total * row_bytes or len(parts) == 1, case
 
 
 # ------------------------------------------------------------ training: no norm / GELU output kept

@@ -11,7 +11,7 @@ from PIL import Image
 
 from swin_backbone import SwinBackbone
 from swin_backbone.features import IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, extract_features, pca_rgb
-from tools import extract_features as tool
+from swin_backbone.tools import extract_features as tool
 
 from ..helpers import small_arch
 
