@@ -117,6 +117,22 @@ def train_backbone(model, x, sizes=None):
     model.zero_grad(set_to_none=True)
 
 
+def timed_rounds(row, runs, items, device, rounds):
+    """``rounds`` interleaved passes of each of ``runs`` over ``items``: the row's ``ms_per_step``
+    (medians) and ``speedup_vs_mmdet``."""
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for x, b, s in items:
+                run(x, b, s)
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / len(items) * 1e3)
+    row["ms_per_step"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    row["speedup_vs_mmdet"] = {k: round(row["ms_per_step"]["mmdet"] / v, 2) for k, v in row["ms_per_step"].items()}
+
+
 def row_stream(args, results, device):
     bucket_set = [(800, 1344)] if not args.smoke else [(64, 96)]
     batches = stream_batches(args)
@@ -148,19 +164,8 @@ def row_stream(args, results, device):
         for x, b, s in items:
             run(x, b, s)
     before = graphs()
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for x, b, s in items:
-                run(x, b, s)
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / len(items) * 1e3)
+    timed_rounds(row, runs, items, device, args.rounds)
     row["graphs_added_after_warmup"] = graphs() - before
-    row["ms_per_step"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    ref = row["ms_per_step"]["mmdet"]
-    row["speedup_vs_mmdet"] = {k: round(ref / v, 2) for k, v in row["ms_per_step"].items()}
     mem = {}
     x, b, s = max(items, key=lambda it: it[0].numel())
     for name, run in runs.items():
@@ -202,18 +207,8 @@ def row_compiled_mmdet(args, results, device):
         results["compiled_mmdet"] = row
         SAVE[0]()  # (each first pass may take minutes: kept if the call runs out of time)
     before = graphs()
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for name, run in runs.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for x, b, s in items:
-                run(x, b, s)
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / len(items) * 1e3)
+    timed_rounds(row, runs, items, device, args.rounds)
     row["graphs_added_after_first_pass"] = graphs() - before
-    row["ms_per_step"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    row["speedup_vs_mmdet"] = {k: round(row["ms_per_step"]["mmdet"] / v, 2) for k, v in row["ms_per_step"].items()}
     results["compiled_mmdet"] = row
 
 
