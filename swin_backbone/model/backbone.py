@@ -100,7 +100,7 @@ class SwinBackbone(BaseModule):
             line says which, by device).
         save_memory: in training, keep no LayerNorm or GELU output for backward (backward rebuilds
             them from their inputs: pointwise, no matmul, every module run once). ``None`` (the
-            default): on the CPU only, where it costs no measured time; ``True``: on every device
+            default): on the CPU only (docs/performance.md: the memory it saves, the time); ``True``: on every device
             (on CUDA it saves memory for time per step: docs/performance.md, "GPU"); ``False``:
             never.
 

@@ -22,6 +22,10 @@ autocast, Swin-T, stochastic depth 0.2 as the detection configs:
 5. ``compiled_mmdet`` (a call of its own: ``--rows compiled_mmdet``): the stream's landscape
    batches, mmdet compiled as a user would beside ours with buckets and CUDA graphs, first pass
    (compiling) times and peak memory including the CUDA graph pools.
+6. ``memory`` (a call of its own): peak training memory at the 800x1344 bucket with the graphs'
+   pools counted, ours graphs with and without ``save_memory``, beside mmdet and ours eager.
+7. ``losses`` (a call of its own): 200 Mask R-CNN iterations, backbone eager against compiled
+   whole with CUDA graphs, the same weights, data and seeds: the two loss curves.
 """
 from __future__ import annotations
 
@@ -210,6 +214,82 @@ def row_compiled_mmdet(args, results, device):
     timed_rounds(row, runs, items, device, args.rounds)
     row["graphs_added_after_first_pass"] = graphs() - before
     results["compiled_mmdet"] = row
+
+
+def row_memory(args, results, device):
+    """Peak memory of a training step at the 800x1344 bucket including CUDA graph pools (each
+    model's peak over its first call, compiling and capturing, and 3 more steps), and step time:
+    mmdet eager, ours eager, ours graphs with ``save_memory`` False and True (a call of its own)."""
+    size = (64, 96) if args.smoke else (800, 1344)
+    sizes = [size, (size[0] * 3 // 4, size[1])]
+    x = make_input(size, sizes, device, 0)
+    base_models = backbones(device, 0.2)
+    lean = SwinBackbone(arch=None, **ARCH, drop_path_rate=0.2, compile=GRAPHS, save_memory=True)
+    lean.load_state_dict(base_models["ours"].state_dict())
+    models = {"mmdet": base_models["mmdet"], "ours": base_models["ours"], "ours_graphs": base_models["ours_graphs"],
+              "ours_graphs_save_memory": lean.to(device).train()}
+    runs = {k: (lambda m, k=k: (lambda: train_backbone(m, x) if k == "mmdet" else train_backbone(m, x, sizes)))(m)
+            for k, m in models.items()}
+    row = {"size": list(size), "peak_mib": {}, "first_call_s": {}}
+    results["memory"] = row
+    for name, run in runs.items():
+        base = peak_reset(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        row["first_call_s"][name] = round(time.perf_counter() - t0, 1)
+        for _ in range(3):
+            run()
+        row["peak_mib"][name] = peak_mib(device, base)
+        SAVE[0]()
+    times = {k: [] for k in runs}
+    for _ in range(args.rounds * 5):
+        for name, run in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / 5 * 1e3)
+    row["ms"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    row["speedup_vs_mmdet"] = {k: round(row["ms"]["mmdet"] / v, 2) for k, v in row["ms"].items()}
+    row["memory_vs_mmdet"] = {k: round(v / row["peak_mib"]["mmdet"], 2) for k, v in row["peak_mib"].items()
+                              if v is not None and row["peak_mib"]["mmdet"]}
+
+
+def row_losses(args, results, device):
+    """Mask R-CNN 1x with the 800x1344 bucket, stochastic depth off, the same weights, data and
+    seeds: ``--loss-iters`` training iterations with the backbone eager and compiled whole with
+    CUDA graphs; the two loss curves (a call of its own)."""
+    cfg = bucket_tool.read_config("mmdet/mask-rcnn_swin-t-p4-w7_fpn_buckets-cudagraphs_1x_coco.py")
+    cfg.model.backbone.pop("init_cfg", None)
+    cfg.model.backbone.drop_path_rate = 0.0
+    if args.smoke:
+        cfg.model.data_preprocessor.buckets = [(64, 96)]
+    dets = {}
+    for name, compile in (("eager", False), ("graphs", dict(GRAPHS))):
+        cfg.model.backbone.compile = compile
+        dets[name] = build_detector(cfg, device)
+    dets["graphs"].load_state_dict(dets["eager"].state_dict())
+    batches = stream_batches(args)
+    data = [det_data(imgs, device, i) for i, (_, imgs) in enumerate(batches)]
+    row = {"iterations": args.loss_iters, "loss": {}}
+    results["losses"] = row
+    for name, det in dets.items():
+        wrapper = optim_wrapper(det)
+        losses = []
+        t0 = time.perf_counter()
+        for step in range(args.loss_iters):
+            torch.manual_seed(step)  # (the heads' samplers)
+            log = det.train_step(copy.copy(data[step % len(data)]), wrapper)
+            losses.append(round(float(log["loss"]), 5))
+        row["loss"][name] = losses
+        row[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+        SAVE[0]()
+    e, g = np.array(row["loss"]["eager"]), np.array(row["loss"]["graphs"])
+    row["max_abs_diff"] = float(np.abs(e - g).max())
+    row["max_rel_diff"] = float((np.abs(e - g) / np.abs(e).clip(1e-6)).max())
+    row["last20_mean"] = {"eager": float(e[-20:].mean()), "graphs": float(g[-20:].mean())}
 
 
 def row_eval(args, results, device, models):
@@ -411,7 +491,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which later rows are skipped")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the code)")
-    p.add_argument("--rows", default="stream,eval,mask_rcnn,upernet")
+    p.add_argument("--rows", default="stream,eval,mask_rcnn,upernet",
+                   help="also: compiled_mmdet, memory, losses (each a call of its own on an H200)")
+    p.add_argument("--loss-iters", type=int, default=200, help="iterations of the losses row")
     args = p.parse_args(argv)
     device = args.device
     import logging
@@ -455,6 +537,10 @@ def main(argv=None):
                 row_upernet(args, results, device)
             elif name == "compiled_mmdet":
                 row_compiled_mmdet(args, results, device)
+            elif name == "memory":
+                row_memory(args, results, device)
+            elif name == "losses":
+                row_losses(args, results, device)
         except Exception as err:  # recorded, the next row still runs
             results["errors"][name] = traceback.format_exc()[-3000:]
             print(f"{name}: {type(err).__name__}: {err}", flush=True)
