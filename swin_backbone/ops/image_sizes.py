@@ -84,12 +84,21 @@ def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int) -> T
     return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
 
 
+def sizes_tensor(valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
+    """``(B, 2)`` int64 ``(h, w)`` per image on ``device`` (moved without a host wait)."""
+    return to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
+
+
+def valid_map(sizes: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``(B, H, W)`` bool, True inside each image's ``(h, w)`` of ``sizes`` ``(B, 2)`` (traceable)."""
+    rows = torch.arange(height, device=sizes.device)[None, :, None] < sizes[:, 0, None, None]
+    cols = torch.arange(width, device=sizes.device)[None, None, :] < sizes[:, 1, None, None]
+    return rows & cols
+
+
 def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
     """``(B, H, W)`` bool: True inside the image's valid size (sizes moved without a host wait)."""
-    sizes = to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
-    rows = torch.arange(height, device=device)[None, :, None] < sizes[:, 0, None, None]
-    cols = torch.arange(width, device=device)[None, None, :] < sizes[:, 1, None, None]
-    return rows & cols
+    return valid_map(sizes_tensor(valid_sizes, device), height, width)
 
 
 def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
@@ -147,27 +156,13 @@ def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> tor
 # ------------------------------------------------------------------------------ static shapes
 # The same image-exact result with every shape fixed by the batch alone (a static-shape graph,
 # a CUDA graph): the sizes are a tensor, the whole map is computed, and each image's tokens beyond
-# its size are a region of their own in every window (masks instead of packing).
-def sizes_tensor(valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
-    """``(B, 2)`` int64 ``(h, w)`` per image on ``device`` (moved without a host wait)."""
-    return to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
-
-
-def valid_map(sizes: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """``(B, H, W)`` bool, True inside each image's ``(h, w)`` of ``sizes`` ``(B, 2)`` (traceable)."""
-    rows = torch.arange(height, device=sizes.device)[None, :, None] < sizes[:, 0, None, None]
-    cols = torch.arange(width, device=sizes.device)[None, None, :] < sizes[:, 1, None, None]
-    return rows & cols
-
-
+# its size are a region of their own in every window (masks instead of packing; sizes_tensor and
+# valid_map above).
 def stage_sizes(sizes: torch.Tensor, patch_size: int, num_stages: int) -> Tuple[torch.Tensor, ...]:
-    """Per stage, ``(B, 2)`` token sizes of the images whose input-pixel sizes are ``sizes``: the
-    patch embedding's ``ceil(s / patch_size)``, then each merging's ``ceil(s / 2)`` (as
-    :func:`~.windows.output_size`, on tensors)."""
-    out = [(sizes + patch_size - 1) // patch_size]
-    for _ in range(num_stages - 1):
-        out.append((out[-1] + 1) // 2)
-    return tuple(out)
+    """Per stage, ``(B, 2)`` token sizes of the images whose input-pixel sizes are ``sizes``
+    (:func:`~.windows.output_size` of the tensors of heights and widths)."""
+    per_stage = output_size(sizes[:, 0], sizes[:, 1], patch_size, num_stages)
+    return tuple(torch.stack(hw, 1) for hw in per_stage)
 
 
 def image_masked_layout(layout: WindowLayout, valid: torch.Tensor) -> WindowLayout:
