@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from swin_backbone import SwinBackbone, load_checkpoint  # noqa: E402
+from swin_backbone.tools import benchmarking as B  # noqa: E402
 from swin_backbone.tools import buckets as bucket_tool  # noqa: E402
 from swin_backbone.buckets import choose_bucket  # noqa: E402
 
@@ -53,11 +54,6 @@ ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24))
 GRAPHS = dict(mode="reduce-overhead", dynamic=False, regions=False)
 CONFIG_1X = "mmdet/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py"
 SAVE = [lambda: None]  #: writes the JSON (set by main)
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def graphs() -> int:
@@ -121,20 +117,19 @@ def train_backbone(model, x, sizes=None):
     model.zero_grad(set_to_none=True)
 
 
+def per_step_ms(passes, device, rounds, steps, reference="mmdet", digits=2):
+    """Median ms per step of each of ``passes`` (callables of ``steps`` steps each) over ``rounds``
+    interleaved rounds (``benchmarking.interleave``), and each one's speedup over ``reference``."""
+    times = B.interleave(passes, device, rounds, warmup=0)
+    ms = {k: round(statistics.median(v) / steps * 1e3, digits) for k, v in times.items()}
+    return ms, {k: round(ms[reference] / v, 2) for k, v in ms.items()}
+
+
 def timed_rounds(row, runs, items, device, rounds):
     """``rounds`` interleaved passes of each of ``runs`` over ``items``: the row's ``ms_per_step``
     (medians) and ``speedup_vs_mmdet``."""
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for x, b, s in items:
-                run(x, b, s)
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / len(items) * 1e3)
-    row["ms_per_step"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    row["speedup_vs_mmdet"] = {k: round(row["ms_per_step"]["mmdet"] / v, 2) for k, v in row["ms_per_step"].items()}
+    passes = {k: (lambda run=run: [run(x, b, s) for x, b, s in items]) for k, run in runs.items()}
+    row["ms_per_step"], row["speedup_vs_mmdet"] = per_step_ms(passes, device, rounds, len(items))
 
 
 def row_stream(args, results, device):
@@ -155,10 +150,10 @@ def row_stream(args, results, device):
             continue
         t0 = time.perf_counter()
         train_backbone(models["ours_graphs"], b, imgs)
-        sync(device)
+        B.sync(device)
         t1 = time.perf_counter()
         train_backbone(models["ours_graphs"], b, imgs)
-        sync(device)
+        B.sync(device)
         first[key] = {"first_call_s": round(t1 - t0, 1), "second_call_s": round(time.perf_counter() - t1, 2)}
     row["compile_and_capture"] = first
     runs = {"mmdet": lambda x, b, s: train_backbone(models["mmdet"], x),
@@ -205,7 +200,7 @@ def row_compiled_mmdet(args, results, device):
         t0 = time.perf_counter()
         for x, b, s in items:
             run(x, b, s)
-        sync(device)
+        B.sync(device)
         row["first_pass_s"][name] = round(time.perf_counter() - t0, 1)
         row["peak_memory_mib_first_pass"][name] = peak_mib(device, base)
         results["compiled_mmdet"] = row
@@ -236,23 +231,14 @@ def row_memory(args, results, device):
         base = peak_reset(device)
         t0 = time.perf_counter()
         run()
-        sync(device)
+        B.sync(device)
         row["first_call_s"][name] = round(time.perf_counter() - t0, 1)
         for _ in range(3):
             run()
         row["peak_mib"][name] = peak_mib(device, base)
         SAVE[0]()
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds * 5):
-        for name, run in runs.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                run()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / 5 * 1e3)
-    row["ms"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    row["speedup_vs_mmdet"] = {k: round(row["ms"]["mmdet"] / v, 2) for k, v in row["ms"].items()}
+    passes = {k: (lambda run=run: [run() for _ in range(5)]) for k, run in runs.items()}
+    row["ms"], row["speedup_vs_mmdet"] = per_step_ms(passes, device, args.rounds * 5, 5)
     row["memory_vs_mmdet"] = {k: round(v / row["peak_mib"]["mmdet"], 2) for k, v in row["peak_mib"].items()
                               if v is not None and row["peak_mib"]["mmdet"]}
 
@@ -308,22 +294,13 @@ def row_eval(args, results, device, models):
 
     t0 = time.perf_counter()
     run(whole)
-    sync(device)
+    B.sync(device)
     row = {"first_call_s": round(time.perf_counter() - t0, 1)}
     for m in eager.values():
         for _ in range(3):
             run(m)
-    times = {k: [] for k in eager}
-    for _ in range(args.rounds * 5):
-        for k, m in eager.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                run(m)
-            sync(device)
-            times[k].append((time.perf_counter() - t0) / 5 * 1e3)
-    row["ms"] = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    row["speedup_vs_mmdet"] = {k: round(row["ms"]["mmdet"] / v, 2) for k, v in row["ms"].items()}
+    passes = {k: (lambda m=m: [run(m) for _ in range(5)]) for k, m in eager.items()}
+    row["ms"], row["speedup_vs_mmdet"] = per_step_ms(passes, device, args.rounds * 5, 5)
     results["eval_1x800x1344"] = row
 
 
@@ -400,19 +377,10 @@ def row_mask_rcnn(args, results, device, models):
     for name in dets:
         for d in data[:4]:
             step(name, d)
-    times = {k: [] for k in dets}
     before = graphs()
-    for _ in range(args.rounds):
-        for name in dets:
-            sync(device)
-            t0 = time.perf_counter()
-            for d in data:
-                step(name, d)
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / len(data) * 1e3)
+    passes = {name: (lambda name=name: [step(name, d) for d in data]) for name in dets}
+    row["ms_per_iter"], row["speedup_vs_stock"] = per_step_ms(passes, device, args.rounds, len(data), "stock", 1)
     row["graphs_added"] = graphs() - before
-    row["ms_per_iter"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
-    row["speedup_vs_stock"] = {k: round(row["ms_per_iter"]["stock"] / v, 2) for k, v in row["ms_per_iter"].items()}
     mem = {}
     for name in dets:
         base = peak_reset(device)
@@ -463,22 +431,14 @@ def row_upernet(args, results, device):
     wrappers = {k: optim_wrapper(m) for k, m in models.items()}
     t0 = time.perf_counter()
     models["ours_graphs"].train_step(copy.copy(batches[0]), wrappers["ours_graphs"])
-    sync(device)
+    B.sync(device)
     row = {"first_call_s": round(time.perf_counter() - t0, 1)}
     for name, m in models.items():
         for d in batches[:3]:
             m.train_step(copy.copy(d), wrappers[name])
-    times = {k: [] for k in models}
-    for _ in range(args.rounds):
-        for name, m in models.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for d in batches:
-                m.train_step(copy.copy(d), wrappers[name])
-            sync(device)
-            times[name].append((time.perf_counter() - t0) / len(batches) * 1e3)
-    row["ms_per_iter"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
-    row["speedup_vs_stock"] = {k: round(row["ms_per_iter"]["stock"] / v, 2) for k, v in row["ms_per_iter"].items()}
+    passes = {name: (lambda m=m, w=wrappers[name]: [m.train_step(copy.copy(d), w) for d in batches])
+              for name, m in models.items()}
+    row["ms_per_iter"], row["speedup_vs_stock"] = per_step_ms(passes, device, args.rounds, len(batches), "stock", 1)
     results["upernet_512"] = row
 
 
