@@ -1,7 +1,7 @@
 """A real HTTP server on 127.0.0.1 for the checkpoint-URL tests: serves bytes by path, counts
 the requests per path, answers 404 for unknown paths, and can cut a response off part way, stall
-in the middle of one, answer an error status first, answer late, trickle, redirect, or stream a
-body of any declared length (none, or a false one) or an endless one."""
+in the middle of one, answer an error status first, answer late, redirect, or stream a body of
+any declared length (none, or a false one), or an endless one, at any pace."""
 from __future__ import annotations
 
 import collections
@@ -16,11 +16,10 @@ import pytest
 class Loopback:
     """``files``: path -> bytes; ``cut``: paths whose response announces the full length, sends
     half of it and closes the connection; ``stall``: the same, but it then sends nothing more
-    until the server closes; ``fail``: path -> HTTP statuses to answer first, one per request
-    (with ``Retry-After: 0``); ``delay``: path -> seconds to wait before answering;
-    ``trickle``: path -> seconds between single bytes of the body; ``redirect``: path -> the
-    ``Location`` of a 302 answer; ``requests``: path -> GET count; ``streams`` (:meth:`stream`):
-    path -> how to stream it; ``sent``: body bytes streamed per path."""
+    until the server closes; ``fail``: path -> HTTP statuses to answer first, one per request;
+    ``delay``: path -> seconds to wait before answering; ``redirect``: path -> the ``Location``
+    of a 302 answer; ``requests``: path -> GET count; ``streams`` (:meth:`stream`): path -> how
+    to stream it; ``sent``: body bytes streamed per path."""
 
     #: A stream never lasts longer: a downloader without bounds fails its test instead of hanging it.
     STREAM_S = 8.0
@@ -31,7 +30,6 @@ class Loopback:
         self.stall: Set[str] = set()
         self.fail: Dict[str, List[int]] = {}
         self.delay: Dict[str, float] = {}
-        self.trickle: Dict[str, float] = {}
         self.redirect: Dict[str, str] = {}
         self.requests: Dict[str, int] = collections.Counter()
         self.streams: Dict[str, dict] = {}
@@ -67,7 +65,6 @@ class Loopback:
                     return
                 if server.fail.get(path):
                     self.send_response(server.fail[path].pop(0))
-                    self.send_header("Retry-After", "0")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -80,14 +77,6 @@ class Loopback:
                     self.wfile.write(body[: len(body) // 2])
                     self.wfile.flush()
                     server.closing.wait()
-                    self.close_connection = True
-                    return
-                if path in server.trickle:
-                    for i in range(len(body)):
-                        if server.closing.wait(server.trickle[path]):
-                            break
-                        self.wfile.write(body[i:i + 1])
-                        self.wfile.flush()
                     self.close_connection = True
                     return
                 if path in server.cut:

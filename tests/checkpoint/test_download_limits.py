@@ -15,8 +15,10 @@ import torch
 
 from swin_backbone import CheckpointError
 from swin_backbone.checkpoint import read_checkpoint
+from swin_backbone.checkpoint.records import ASKS_FOR_CODE
 from swin_backbone.checkpoint.remote import cache_dir, cached_file, fetch, record_of
 
+from . import pickles
 from .loopback import server, torch_home  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,18 +47,34 @@ def _cached():
 
 
 # ---------------------------------------------------------------- the deadline
-def test_a_trickling_server_ends_at_the_deadline(server, torch_home, monkeypatch):
-    body = _body()
-    url = server.serve("/slow/swin_trickle.pth", body)
-    server.trickle["/slow/swin_trickle.pth"] = 0.05  # a byte every 0.05 s: never a read timeout
-    _settings(monkeypatch, timeout="0.5", retries="0", min_speed=str(len(body)))  # deadline: 0.5 + 1 s
+@pytest.mark.parametrize("declared", [None, 3000, 10 ** 9], ids=["no-length", "small-length", "huge-length"])
+def test_a_trickling_server_ends_at_the_deadline_whatever_size_it_declares(server, torch_home, monkeypatch,
+                                                                             declared):
+    """A byte every 0.05 s never trips the read timeout. The deadline, the tries' TIMEOUT + received
+    bytes / MIN_SPEED, is about 0.5 s for each: a false Content-Length under the cap (10**9 bytes,
+    10**6 s at 1000 bytes/s) buys the server no time."""
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000")
+    url = server.stream("/slow/swin_trickle.pth", declared=declared, fill=b"x", chunk=1, every=0.05)
+    size = declared or r"\?"
     start = time.monotonic()
-    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ sent \d+ of {len(body)} bytes, "
-                                              r"and it did not finish within its deadline of 1\.5 s .*"
-                                              r"\$SWIN_BACKBONE_DOWNLOAD_MIN_SPEED.*nothing was kept"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ sent \d+ of "
+                                              rf"{size} bytes, and it did not finish within its "
+                                              r"deadline of 0\.5\d* s \(the tries' 0\.5 s \+ \d+ bytes received / "
+                                              r"\$SWIN_BACKBONE_DOWNLOAD_MIN_SPEED=1000 bytes/s\).*nothing was kept"):
         read_checkpoint(url)
-    assert time.monotonic() - start < 3.0
-    assert server.requests["/slow/swin_trickle.pth"] == 1 and not [f for f in _cached() if not f.endswith(".json")]
+    assert time.monotonic() - start < 2.0  # (the server would trickle for 8 s)
+    assert server.requests["/slow/swin_trickle.pth"] == 1 and _cached() == []
+
+
+def test_a_steady_download_outlasting_the_tries_timeouts_finishes(server, torch_home, monkeypatch):
+    """Received bytes extend the deadline: 20 KB/s for about a second, above a MIN_SPEED of 5000
+    bytes/s, finishes although the tries' TIMEOUT alone (0.5 s) is shorter."""
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed="5000")
+    body = _body(8, n=5000)
+    url = server.stream("/steady/swin_steady.pth", declared=len(body), body=body, chunk=2000, every=0.1)
+    start = time.monotonic()
+    torch.testing.assert_close(_w(read_checkpoint(url)), _w(torch.load(io.BytesIO(body), weights_only=True)))
+    assert time.monotonic() - start > 0.5 and server.requests["/steady/swin_steady.pth"] == 1
 
 
 def test_waiting_on_another_download_shares_its_deadline(server, torch_home, monkeypatch):
@@ -64,19 +82,43 @@ def test_waiting_on_another_download_shares_its_deadline(server, torch_home, mon
     _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000")
     os.makedirs(cache_dir())
     lock = cached_file(url) + ".lock"
-    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # a stuck downloader: holds the lock, says 1000 bytes, has 10
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # a stuck downloader: holds the lock, has received 1000 bytes
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        os.write(holder, json.dumps(dict(pid=4242, size=1000, received=10)).encode())
+        os.write(holder, json.dumps(dict(pid=4242, received=1000)).encode())
         start = time.monotonic()
         with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': another process \(pid 4242\) is downloading "
-                                                  r"it \(10 bytes so far\), and it did not finish within its "
+                                                  r"it \(1000 bytes so far\), and it did not finish within its "
                                                   r"deadline of 1\.5 s"):
             read_checkpoint(url)
         assert 1.4 < time.monotonic() - start < 3.5 and server.total() == 0
     finally:
         os.close(holder)
     torch.testing.assert_close(_w(read_checkpoint(url)), _w(torch.load(io.BytesIO(_body()), weights_only=True)))
+
+
+def _read_at_once(rank, barrier, url, out):
+    torch.set_num_threads(1)
+    barrier.wait()  # both ask at once: one downloads, the other waits on the lock
+    torch.save(read_checkpoint(url), os.path.join(out, f"p{rank}.pth"))
+
+
+def test_a_waiter_outlasts_its_own_timeouts_while_the_holder_makes_progress(server, torch_home, monkeypatch,
+                                                                            tmp_path):
+    """Two real processes, a download of about 1.5 s at 20 KB/s, the tries' TIMEOUT 1 s: the waiter
+    reads the holder's progress from the lock file, waits it out and reads the holder's file."""
+    import multiprocessing
+
+    _settings(monkeypatch, timeout="1", retries="0", min_speed="5000")
+    body = _body(9, n=7000)
+    url = server.stream("/both/swin_both.pth", declared=len(body), body=body, chunk=2000, every=0.1)
+    ctx = multiprocessing.get_context("fork")
+    torch.multiprocessing.start_processes(_read_at_once, args=(ctx.Barrier(2), url, str(tmp_path)), nprocs=2,
+                                          start_method="fork")
+    want = _w(torch.load(io.BytesIO(body), weights_only=True))
+    for rank in range(2):
+        torch.testing.assert_close(_w(torch.load(tmp_path / f"p{rank}.pth", weights_only=True)), want)
+    assert server.requests["/both/swin_both.pth"] == 1
 
 
 def test_bad_min_speed_names_the_variable(server, torch_home, monkeypatch):
@@ -141,9 +183,9 @@ def test_a_stream_without_a_size_is_cut_at_the_cap(server, torch_home, monkeypat
     assert record_of(cached_file(url))["size"] == len(body)
 
 
-def test_a_waiter_takes_the_cap_not_a_huge_declared_size_for_its_deadline(server, torch_home, monkeypatch):
-    """A lock file saying the holder expects 10**12 bytes: the deadline is TIMEOUT + MAX_BYTES /
-    MIN_SPEED (0.5 + 2000 / 1000 s), not 10**9 s."""
+def test_a_waiter_counts_at_most_the_cap_of_a_huge_claimed_progress(server, torch_home, monkeypatch):
+    """A lock file saying the holder has received 10**12 bytes: the waiter's deadline is TIMEOUT +
+    MAX_BYTES / MIN_SPEED (0.5 + 2000 / 1000 s; one try), not 10**9 s."""
     url = server.serve("/held/swin_held_huge.pth", _body())
     _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000", max_bytes="2000")
     os.makedirs(cache_dir())
@@ -151,14 +193,13 @@ def test_a_waiter_takes_the_cap_not_a_huge_declared_size_for_its_deadline(server
     release = threading.Timer(7.0, fcntl.flock, (holder, fcntl.LOCK_UN))  # without the clamp: the waiter gets it
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        os.write(holder, json.dumps(dict(pid=4243, size=10 ** 12, received=10)).encode())
+        os.write(holder, json.dumps(dict(pid=4243, received=10 ** 12)).encode())
         release.start()
         start = time.monotonic()
         with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': another process \(pid 4243\) is downloading "
-                                                  r"it \(10 bytes so far\), and it did not finish within its deadline "
-                                                  r"of 2\.5 s \(the tries' 0\.5 s \+ 2000 bytes "
-                                                  r"\(\$SWIN_BACKBONE_DOWNLOAD_MAX_BYTES, not the 1000000000000 "
-                                                  r"bytes\)"):
+                                                  r"it \(1000000000000 bytes so far\), and it did not finish within "
+                                                  r"its deadline of 2\.5 s \(the tries' 0\.5 s \+ 2000 bytes "
+                                                  r"received"):
             read_checkpoint(url)
         assert 2.4 < time.monotonic() - start < 5.0 and server.total() == 0
     finally:
@@ -239,7 +280,22 @@ def test_urls_naming_no_file_or_with_spaces_are_refused_before_any_request(serve
     for bad in (server.url("/x/swin tiny.pth"), server.url("/x/swin\ntiny.pth"), server.url("/x/a\x00.pth")):
         with pytest.raises(CheckpointError, match=r"not a valid URL: it contains .* at position \d+; percent-encode"):
             fetch(bad)
+    with pytest.raises(CheckpointError, match=r"not a valid URL \(nonnumeric port: 'port'\); percent-encode"):
+        fetch("http://127.0.0.1:port/x/swin.pth")
     assert server.total() == 0 and _cached() == []
+
+
+def test_a_served_file_that_asks_to_run_code_is_refused_and_not_cached(server, torch_home, tmp_path):
+    marker = tmp_path / "ran"
+    data = pickles.program(pickles.call(pickles.g("posix.system"), pickles.s(f"touch {marker}")))
+    with open(pickles.in_zip(tmp_path / "evil.pth", data), "rb") as f:
+        url = server.serve("/evil/swin_evil.pth", f.read())
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(url)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint '{url}': the downloaded file (") and ASKS_FOR_CODE in message, message
+    assert "posix.system" in message and "cut off" not in message and "nothing was kept in the cache" in message
+    assert not marker.exists() and _cached() == [] and server.requests["/evil/swin_evil.pth"] == 1
 
 
 def test_a_long_file_name_is_cached_under_a_short_one(server, torch_home):
