@@ -364,8 +364,8 @@ def _unwritable(named: str, url: str, folder: str, err: OSError, received: Optio
 def _locked(named: str, url: str, lock: str, deadline: _Deadline) -> Iterator:
     """Hold an exclusive ``flock`` on ``lock`` (created if need be, never removed: removing a lock
     file others may have open is a race). A waiter polls it, reading the holder's pid and received
-    bytes from the file (what the holder's ``publish(received)`` writes there), and gives up at
-    ``deadline``. Yields ``publish``."""
+    bytes from the file (what the holder's ``publish(received)`` writes there, emptied at the end),
+    and gives up at ``deadline``. Yields ``publish``."""
     import fcntl
 
     fd = _writable(named, url, os.path.dirname(lock), os.open, lock, os.O_RDWR | os.O_CREAT, 0o666)
@@ -376,8 +376,8 @@ def _locked(named: str, url: str, lock: str, deadline: _Deadline) -> Iterator:
             last[0] = time.monotonic()
             with contextlib.suppress(OSError):
                 data = json.dumps(dict(pid=os.getpid(), received=received)).encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
+                os.pwrite(fd, data, 0)  # (written, then cut: a reader never finds it empty)
+                os.ftruncate(fd, len(data))
 
     try:
         try:
@@ -399,11 +399,16 @@ def _locked(named: str, url: str, lock: str, deadline: _Deadline) -> Iterator:
                     holder = {}
                 holder = holder if isinstance(holder, dict) else {}
                 said = holder.get("received") if type(holder.get("received")) is int else 0
-                deadline.received = max(0, min(said, deadline.tries * deadline.cap))  # (at most what tries may get)
+                # the most seen (a read may catch a write half done), at most what the tries may receive
+                deadline.received = max(deadline.received, min(said, deadline.tries * deadline.cap))
                 if deadline.left() <= 0:
                     raise deadline.exceeded(named, url, f"another process (pid {holder.get('pid', '?')}) is "
                                                         f"downloading it ({said} bytes so far)")
-        yield publish
+        try:
+            yield publish
+        finally:
+            with contextlib.suppress(OSError):  # the next holder's waiters start from nothing
+                os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # releases the lock
 

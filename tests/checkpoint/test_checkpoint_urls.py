@@ -285,6 +285,9 @@ def test_storage_backend_prefix_is_read_by_mmengines_loader(loopback_scheme):
     with pytest.raises(CheckpointError, match=r"checkpoint 'swintest://bucket/none.pth': mmengine's "
                                               r"CheckpointLoader cannot read it \(KeyError"):
         load_checkpoint(_model(), "swintest://bucket/none.pth", logger=None)
+    with pytest.raises(CheckpointError, match=r"'swintest://bucket/swin.pth': read by mmengine's CheckpointLoader, "
+                                              r"not a file to fetch"):
+        fetch("swintest://bucket/swin.pth")
 
 
 # ---------------------------------------------------------------- torch.distributed

@@ -119,6 +119,7 @@ def test_a_waiter_outlasts_its_own_timeouts_while_the_holder_makes_progress(serv
     for rank in range(2):
         torch.testing.assert_close(_w(torch.load(tmp_path / f"p{rank}.pth", weights_only=True)), want)
     assert server.requests["/both/swin_both.pth"] == 1
+    assert os.path.getsize(cached_file(url) + ".lock") == 0  # emptied: the next download's waiters start from 0
 
 
 def test_bad_min_speed_names_the_variable(server, torch_home, monkeypatch):
