@@ -43,10 +43,10 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # the checkout's package; benchmarking.py
 
 from swin_backbone import SwinBackbone, load_checkpoint  # noqa: E402
-from swin_backbone.tools import benchmarking as B  # noqa: E402
+import benchmarking as B  # noqa: E402  (beside this file)
 from swin_backbone.tools import buckets as bucket_tool  # noqa: E402
 from swin_backbone.buckets import choose_bucket  # noqa: E402
 

@@ -1,11 +1,11 @@
 """The prepared GPU run: the benchmark's main rows on one GPU within minutes, as JSON and as the
 table of docs/performance.md, with the card they ran on.
 
-    python -m swin_backbone.tools.gpu_report --json gpu.json --markdown gpu.md
-    python -m swin_backbone.tools.gpu_report --device cpu --size 64 96 --padded-size 40 64 --iters 1   # a smoke run
+    python tools/analysis_tools/gpu_report.py --json gpu.json --markdown gpu.md
+    python tools/analysis_tools/gpu_report.py --device cpu --size 64 96 --padded-size 40 64 --iters 1   # a smoke run
 
 In this order (ours, mmdet, timm and torchvision where installed; Swin-T, the same weights for
-ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --device cuda`` runs it:
+ours and mmdet; 3x800x1344 unless ``--size``), each row as ``benchmark.py --device cuda`` runs it:
 
 1. eval bf16 at 1 and 8 images, training fwd+bwd bf16 at 2 images;
 2. peak training memory bf16 at 2 images (a fresh process per model);
@@ -24,7 +24,7 @@ ours and mmdet; 3x800x1344 unless ``--size``), each row as ``swin-benchmark --de
    ``compile=True`` (its regions compiled, dynamic) and ours eager, each compiled one with its
    first, compiling call's time (minutes of compiling: last, and skipped with a note once
    ``--budget`` is spent). The whole of ours is not compiled here: on an H200 that took over 3
-   minutes (``swin-benchmark --device cuda --compile only`` times it);
+   minutes (``benchmark.py --device cuda --compile only`` times it);
 8. CUDA graphs (``mode="reduce-overhead"``, static shapes), for the steps that wait on the host:
    training bf16 2x, then eval bf16 1x: mmdet compiled so, ours with ``compile=dict(mode=
    "reduce-overhead", dynamic=False, regions=False)`` (compiled whole, as mmdet is), ours with
@@ -50,12 +50,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..checkpoint.files import atomic_write
-from . import benchmark
-from . import benchmarking as B
-from .common import one_line
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmark.py and benchmarking.py beside it
 
-#: The timed rows of (1), as :data:`~swin_backbone.tools.benchmark.CUDA_ROWS`.
+import benchmark  # noqa: E402  (puts the checkout's package on the path)
+import benchmarking as B  # noqa: E402
+
+from swin_backbone.checkpoint.files import atomic_write  # noqa: E402
+from swin_backbone.tools.common import one_line  # noqa: E402
+
+#: The timed rows of (1), as ``benchmark.CUDA_ROWS``.
 ROWS = [("eval", 1, torch.bfloat16, None), ("eval", 8, torch.bfloat16, None), ("train", 2, torch.bfloat16, None)]
 #: The stochastic-depth row's rate: mmdet's Swin-T detection configs'.
 DROP_PATH_RATE = 0.2
@@ -138,7 +141,7 @@ def markdown(results: dict) -> List[str]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m swin_backbone.tools.gpu_report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="tools/analysis_tools/gpu_report.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--json", default="gpu_report.json", help="the rows (default: %(default)s)")

@@ -1,11 +1,13 @@
-"""How ``swin-benchmark`` measures (:mod:`swin_backbone.tools.benchmark` picks the rows):
+"""How the developer benchmark measures (``tools/analysis_tools/benchmark.py`` picks the rows), over
+the pieces it shares with ``swin-benchmark`` (:mod:`swin_backbone.tools.benchmark`: the models,
+the steps, the interleaved rounds and their summary):
 
 * the models compared: Swin-T as ours and mmdet's with the same weights, timm's and
   torchvision's Swin-T, and Swin V2-T as ours, timm's and torchvision's with the same weights
   (every peer library is optional: a builder returns the models that are installed);
 * one step of a model (eval, training), under planner overrides, TF32 or ``torch.compile``;
 * wall time in interleaved rounds, FLOPs, the machine's dense matmul rate, which attention ran;
-* peak training memory, each model in a fresh process (``swin-benchmark --memory-child``);
+* peak training memory, each model in a fresh process (``benchmark.py --memory-child``);
 * the printed rows, the ``--json`` file rewritten as each row finishes, and the machine.
 """
 from __future__ import annotations
@@ -15,7 +17,6 @@ import copy
 import ctypes
 import gc
 import importlib
-import importlib.util
 import json
 import os
 import platform
@@ -27,68 +28,25 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import swin_backbone
-from swin_backbone import SwinBackbone, SwinV2Backbone, load_checkpoint, ops
-from swin_backbone.torch_compat import has_fp32_precision
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # (run from a checkout: its package)
+    sys.path.insert(0, ROOT)
 
-from ..checkpoint.files import atomic_write
+import swin_backbone  # noqa: E402
+from swin_backbone import SwinV2Backbone, load_checkpoint, ops  # noqa: E402
+from swin_backbone.checkpoint.files import atomic_write  # noqa: E402
+from swin_backbone.tools import benchmark as user  # noqa: E402
+from swin_backbone.tools.benchmark import (build_pair, build_peers, eval_step, installed, interleave,  # noqa: E402,F401
+                                           step_peak_cuda, summarize, sync, timed, train_step)
+from swin_backbone.torch_compat import has_fp32_precision  # noqa: E402
 
-# --------------------------------------------------------------------------------- models
-ARCH = dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7)
-
-#: The peer libraries the rows compare with (none is needed: a plain install times ours alone):
-#: module -> (what is skipped without it, how to install it).
+#: The peer libraries the rows compare with: ``swin-benchmark``'s, and mmseg for ``--upernet``.
 PEERS: Dict[str, Tuple[str, str]] = {
-    "mmdet": ("mmdet's SwinTransformer rows (the speedup reference and memory ratio; speedups are then over ours)",
-              "pip install 'swin-backbone[mmdet]'"),
-    "timm": ("timm's rows (and the Swin V2 rows' reference weights)", "pip install timm"),
-    "torchvision": ("torchvision's rows", "pip install torchvision"),
+    **user.PEERS, "timm": ("timm's rows (and the Swin V2 rows' reference weights)", "pip install timm"),
     "mmseg": ("--upernet (an mmseg UPerNet)", "pip install 'swin-backbone[mmseg]'"),
 }
-
-
-def installed(module: str) -> bool:
-    """``module`` can be imported (checked without importing it)."""
-    return importlib.util.find_spec(module) is not None
-
-
-def build_pair(device: str, seed: int = 0, drop_path_rate: float = 0.0) -> Dict[str, torch.nn.Module]:
-    """mmdet's SwinTransformer and ours (Swin-T) with identical weights; without mmdet, ours
-    alone (its own initialisation, seeded). Stochastic depth off unless ``drop_path_rate``."""
-    torch.manual_seed(seed)
-    if not installed("mmdet"):
-        ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=drop_path_rate)
-        ours.init_weights()
-        return {"ours": ours.to(device)}
-    from mmdet.models.backbones import SwinTransformer
-
-    ref = SwinTransformer(**ARCH, drop_path_rate=drop_path_rate)
-    ref.init_weights()
-    ours = SwinBackbone(arch=None, **ARCH, drop_path_rate=drop_path_rate)
-    load_checkpoint(ours, ref.state_dict(), strict=True, logger=None)
-    return {"mmdet": ref.to(device), "ours": ours.to(device)}
-
-
-def build_peers(device: str, size: Sequence[int]) -> Dict[str, torch.nn.Module]:
-    """timm's and torchvision's Swin-T feature extractors (random weights), where installed."""
-    peers: Dict[str, torch.nn.Module] = {}
-    try:
-        import timm
-
-        peers["timm"] = timm.create_model(
-            "swin_tiny_patch4_window7_224", pretrained=False, features_only=True, img_size=tuple(size),
-            strict_img_size=False,
-        )
-    except ImportError:
-        pass
-    try:
-        from torchvision.models import swin_t
-
-        peers["torchvision"] = swin_t(weights=None).features
-    except ImportError:
-        pass
-    return {k: m.to(device).eval() for k, m in peers.items()}
-
+#: This harness's script: the memory children run it.
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py")
 
 #: timm's Swin V2 model that the V2 rows compare with (ours: ``SwinV2Backbone('tiny', window_size=8)``).
 V2_TIMM = "swinv2_tiny_window8_256"
@@ -209,49 +167,12 @@ def regional_model(model: torch.nn.Module, **options) -> torch.nn.Module:
     return regional
 
 
-def eval_step(model, x, autocast_dtype=None, **kwargs):
-    """One forward of ``model(x, **kwargs)`` under inference mode (and autocast)."""
-    def run():
-        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with torch.inference_mode(), ctx:
-            model(x, **kwargs)
-
-    return run
-
-
-def train_step(model, x, autocast_dtype=None, **kwargs):
-    """One forward of ``model(x, **kwargs)`` (autocast), the mean of its outputs' sum, backward."""
-    def run():
-        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with ctx:
-            outs = model(x, **kwargs)
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        loss = sum(o.float().mean() for o in outs)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return run
-
-
 def dtype_tag(dtype: Optional[torch.dtype], fp32: str = "fp32") -> str:
     """A row's dtype in its key and label: ``fp32`` (no autocast) or the autocast dtype's."""
     return fp32 if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 # ------------------------------------------------------------------------------ measuring
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], None], device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
 def host_and_step(fn: Callable[[], None], device: str, iters: int) -> Tuple[float, float]:
     """Medians over ``iters`` calls of ``(host, step)`` seconds: until ``fn``'s Python returns (on
     CUDA its kernels launched, not waited for), and until its kernels are done. Equal: the GPU
@@ -265,17 +186,6 @@ def host_and_step(fn: Callable[[], None], device: str, iters: int) -> Tuple[floa
         sync(device)
         step.append(time.perf_counter() - start)
     return statistics.median(host), statistics.median(step)
-
-
-def interleave(fns: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int) -> Dict[str, List[float]]:
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            times[name].append(timed(fn, device))
-    return times
 
 
 def count_flops(model, x) -> int:
@@ -344,17 +254,6 @@ def sdpa_kernels(model, x, autocast_dtype, train: bool, changes: Optional[Dict[s
 
 
 # ---------------------------------------------------------------------------- peak memory
-def step_peak_cuda(fn: Callable[[], None]) -> int:
-    """Bytes of CUDA memory ``fn`` allocated at its peak above what was allocated before it (one
-    call, in this process: the steps' models stay resident, so only the step's own memory counts)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def memory_child(name: str, device: str, batch: int, size: Sequence[int], changes: Dict[str, object],
                  dtype: Optional[str]) -> None:
     """Run in a fresh process: peak memory of one fwd+bwd of ``name``'s model (``v2:NAME``: a
@@ -405,12 +304,12 @@ def _peak_rss() -> int:
 def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant: Optional[str] = None,
                 dtype: Optional[str] = None) -> int:
     """Peak memory of one training step of ``name`` on ``batch x 3 x H x W`` under the ablation
-    ``variant`` (a name of :data:`~swin_backbone.tools.benchmark.ABLATIONS`), in a fresh process (on CUDA after this
+    ``variant`` (a name of ``benchmark.ABLATIONS``), in a fresh process (on CUDA after this
     process returned its cached blocks, which would compete for the GPU)."""
     if device == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-    cmd = [sys.executable, "-m", "swin_backbone.tools.benchmark", "--memory-child", name, "--device", device,
+    cmd = [sys.executable, SCRIPT, "--memory-child", name, "--device", device,
            "--batch", str(batch), "--memory-size", str(size[0]), str(size[1])]
     if variant:
         cmd += ["--ablate-variant", variant]
@@ -426,27 +325,6 @@ def peak_memory(name: str, device: str, batch: int, size: Sequence[int], variant
 
 
 # ----------------------------------------------------------------------- rows and results
-def summarize(label: str, times: Dict[str, List[float]], reference: str = "mmdet") -> dict:
-    """Medians of every model, and each one's speedup over ``reference`` (median of per-round ratios);
-    ``reference`` not among them (mmdet not installed): over ours."""
-    reference = reference if reference in times else "ours"
-    med = {k: statistics.median(v) for k, v in times.items()}
-    speedups = {
-        k: statistics.median(r / o for r, o in zip(times[reference], v)) for k, v in times.items() if k != reference
-    }
-    parts = [f"{k} {med[k] * 1e3:.1f} ms" + (f" ({speedups[k]:.2f}x)" if k in speedups else "") for k in times]
-    print(f"{label}: " + ", ".join(parts) + f"  [speedup over {reference}]")
-    result = {"samples": times, "median_s": med, "speedup_over_" + reference: speedups}
-    peers = [k for k in times if k not in ("ours", reference)]
-    if "ours" in times and peers and reference != "ours":  # ours against every other model, per round as well
-        ours_over = {k: statistics.median(p / o for p, o in zip(times[k], times["ours"])) for k in peers}
-        print(f"{label}: ours faster than " + ", ".join(f"{k} {r:.2f}x" for k, r in ours_over.items()))
-        result["ours_speedup_over"] = ours_over
-    if "ours" in times and reference in times and reference != "ours":  # the keys earlier runs and the tests read
-        result.update(ours_s=med["ours"], mmdet_s=med[reference], speedup=speedups["ours"])
-    return result
-
-
 def memory_row(label: str, mem: Dict[str, int]) -> dict:
     """Print and return the peak-memory row: ours, and mmdet's with the ratio where it ran."""
     if "mmdet" not in mem:
