@@ -10,21 +10,13 @@
 its window and pre-training windows); ``--checkpoint`` may be in any format of that version
 (detected from its keys: official, timm, torchvision, mmdet / mmpretrain, ours).
 
-INPUT is an image file, a folder (searched recursively) or a glob. For each image, OUT_DIR
-gets, at the image's relative path: ``NAME.npz`` (all stages) or ``NAME.stage{i}.npy|.pt``,
-and with ``--png`` a ``NAME.stage{i}.png`` per stage (the image beside the first three
-principal components of the features as RGB). ``--pool avg`` also writes one mean-pooled
-vector per image and stage into ``pooled/shard-RRRRR-of-WWWWW.npz`` (one file per rank, with
-its image list); ``--no-maps`` then skips the per-image maps. ``index.json`` and ``index.csv``
-list image, stage, shape, dtype and file.
-
-Images are decoded (and resized) in DataLoader worker processes (``--workers``); a batch
-holds images of one input size. A rerun skips images whose outputs are complete (each file
-is checked: a file cut off by a crash is redone), ``--overwrite`` redoes everything, and the
-index is rebuilt from what is on disk. Under torchrun each rank takes a disjoint share of
-the sorted image list (``paths[rank::world_size]``), one GPU per rank with ``--device cuda``;
-rank 0 writes the index once every rank has finished. Unreadable images are reported (once)
-and skipped. Every file is written to a temporary name and renamed. Nothing is downloaded.
+INPUT is an image file, a folder (searched recursively) or a glob. OUT_DIR gets, at each image's
+relative path, ``NAME.npz`` (all stages) or ``NAME.stage{i}.npy|.pt``, and with ``--png`` a
+``NAME.stage{i}.png`` per stage (the image beside the first three principal components of the
+features). ``--pool avg`` writes one mean-pooled vector per image and stage into
+``pooled/shard-RRRRR-of-WWWWW.npz`` (one file per rank); ``--no-maps`` then skips the maps.
+``index.json`` / ``index.csv`` list every map. A rerun skips images whose outputs are complete;
+under torchrun each rank takes ``sorted(paths)[rank::world_size]`` (docs/feature-extraction.md).
 
 Without ``--checkpoint`` the backbone would have random weights and the features would
 mean nothing: that takes ``--random-weights`` (and is flagged in ``index.json``).
@@ -39,16 +31,11 @@ import io
 import json
 import math
 import os
-import re
-import signal
 import sys
-import threading
 import time
 import traceback
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -60,11 +47,13 @@ from ..features import split_arch
 from .common import one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
                          default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
-from .job import DistContext, Progress, in_job, init_distributed, leave_job
+from .job import DistContext, in_job, init_distributed, leave_job
+
+PROG = "swin-extract-features"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="swin-extract-features", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="image file, folder or glob")
     p.add_argument("out_dir")
@@ -96,7 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="image decoding: mmcv (as mmdet's / mmseg's LoadImageFromFile: EXIF orientation, 16-bit, "
                    "palette, CMYK...), pil (the same conversions with Pillow, for installs without mmcv) or auto "
                    "(mmcv where installed; default)")
-    p.add_argument("--batch-size", type=int, default=4, help="images per forward, all of one input size (default: 4)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="images per forward: of one input size on the CPU, of mixed sizes on GPUs (default: 4)")
     p.add_argument("--workers", type=int, help="decoding processes per rank (default: CUDA: the rank's share of "
                    "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
@@ -154,15 +144,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if values is not None and not all(math.isfinite(v) and (v > 0 or option == "--mean") for v in values):
             p.error(f"{option}: expected 3 finite numbers{' > 0' if option == '--std' else ''}, "
                     f"got {' '.join(map(str, values))}")
-    if args.stages is not None and not args.config:
-        outputs = len(args.depths) if args.depths else 4  # --arch: every stage is an output
-        try:
-            check_stages(args.stages, outputs)
-        except ValueError as err:
-            p.error(f"--{err}")
-    elif args.stages is not None:
-        try:
-            check_stages(args.stages, None)
+    if args.stages is not None:
+        try:  # --arch: every stage is an output; --config: known once the backbone is built
+            check_stages(args.stages, None if args.config else len(args.depths) if args.depths else 4)
         except ValueError as err:
             p.error(f"--{err}")
     if args.config and (args.embed_dims or args.depths or args.num_heads):
@@ -210,7 +194,7 @@ def check_paths(p: argparse.ArgumentParser, input_spec: str, out_dir: str) -> No
 
 def extract(argv: Optional[Sequence[str]] = None) -> dict:
     """Parse ``argv`` and extract: rank 0's summary (``index.json``'s content) or, on other
-    ranks, the rank's own state. Errors raise (usage errors: ``SystemExit(2)``); for the
+    ranks, the rank's own record. Errors raise (usage errors: ``SystemExit(2)``); for the
     command line use :func:`main`."""
     args = parse_args(argv)
     ctx = init_distributed(args.dist_timeout)
@@ -227,46 +211,33 @@ def extract(argv: Optional[Sequence[str]] = None) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point (``swin-extract-features``): the exit status. 0: done (a
     summary on stdout, the index in OUT_DIR); 2: a usage error (argparse); 1: a failure, said
-    in one line on stderr (also when not one image could be read).
-
-    Under torchrun the process ends here, without tearing the process group down
-    (:func:`~swin_backbone.tools.job.leave_job`)."""
-    try:
-        code = _main(argv)
-    except BaseException as err:  # (a usage error comes before the job is joined)
-        if not in_job():
-            raise
-        if not isinstance(err, SystemExit):
-            traceback.print_exc()
-        code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
-    leave_job(code)
-    return code
-
-
-def _main(argv: Optional[Sequence[str]]) -> int:
-    prog = "swin-extract-features"
+    in one line on stderr (also when not one image could be read). Under torchrun the process
+    ends here, without tearing the process group down (:func:`~swin_backbone.tools.job.leave_job`)."""
+    code = 1
     try:
         summary = extract(argv)
+        code = 0
+        if summary.get("failed") and not summary.get("images") and "rank" not in summary:
+            print(f"{PROG}: error: none of the {len(summary['failed'])} images could be read (each is listed above "
+                  "and in index.json 'failed')", file=sys.stderr)
+            code = 1
     except SystemExit as exit_:
         if isinstance(exit_.code, str):  # our own SystemExit("why"): one line, status 1
-            print(f"{prog}: error: {exit_.code}", file=sys.stderr)
-            return 1
-        raise  # argparse: its usage message and status 2
+            print(f"{PROG}: error: {exit_.code}", file=sys.stderr)
+        elif not in_job():
+            raise  # argparse: its usage message and status 2
     except RankFailed:
-        return 1  # run() already said which rank, why, and how to finish
+        pass  # run() already said which rank, why, and how to finish
     except (ValueError, OSError, RuntimeError) as err:
-        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
-        return 1
-    if summary.get("failed") and not summary.get("images") and "rank" not in summary:
-        print(f"{prog}: error: none of the {len(summary['failed'])} images could be read (each is listed above "
-              "and in index.json 'failed')", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _one_line(err: BaseException) -> str:
-    text = one_line(err) or type(err).__name__
-    return text if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {text}"
+        text = one_line(err) or type(err).__name__
+        print(f"{PROG}: error: {text if isinstance(err, (ValueError, OSError)) else f'{type(err).__name__}: {text}'}",
+              file=sys.stderr)
+    except BaseException:
+        if not in_job():
+            raise
+        traceback.print_exc()
+    leave_job(code)
+    return code
 
 
 # -------------------------------------------------------------------------------- one run
@@ -278,22 +249,37 @@ class RankFailed(RuntimeError):
     """A rank stopped on an error; its message (already printed) says why and how to finish."""
 
 
-class Terminated(Exception):
-    """SIGTERM (torchrun stopping the job because another rank failed, or a scheduler)."""
+@dataclass
+class Share:
+    """One rank's images and what became of them (its record: ``ranks/rank-RRRRR-of-WWWWW.json``)."""
 
+    rank: int
+    world_size: int
+    paths: List[str]
+    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> index rows
+    failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
+    notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
+    in_flight: List[str] = field(default_factory=list)
+    new: int = 0
+    resumed: int = 0
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(f"terminated by signal {signum}")
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    def record(self, out_dir: str, status: str, error: Optional[str] = None, **extra: object) -> dict:
+        """Write and return the rank's record."""
+        done = sorted(self.rows)
+        info = dict(rank=self.rank, world_size=self.world_size, status=status, error=error, assigned=len(self.paths),
+                    images=len(done), new=self.new, resumed=self.resumed, in_flight=self.in_flight,
+                    failed=[dict(image=self.paths[i], error=e) for i, e in sorted(self.failed.items())],
+                    pending=[p for i, p in enumerate(self.paths) if i not in self.rows and i not in self.failed],
+                    notes=self.notes, features=[r for i in done for r in self.rows[i]], **extra)
+        name = f"rank-{self.rank:05d}-of-{self.world_size:05d}.json"
+        atomic_write(os.path.join(out_dir, "ranks", name), json.dumps(info, indent=1).encode())
+        return info
 
 
 def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     """Extract this rank's share; on rank 0, merge and return the job's summary (other ranks:
-    their own state)."""
-    wall_start = time.perf_counter()
+    their own record)."""
+    start = time.perf_counter()
     paths, root = find_images(args.input, exclude=args.out_dir)
     if not paths:
         raise SystemExit(f"input {args.input!r}: no images found (files ending in {', '.join(IMAGE_EXTS)}"
@@ -307,83 +293,45 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
         args.workers = default_workers(ctx.local_world_size, args.device)
     preprocessing(args)
     extractor = build_extractor(args, rank_device(args, ctx))
-    probe = extractor.run_batch([torch.zeros(3, 64, 64)])[0]
-    channels = OrderedDict((s, f.shape[0]) for s, f in probe.items())
+    channels = {s: f.shape[0] for s, f in extractor.run_batch([torch.zeros(3, 64, 64)])[0].items()}
     plan = OutputPlan(args.out_dir, root, args.format, channels, maps=not args.no_maps, png=args.png, names=names)
-    weights = dict(checkpoint=args.checkpoint, random=bool(args.random_weights),
-                   seed=args.seed if args.random_weights else None)
     warnings = [RANDOM_WEIGHTS_WARNING] if args.random_weights else []
-    if ctx.rank == 0:
-        for w in warnings:
-            print(f"WARNING: {w}", file=sys.stderr, flush=True)
+    for w in warnings if ctx.rank == 0 else ():
+        print(f"WARNING: {w}", file=sys.stderr, flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     check_settings(args, ctx, feature_settings(args, channels))
 
-    state = RankState(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
+    share = Share(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
     pooled = done_pooled = None
     if args.pool:
         pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels)
-        done_pooled = set() if args.overwrite else pooled.load_existing({plan.key(p) for p in state.assigned})
+        done_pooled = set() if args.overwrite else pooled.load_existing({plan.key(p) for p in share.paths})
     ctx.barrier()  # every rank has read the old pooled files before any are replaced
-
-    progress = Progress(ctx, len(state.assigned), len(paths), enabled=not args.no_progress)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:
-        extract_share(args, extractor, plan, state, pooled, done_pooled, progress)
-        progress.follow_others(args.dist_timeout * 60)
-    except BaseException as err:
-        message = _record_stop(args, ctx, state, pooled, err)
-        if isinstance(err, Exception) and not isinstance(err, Terminated):
-            raise RankFailed(message) from err
-        raise
-    finally:
-        progress.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-    state.status = "complete"
+        extract_share(args, extractor, plan, share, pooled, done_pooled, show=ctx.rank == 0 and not args.no_progress)
+    except Exception as err:
+        if pooled is not None and pooled.unflushed:  # what this run did is kept for the rerun
+            pooled.save(f"partial-{pooled.tag}-{pooled.run_id}.end.npz", pooled.unflushed)
+        info = share.record(args.out_dir, "failed", f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+        message = (f"rank {ctx.rank} of {ctx.world_size} failed" + (f" on {', '.join(share.in_flight)}"
+                   if share.in_flight else "") + f": {info['error']}; {len(info['pending'])} of its "
+                   f"{len(share.paths)} images are not done (listed under 'pending' in {args.out_dir}/ranks); "
+                   "run the same command again to finish them")
+        print(message, file=sys.stderr, flush=True)
+        raise RankFailed(message) from err
+    shard = None
     if pooled is not None:
-        shard = pooled.write_shard([plan.key(state.assigned[i]) for i in sorted(state.rows)])
-        state.pooled_file = os.path.relpath(shard, args.out_dir).replace(os.sep, "/")
-    info = state.to_json()
-    atomic_write(state.path(args.out_dir), json.dumps(info, indent=1).encode())
-    if ctx.world_size > 1:
-        print(f"rank {ctx.rank}: {info['new']} new images in {info['seconds']:.1f} s "
-              f"({info['images_per_second']:.2f} img/s), {info['resumed']} already complete, "
-              f"{len(info['failed'])} skipped", file=sys.stderr, flush=True)
+        shard = pooled.write_shard([plan.key(share.paths[i]) for i in sorted(share.rows)])
+        shard = os.path.relpath(shard, args.out_dir).replace(os.sep, "/")
+    info = share.record(args.out_dir, "complete", pooled_file=shard)
     gathered = ctx.gather(info)  # waits for every rank
     if ctx.rank != 0 or gathered is None:
         return info
-
-    return _finish_job(args, ctx, gathered, paths, time.perf_counter() - wall_start, weights, warnings)
-
-
-def _record_stop(args: argparse.Namespace, ctx: DistContext, state: RankState, pooled: Optional[PooledStore],
-                 err: BaseException) -> str:
-    """A rank stopped by ``err`` (an error, Ctrl-C, SIGTERM): keep its pooled vectors, write its
-    record with what is pending, and say so on stderr; the message."""
-    state.status = "interrupted" if isinstance(err, (KeyboardInterrupt, Terminated)) else "failed"
-    state.error = f"{type(err).__name__}: {err}"
-    if pooled is not None:
-        pooled.flush()
-    info = state.to_json()
-    info["traceback"] = traceback.format_exc()
-    atomic_write(state.path(args.out_dir), json.dumps(info, indent=1).encode())
-    message = (f"rank {ctx.rank} of {ctx.world_size} {state.status}"
-               + (f" on {', '.join(state.in_flight)}" if state.in_flight else "")
-               + f": {state.error}; {len(info['pending'])} of its {len(state.assigned)} images are not done "
-               f"(listed under 'pending' in {state.path(args.out_dir)}); run the same command again to finish them")
-    print(message, file=sys.stderr, flush=True)
-    return message
-
-
-def _finish_job(args: argparse.Namespace, ctx: DistContext, gathered: List[dict], paths: List[str], wall: float,
-                weights: dict, warnings: List[str]) -> dict:
-    """Rank 0, every rank done: the index, older runs' shards and rank records removed, the
-    summary printed; the summary."""
-    summary = write_index(args, gathered, paths, wall, weights, warnings)
+    summary = write_index(args, gathered, paths, time.perf_counter() - start, warnings)
     PooledStore.remove_stale(args.out_dir, ctx.world_size)
-    RankState.remove_stale(args.out_dir, ctx.world_size)
+    for stale in set(glob.glob(os.path.join(args.out_dir, "ranks", "rank-*.json"))) - set(
+            glob.glob(os.path.join(args.out_dir, "ranks", f"rank-*-of-{ctx.world_size:05d}.json"))):
+        os.remove(stale)  # records of runs with another world size
     for item in summary["failed"]:
         print(f"skipped {item['image']}: {item['error']}", file=sys.stderr)
     for note in summary["notes"]:
@@ -397,10 +345,83 @@ def _finish_job(args: argparse.Namespace, ctx: DistContext, gathered: List[dict]
     return summary
 
 
+def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, share: Share,
+                  pooled: Optional[PooledStore], done_pooled: Optional[set], show: bool) -> None:
+    """The rank's loop: DataLoader workers decode (or find an image's outputs complete); the
+    main process batches what they decoded as :meth:`FeatureExtractor.batches` does (mixed sizes
+    where the backbone takes per-image valid sizes, else by size), runs the backbone and writes."""
+    from rich.console import Console
+    from rich.progress import track
+
+    jobs = ImageJobs(share.paths, plan, tuple(args.resize) if args.resize else None, skip_complete=not args.overwrite,
+                     pooled=done_pooled, reader=args.reader, loader=args.loader)
+    chunk = 8 * args.batch_size  # decoded images batched together (the workers decode the next ones meanwhile)
+    ahead = dict(prefetch_factor=max(2, -(-chunk // args.workers))) if args.workers else {}
+    loader = DataLoader(jobs, batch_size=None, num_workers=args.workers, collate_fn=as_is,
+                        pin_memory=extractor.device.type == "cuda", **ahead)
+    items = iter(loader)  # (the workers start before the bar's refresh thread)
+    if show:
+        items = track(items, total=len(jobs), description="extracting" if share.world_size == 1 else
+                      f"rank 0's share of {share.world_size}", console=Console(stderr=True))
+    waiting: List[dict] = []  # decoded images, batched by FeatureExtractor.batches (by size, or mixed sizes)
+
+    def run_batch(batch: List[dict]) -> None:
+        share.in_flight = [share.paths[it["i"]] for it in batch]
+        for it, feat in zip(batch, extractor.run_batch([it["image"] for it in batch])):
+            path = share.paths[it["i"]]
+            share.in_flight = [path]
+            share.rows[it["i"]] = plan.write(path, feat, it["shown"])
+            if pooled is not None:
+                pooled.add(plan.key(path), mean_pool(feat))
+            share.new += 1
+        share.in_flight = []
+
+    def run_waiting() -> None:
+        for batch in extractor.batches([tuple(it["image"].shape[-2:]) for it in waiting]):
+            run_batch([waiting[i] for i in batch])
+        waiting.clear()
+
+    for item in items:
+        if item["status"] == "done":
+            share.rows[item["i"]] = item["rows"]
+            share.resumed += 1
+        elif item["status"] == "failed":
+            share.failed[item["i"]] = item["error"]
+        else:
+            share.notes += [item["note"]] if item["note"] else []
+            waiting.append(item)
+            if len(waiting) >= chunk:
+                run_waiting()
+    run_waiting()
+
+
+def write_index(args: argparse.Namespace, records: List[dict], paths: List[str], seconds: float,
+                warnings: List[str]) -> dict:
+    """Rank 0: ``index.json`` (the summary) and ``index.csv`` of the whole job, from every rank's record."""
+    order = {p: i for i, p in enumerate(paths)}
+    rows = sorted((r for s in records for r in s["features"]), key=lambda r: (order[r["image"]], r["stage"], r["file"]))
+    new = sum(s["new"] for s in records)
+    summary = dict(images=sum(s["images"] for s in records), new=new, resumed=sum(s["resumed"] for s in records),
+                   failed=sorted((f for s in records for f in s["failed"]), key=lambda f: order[f["image"]]),
+                   notes=[n for s in records for n in s["notes"]], reader=reader_label(args), seconds=round(seconds, 3),
+                   images_per_second=round(new / max(seconds, 1e-9), 3), world_size=len(records),
+                   workers=args.workers, batch_size=args.batch_size, warnings=warnings,
+                   weights=dict(checkpoint=args.checkpoint, random=bool(args.random_weights),
+                                seed=args.seed if args.random_weights else None),
+                   pooled=[dict(file=s["pooled_file"], images=s["images"], rank=s["rank"]) for s in records
+                           if s["pooled_file"]],
+                   ranks=[{k: s[k] for k in ("rank", "assigned", "images", "new", "resumed")} for s in records],
+                   features=rows)
+    atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1).encode())
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["image", "stage", "shape", "dtype", "file", "key"])
+    writer.writeheader()
+    writer.writerows(dict(row, shape="x".join(map(str, row["shape"]))) for row in rows)
+    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue().encode())
+    return summary
+
+
 # ------------------------------------------------------ what decides the features' values
-SETTINGS_FILE = "settings.json"
-
-
 def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
     """What decides the features' values: a rerun into the same OUT_DIR must match it."""
     ckpt = None
@@ -426,8 +447,8 @@ def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict
 
 def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -> None:
     """Refuse an OUT_DIR that holds features made with other ``settings`` (unless ``--overwrite``),
-    then (rank 0) record these."""
-    path = os.path.join(args.out_dir, SETTINGS_FILE)
+    then (rank 0) record these in ``settings.json``."""
+    path = os.path.join(args.out_dir, "settings.json")
     if not args.overwrite and os.path.isfile(path):
         with open(path) as f:
             previous = json.load(f)
@@ -455,9 +476,8 @@ def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
 
 def rank_device(args: argparse.Namespace, ctx: DistContext) -> str:
     """The device this rank runs on: under torchrun with CUDA, cuda:LOCAL_RANK (made current)."""
-    device = torch.device(args.device)
-    if device.type == "cuda" and ctx.world_size > 1:
-        if device.index is not None:
+    if torch.device(args.device).type == "cuda" and ctx.world_size > 1:
+        if torch.device(args.device).index is not None:
             raise SystemExit(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
                              "pass --device cuda")
         torch.cuda.set_device(ctx.local_rank)
@@ -489,166 +509,6 @@ def preprocessing(args: argparse.Namespace) -> None:
             args.std = [float(v) for v in preprocessor["std"]]
     args.mean = list(IMAGENET_MEAN) if args.mean is None else args.mean
     args.std = list(IMAGENET_STD) if args.std is None else args.std
-
-
-# ----------------------------------------------------------------------- one rank's share
-RANKS_DIR = "ranks"
-
-
-@dataclass
-class RankState:
-    """What one rank did: written to ``ranks/rank-RRRRR-of-WWWWW.json`` when it stops, whatever the reason."""
-
-    rank: int
-    world_size: int
-    assigned: List[str]
-    status: str = "running"
-    error: Optional[str] = None
-    new: int = 0
-    resumed: int = 0
-    seconds: float = 0.0
-    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> rows
-    failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
-    notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
-    in_flight: List[str] = field(default_factory=list)
-    pooled_file: Optional[str] = None
-
-    def to_json(self) -> dict:
-        done = sorted(self.rows)
-        finished = set(done) | set(self.failed)
-        return dict(rank=self.rank, world_size=self.world_size, status=self.status, error=self.error,
-                    assigned=len(self.assigned), images=len(done), new=self.new, resumed=self.resumed,
-                    seconds=round(self.seconds, 3), images_per_second=round(self.new / max(self.seconds, 1e-9), 3),
-                    failed=[dict(image=self.assigned[i], error=e) for i, e in sorted(self.failed.items())],
-                    in_flight=self.in_flight, pending=[p for i, p in enumerate(self.assigned) if i not in finished],
-                    pooled_file=self.pooled_file, notes=self.notes, features=[r for i in done for r in self.rows[i]])
-
-    def path(self, out_dir: str) -> str:
-        return os.path.join(out_dir, RANKS_DIR, f"rank-{self.rank:05d}-of-{self.world_size:05d}.json")
-
-    @staticmethod
-    def remove_stale(out_dir: str, world_size: int) -> None:
-        """Rank 0, after every rank wrote its record: delete the records of runs with another world size."""
-        ranks_dir = os.path.join(out_dir, RANKS_DIR)
-        for name in os.listdir(ranks_dir):
-            if re.fullmatch(r"rank-\d{5}-of-\d{5}\.json", name) and not name.endswith(f"-of-{world_size:05d}.json"):
-                os.remove(os.path.join(ranks_dir, name))
-
-
-class _InlineExecutor:
-    """``ThreadPoolExecutor``'s ``submit`` without threads: runs the call now."""
-
-    def __enter__(self) -> "_InlineExecutor":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args))
-        except Exception as err:
-            fut.set_exception(err)
-        return fut
-
-
-def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, state: RankState,
-                  pooled: Optional[PooledStore], done_pooled: Optional[Set[str]], progress: Progress) -> None:
-    """The rank's loop: workers decode, images are batched (mixed sizes where the backbone takes
-    per-image valid sizes, else by size), a writer thread writes."""
-    cuda = extractor.device.type == "cuda"
-    jobs = ImageJobs(state.assigned, plan, tuple(args.resize) if args.resize else None,
-                     skip_complete=not args.overwrite, pooled=done_pooled, reader=args.reader, loader=args.loader)
-    loader = DataLoader(jobs, batch_size=None, shuffle=False, num_workers=args.workers, collate_fn=as_is,
-                        pin_memory=cuda, prefetch_factor=max(2, args.batch_size) if args.workers else None)
-    buckets: "OrderedDict[Optional[Tuple[int, int]], List[dict]]" = OrderedDict()
-    max_held = 8 * args.batch_size  # decoded images waiting for same-size partners, at most
-    writes: Deque[Tuple[int, Future]] = deque()
-
-    def reap(keep: int) -> None:
-        while writes and (len(writes) > keep or writes[0][1].done()):
-            i, fut = writes.popleft()
-            try:
-                state.rows[i] = fut.result()
-            except Exception as err:
-                state.in_flight = [state.assigned[i]]  # the image the failure is about
-                raise RuntimeError(f"writing its outputs: {type(err).__name__}: {err}") from err
-            state.new += 1
-            progress.update(1)
-
-    def run(batch: List[dict]) -> None:
-        state.in_flight = [state.assigned[it["i"]] for it in batch]
-        feats = extractor.run_batch([it["image"] for it in batch])
-        for it, feat in zip(batch, feats):
-            path = state.assigned[it["i"]]
-            if pooled is not None:
-                pooled.add(plan.key(path), mean_pool(feat))
-            writes.append((it["i"], writer.submit(plan.write, path, feat, it["shown"])))
-        reap(keep=2 * args.batch_size)
-
-    start = time.perf_counter()
-    # On CUDA two threads write while the GPU computes; on the CPU the forward already uses
-    # every core, and extra threads there stall its OpenMP regions, so writes happen inline.
-    with (ThreadPoolExecutor(max_workers=2, thread_name_prefix="write") if cuda else _InlineExecutor()) as writer:
-        try:
-            for item in loader:
-                if item["status"] == "done":
-                    state.rows[item["i"]] = item["rows"]
-                    state.resumed += 1
-                    progress.update(1)
-                elif item["status"] == "failed":
-                    state.failed[item["i"]] = item["error"]
-                    progress.update(1)
-                else:
-                    if item.get("note"):
-                        state.notes.append(item["note"])
-                    # One bucket where the backbone batches mixed sizes exactly, else one per size.
-                    size = None if extractor.mixed_sizes else tuple(item["image"].shape[-2:])
-                    buckets.setdefault(size, []).append(item)
-                    if len(buckets[size]) >= args.batch_size:
-                        run(buckets.pop(size))
-                    elif sum(map(len, buckets.values())) >= max_held:
-                        run(buckets.pop(next(iter(buckets))))  # the oldest size waits no longer
-            while buckets:
-                run(buckets.pop(next(iter(buckets))))
-            reap(keep=0)
-        finally:
-            state.seconds = time.perf_counter() - start
-            for _, fut in writes:
-                fut.cancel()
-    state.in_flight = []
-
-
-# ------------------------------------------------------------------------- rank 0's index
-INDEX_FIELDS = ["image", "stage", "shape", "dtype", "file", "key"]
-
-
-def write_index(args: argparse.Namespace, states: List[dict], paths: List[str], wall: float, weights: dict,
-                warnings: List[str]) -> dict:
-    """Rank 0: the index of the whole job, from every rank's state, and the summary."""
-    order = {p: i for i, p in enumerate(paths)}
-    rows = sorted((r for s in states for r in s["features"]), key=lambda r: (order[r["image"]], r["stage"], r["file"]))
-    failed = sorted((f for s in states for f in s["failed"]), key=lambda f: order[f["image"]])
-    new, resumed = sum(s["new"] for s in states), sum(s["resumed"] for s in states)
-    images = sum(s["images"] for s in states)
-    ranks = [dict({k: s[k] for k in ("rank", "assigned", "images", "new", "resumed", "seconds", "images_per_second")},
-                  failed=len(s["failed"])) for s in states]  # (not ``|``: Python 3.8 has no dict union)
-    pooled = [dict(file=s["pooled_file"], images=s["images"], rank=s["rank"]) for s in states if s["pooled_file"]]
-    notes = [n for s in states for n in s.get("notes", [])]
-    summary = dict(images=images, new=new, resumed=resumed, failed=failed, notes=notes, reader=reader_label(args),
-                   seconds=round(wall, 3),
-                   images_per_second=round(new / max(wall, 1e-9), 3), world_size=len(states), workers=args.workers,
-                   batch_size=args.batch_size, weights=weights, warnings=warnings, pooled=pooled, ranks=ranks,
-                   features=rows)
-    atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1).encode())
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=INDEX_FIELDS)
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(dict(row, shape="x".join(map(str, row["shape"]))))
-    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue().encode())
-    return summary
 
 
 if __name__ == "__main__":

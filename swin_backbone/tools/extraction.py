@@ -1,36 +1,23 @@
 """Images in, feature files out: what ``swin-extract-features`` reads and writes
 (:mod:`swin_backbone.tools.extract_features` runs the job).
 
-* reading: image files exactly as mmdet's and mmseg's pipelines read them (:func:`read_rgb`),
-  which files INPUT names and each one's output name, decoding in DataLoader workers;
-* writing: one image's files (feature maps, PCA pictures), each written whole, the check that a
-  rerun can skip an image whose files are complete, and ``--pool avg``'s per-rank shards.
-
-Reading: Every shipped config (and the mmdet / mmseg base configs they inherit) starts its test pipeline
-with mmcv's ``LoadImageFromFile`` with its defaults, ``color_type='color'`` and
-``imdecode_backend='cv2'``: OpenCV's ``IMREAD_COLOR``, which turns the EXIF orientation upright,
-expands grayscale and palette files to three channels, drops an alpha channel (no compositing),
-converts CMYK JPEGs and reduces 16-bit files to 8 bits. It gives BGR, and the models' data
-preprocessor (``bgr_to_rgb=True``) flips it to RGB before normalising.
-
-:func:`read_rgb` does the same: with mmcv installed it *is* mmcv's reading
-(``mmcv.imfrombytes`` with the loader's ``color_type`` and ``imdecode_backend``), so features
-extracted from a file are those the detector's backbone sees for it. Without mmcv (an optional
-dependency) it falls back to Pillow, applying the same steps: EXIF orientation
-(``ImageOps.exif_transpose``), 16-bit values to their high byte, grayscale / palette / CMYK to
-RGB, alpha dropped. PNG and other lossless files then give the same pixels as mmcv; JPEGs
-can differ by a level or two (two builds of libjpeg), and a truncated JPEG, which OpenCV
-decodes with its missing part grey, is refused.
+Reading: :func:`read_rgb` gives the pixels mmdet's / mmseg's backbone sees for a file: with mmcv
+installed it *is* mmcv's ``LoadImageFromFile`` (``mmcv.imfrombytes`` with the pipeline's
+``color_type`` and ``imdecode_backend``) and the data preprocessor's BGR -> RGB flip; without
+it, Pillow applies the same conversions (EXIF orientation, 16-bit to the high byte, grayscale /
+palette / CMYK to RGB, alpha dropped): docs/robustness.md. Writing: one image's files, each
+written whole, the check that a rerun can skip an image whose files are complete, and
+``--pool avg``'s per-rank shards.
 """
 from __future__ import annotations
 
 import glob
 import io
 import os
-import re
 import time
 import zipfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -67,8 +54,6 @@ class LoaderSettings:
 def mmcv_available() -> bool:
     """Whether mmcv (and its image I/O) can be imported."""
     try:
-        import mmcv  # noqa: F401
-
         from mmcv import imfrombytes  # noqa: F401
     except Exception:  # not installed, or built for another torch: the Pillow path
         return False
@@ -233,9 +218,7 @@ def output_names(paths: Sequence[str], root: str) -> Dict[str, str]:
     case-insensitively (macOS and Windows folders). Raises ``ValueError`` if names still collide."""
     rel = {p: os.path.relpath(p, root) for p in paths}
     stems = {p: os.path.splitext(r)[0] for p, r in rel.items()}
-    count: Dict[str, int] = {}
-    for stem in stems.values():
-        count[stem.lower()] = count.get(stem.lower(), 0) + 1
+    count = Counter(stem.lower() for stem in stems.values())
     names = {p: stems[p] if count[stems[p].lower()] == 1 else rel[p] for p in paths}
     seen: Dict[str, str] = {}
     for p, name in names.items():
@@ -253,7 +236,7 @@ def as_is(item: Any) -> Any:
 
 
 class ImageJobs(Dataset):
-    """One rank's images, for DataLoader workers: each item is either ``done`` (outputs already
+    """One rank's images, for DataLoader workers: each item is ``done`` (outputs already
     complete, with their index rows), ``failed`` (unreadable, with the error) or ``ok`` with the
     decoded ``(3, H, W)`` image (uint8; float32 if resized) and, for PNGs, the RGB image shown."""
 
@@ -261,7 +244,7 @@ class ImageJobs(Dataset):
                  skip_complete: bool, pooled: Optional[Set[str]], reader: str = "auto",
                  loader: LoaderSettings = LoaderSettings()) -> None:
         self.paths, self.plan, self.resize = list(paths), plan, resize
-        self.skip_complete, self.pooled = skip_complete, pooled
+        self.skip_complete, self.pooled = skip_complete, pooled  # pooled: images whose vector exists
         self.reader, self.loader = resolve_reader(reader), loader
 
     def __len__(self) -> int:
@@ -276,20 +259,18 @@ class ImageJobs(Dataset):
         try:
             data = read_bytes(path)
             rgb = decode_rgb(data, self.reader, self.loader, source=path)
-        except ImageReadError as err:  # not an image, damaged, or refused by mmcv: report, skip, go on
-            return dict(i=i, status="failed", error=str(err))
-        except Exception as err:  # any other decoder error
-            return dict(i=i, status="failed", error=f"{path}: {type(err).__name__}: {err}")
+        except Exception as err:  # not an image, damaged, refused by mmcv: reported and skipped
+            error = str(err) if isinstance(err, ImageReadError) else f"{path}: {type(err).__name__}: {err}"
+            return dict(i=i, status="failed", error=error)
         # mmcv (OpenCV) decodes a JPEG that was cut off with its missing part grey, as the
         # detector would see it: extracted, but said.
         note = (f"{path}: JPEG without its end-of-image marker (cut off?); read as mmcv reads it, the missing "
                 "part grey" if self.reader == "mmcv" and jpeg_truncated(data) else None)
         image = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+        shown = rgb if self.plan.png else None
         if self.resize is not None:
             image = resize_to(image.float(), self.resize)
-        shown = None
-        if self.plan.png:
-            shown = rgb if self.resize is None else np.asarray(Image.fromarray(rgb).resize(tuple(self.resize[::-1])))
+            shown = None if shown is None else np.asarray(Image.fromarray(rgb).resize(tuple(self.resize[::-1])))
         return dict(i=i, status="ok", image=image, shown=shown, note=note)
 
 
@@ -308,29 +289,6 @@ def default_workers(local_world_size: int = 1, device: str = "cuda") -> int:
 
 
 # ---------------------------------------------------------------------- one image's files
-def serialise(features: Dict[int, torch.Tensor], fmt: str) -> Dict[str, bytes]:
-    """``{suffix: bytes}`` for one image's features in ``fmt`` (npz, npy or pt)."""
-    if fmt == "npz":
-        buf = io.BytesIO()
-        np.savez(buf, **{f"stage{s}": f.numpy() for s, f in features.items()})
-        return {".npz": buf.getvalue()}
-    out = {}
-    for s, f in features.items():
-        buf = io.BytesIO()
-        if fmt == "npy":
-            np.save(buf, f.numpy())
-        else:
-            torch.save(f.clone(), buf)
-        out[f".stage{s}.{fmt}"] = buf.getvalue()
-    return out
-
-
-def png_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _npy_header(f) -> Tuple[Tuple[int, ...], np.dtype, int]:
     """Shape, dtype and data offset of the ``.npy`` stream ``f`` (header only, no data read)."""
     version = np.lib.format.read_magic(f)
@@ -349,154 +307,144 @@ class OutputPlan:
     channels: Dict[int, int]  # stage -> channels, from a probe forward
     maps: bool = True
     png: bool = False
-
-    names: Optional[Dict[str, str]] = None  # path -> output name (output_names); None: the stem
+    names: Dict[str, str] = field(default_factory=dict)  # path -> output name (output_names)
 
     def key(self, path: str) -> str:
         """The image's path relative to the input root, ``/``-separated (its identity on disk)."""
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def base(self, path: str) -> str:
-        name = self.names.get(path) if self.names else None
-        return os.path.join(self.out_dir, name or os.path.splitext(os.path.relpath(path, self.root))[0])
+        return os.path.join(self.out_dir, self.names.get(path) or os.path.splitext(os.path.relpath(path, self.root))[0])
 
-    def _row(self, path: str, stage: int, shape: Sequence[int], file: str, key: str) -> dict:
-        return dict(image=path, stage=stage, shape=list(shape), dtype="float32",
-                    file=os.path.relpath(file, self.out_dir).replace(os.sep, "/"), key=key)
+    def files(self, path: str) -> Dict[str, List[int]]:
+        """``{file: stages}`` of the image's feature maps."""
+        if not self.maps:
+            return {}
+        if self.fmt == "npz":
+            return {self.base(path) + ".npz": list(self.channels)}
+        return {f"{self.base(path)}.stage{s}.{self.fmt}": [s] for s in self.channels}
+
+    def _row(self, path: str, stage: int, shape: Sequence[int], file: str) -> dict:
+        return dict(image=path, stage=stage, shape=list(shape), dtype="float32", key=f"stage{stage}" if
+                    self.fmt == "npz" else "", file=os.path.relpath(file, self.out_dir).replace(os.sep, "/"))
 
     def write(self, path: str, feat: Dict[int, torch.Tensor], shown: Optional[np.ndarray]) -> List[dict]:
-        """Write one image's feature files (and PNGs); its index rows."""
-        base, rows = self.base(path), []
-        if self.maps:
-            for suffix, data in serialise(feat, self.fmt).items():
-                atomic_write(base + suffix, data)
-                for s, f in feat.items():
-                    if suffix == ".npz" or suffix.startswith(f".stage{s}."):
-                        rows.append(self._row(path, s, f.shape, base + suffix, f"stage{s}" if suffix == ".npz" else ""))
-        if self.png:
-            for s, f in feat.items():
-                atomic_write(f"{base}.stage{s}.png", png_bytes(side_by_side(shown, [pca_rgb(f)])))
+        """Write one image's feature files (and PNGs), each whole or not at all; its index rows."""
+        rows = []
+        for file, stages in self.files(path).items():
+            buf = io.BytesIO()
+            if self.fmt == "npz":
+                np.savez(buf, **{f"stage{s}": feat[s].numpy() for s in stages})
+            elif self.fmt == "npy":
+                np.save(buf, feat[stages[0]].numpy())
+            else:
+                torch.save(feat[stages[0]].clone(), buf)
+            atomic_write(file, buf.getvalue())
+            rows += [self._row(path, s, feat[s].shape, file) for s in stages]
+        for s, f in feat.items() if self.png else ():
+            buf = io.BytesIO()
+            Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(buf, format="PNG")
+            atomic_write(f"{self.base(path)}.stage{s}.png", buf.getvalue())
         return rows
+
+    def stored(self, file: str, stages: List[int]) -> Dict[int, Tuple[Tuple[int, ...], Any]]:
+        """``{stage: (shape, dtype)}`` of a written file, from its headers; an error if it is cut off."""
+        if self.fmt == "pt":
+            t = torch.load(file, map_location="cpu", weights_only=True, **(dict(mmap=True) if load_supports_mmap()
+                                                                          else {}))
+            return {stages[0]: (tuple(t.shape), t.dtype)}
+        if self.fmt == "npy":
+            a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
+            return {stages[0]: (a.shape, a.dtype)}
+        out = {}
+        with zipfile.ZipFile(file) as z:
+            for s in stages:
+                info = z.getinfo(f"stage{s}.npy")
+                with z.open(info) as f:
+                    shape, dtype, offset = _npy_header(f)
+                if info.file_size != offset + dtype.itemsize * int(np.prod(shape)):
+                    raise ValueError(f"{file}: stage{s}.npy is cut off")
+                out[s] = (shape, dtype)
+        return out
 
     def complete_rows(self, path: str) -> Optional[List[dict]]:
         """The index rows of ``path``'s outputs if every one of them is on disk and complete
-        (right stages, channels and dtype, file as long as its header says, PNGs verified);
-        ``None`` if anything is missing, cut off or different."""
-        base, rows = self.base(path), []
+        (right stages, channels and dtype, as long as its header says, PNGs verified); ``None``
+        if anything is missing, cut off or different."""
+        rows = []
         try:
-            if self.maps and self.fmt == "npz":
-                with zipfile.ZipFile(base + ".npz") as z:
-                    if sorted(z.namelist()) != sorted(f"stage{s}.npy" for s in self.channels):
+            for file, stages in self.files(path).items():
+                for s, (shape, dtype) in self.stored(file, stages).items():
+                    if len(shape) != 3 or shape[0] != self.channels[s] or dtype not in (np.float32, torch.float32):
                         return None
-                    for s in self.channels:
-                        info = z.getinfo(f"stage{s}.npy")
-                        with z.open(info) as f:
-                            shape, dtype, offset = _npy_header(f)
-                        if not self._ok(s, shape, dtype) or info.file_size != offset + int(np.prod(shape)) * 4:
-                            return None
-                        rows.append(self._row(path, s, shape, base + ".npz", f"stage{s}"))
-            elif self.maps:
-                for s in self.channels:
-                    file = f"{base}.stage{s}.{self.fmt}"
-                    if self.fmt == "npy":
-                        with open(file, "rb") as f:
-                            shape, dtype, offset = _npy_header(f)
-                        if not self._ok(s, shape, dtype) or os.path.getsize(file) != offset + int(np.prod(shape)) * 4:
-                            return None
-                    else:
-                        mmap = dict(mmap=True) if load_supports_mmap() else {}
-                        t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
-                        if not isinstance(t, torch.Tensor) or not self._ok(s, tuple(t.shape), t.dtype):
-                            return None
-                        shape = tuple(t.shape)
-                    rows.append(self._row(path, s, shape, file, ""))
-            if self.png:
-                for s in self.channels:
-                    with Image.open(f"{base}.stage{s}.png") as im:
-                        im.verify()
+                    rows.append(self._row(path, s, shape, file))
+            for s in self.channels if self.png else ():
+                with Image.open(f"{self.base(path)}.stage{s}.png") as im:
+                    im.verify()
         except Exception:  # missing, truncated or corrupt: redo the image
             return None
         return rows
-
-    def _ok(self, stage: int, shape: Tuple[int, ...], dtype: Any) -> bool:
-        return len(shape) == 3 and shape[0] == self.channels[stage] and dtype in (np.dtype(np.float32), torch.float32)
 
 
 # ----------------------------------------------------------------------------- --pool avg
 POOL_DIR = "pooled"
 #: New pooled vectors a rank keeps in memory before writing them to a partial file (resume point).
 POOL_FLUSH = 1024
-POOL_FILE = re.compile(r"^(shard|partial)-(\d{5})-of-(\d{5})(-[A-Za-z0-9_.]+)?\.npz$")
+POOL_FILES = ("shard-", "partial-")
 
 
 class PooledStore:
     """Mean-pooled vectors of one rank: ``pooled/shard-RRRRR-of-WWWWW.npz`` with ``images``
     (paths relative to INPUT) and ``stage{i}`` ``(N, C_i)`` float32 arrays, one row per image.
 
-    While a rank runs, every :data:`POOL_FLUSH` new vectors go to a ``partial-...npz`` file, so
-    an interrupted run keeps them; a rerun reads every shard and partial file it finds (any
-    world size), and rank 0 deletes the ones that are not current shards once all ranks are done.
+    Every :data:`POOL_FLUSH` new vectors also go to a ``partial-...npz`` file, so that an
+    interrupted run keeps them; a rerun reads every ``.npz`` it finds there (any world size),
+    and rank 0 deletes all but the current shards once every rank is done.
     """
 
     def __init__(self, out_dir: str, rank: int, world_size: int, channels: Dict[int, int]) -> None:
-        self.dir = os.path.join(out_dir, POOL_DIR)
-        self.rank, self.world_size, self.channels = rank, world_size, channels
+        self.dir, self.channels = os.path.join(out_dir, POOL_DIR), channels
+        self.tag = f"{rank:05d}-of-{world_size:05d}"
         self.vectors: Dict[str, Dict[int, np.ndarray]] = {}
         self.unflushed: List[str] = []
-        self.run_id = f"{time.strftime('%Y%m%d%H%M%S')}.{os.getpid()}"
-        self.parts = 0
-
-    @property
-    def shard_name(self) -> str:
-        return f"shard-{self.rank:05d}-of-{self.world_size:05d}.npz"
+        self.run_id = f"{os.getpid()}.{time.time_ns()}"
 
     def load_existing(self, wanted: Set[str]) -> Set[str]:
-        """Read the vectors of ``wanted`` images from every valid pooled file already on disk;
-        the images found."""
+        """Read the vectors of ``wanted`` images from every valid pooled file on disk; the images found."""
         for name in sorted(os.listdir(self.dir)) if os.path.isdir(self.dir) else []:
-            if not POOL_FILE.match(name):
+            if not name.startswith(POOL_FILES) or not name.endswith(".npz"):
                 continue
             try:
                 with np.load(os.path.join(self.dir, name), allow_pickle=False) as z:
-                    images = z["images"]
-                    arrays = {s: z[f"stage{s}"] for s in self.channels}
-                if images.ndim != 1 or any(a.shape != (len(images), self.channels[s]) or a.dtype != np.float32
-                                           for s, a in arrays.items()):
-                    continue
+                    images, arrays = z["images"], {s: z[f"stage{s}"] for s in self.channels}
             except Exception:  # cut off or foreign: its images are simply redone
                 continue
-            for j, image in enumerate(images.tolist()):
-                if image in wanted:
-                    self.vectors[image] = {s: a[j] for s, a in arrays.items()}
+            if images.ndim == 1 and all(a.shape == (len(images), self.channels[s]) and a.dtype == np.float32
+                                        for s, a in arrays.items()):
+                for j, image in enumerate(images.tolist()):
+                    if image in wanted:
+                        self.vectors[image] = {s: a[j] for s, a in arrays.items()}
         return set(self.vectors)
 
     def add(self, image: str, vectors: Dict[int, torch.Tensor]) -> None:
         self.vectors[image] = {s: v.numpy() for s, v in vectors.items()}
         self.unflushed.append(image)
         if len(self.unflushed) >= POOL_FLUSH:
-            self.flush()
-
-    def _save(self, name: str, images: Sequence[str]) -> str:
-        buf = io.BytesIO()
-        arrays = {f"stage{s}": np.stack([self.vectors[i][s] for i in images]) if images else
-                  np.zeros((0, c), np.float32) for s, c in self.channels.items()}
-        np.savez(buf, images=np.array(list(images), dtype=str), **arrays)
-        path = os.path.join(self.dir, name)
-        atomic_write(path, buf.getvalue())
-        return path
-
-    def flush(self) -> None:
-        """Write the vectors not yet on disk to a new partial file."""
-        if self.unflushed:
-            self.parts += 1
-            name = f"partial-{self.rank:05d}-of-{self.world_size:05d}-{self.run_id}.{self.parts}.npz"
-            self._save(name, self.unflushed)
+            self.save(f"partial-{self.tag}-{self.run_id}.{len(self.vectors)}.npz", self.unflushed)
             self.unflushed = []
+
+    def save(self, name: str, images: Sequence[str]) -> str:
+        """Write the vectors of ``images`` to ``pooled/name``; its path."""
+        buf = io.BytesIO()
+        np.savez(buf, images=np.array(list(images), dtype=str), **{
+            f"stage{s}": np.stack([self.vectors[i][s] for i in images]) if images else np.zeros((0, c), np.float32)
+            for s, c in self.channels.items()})
+        atomic_write(os.path.join(self.dir, name), buf.getvalue())
+        return os.path.join(self.dir, name)
 
     def write_shard(self, images: Sequence[str]) -> str:
         """The rank's shard: the vectors of ``images`` (done ones, in the rank's order)."""
-        self.unflushed = []
-        return self._save(self.shard_name, images)
+        return self.save(f"shard-{self.tag}.npz", images)
 
     @staticmethod
     def remove_stale(out_dir: str, world_size: int) -> None:
@@ -504,5 +452,5 @@ class PooledStore:
         pool_dir = os.path.join(out_dir, POOL_DIR)
         current = {f"shard-{r:05d}-of-{world_size:05d}.npz" for r in range(world_size)}
         for name in os.listdir(pool_dir) if os.path.isdir(pool_dir) else []:
-            if POOL_FILE.match(name) and name not in current:
+            if name.startswith(POOL_FILES) and name.endswith(".npz") and name not in current:
                 os.remove(os.path.join(pool_dir, name))

@@ -258,3 +258,15 @@ def test_attention_setting_reaches_the_backbone(tmp_path):
     for removed in ("fast", "triton"):  # (triton: the fused kernel was removed)
         with pytest.raises(SystemExit):
             parse_args([inp, out, "--random-weights", "--attention", removed])
+
+
+def test_progress_bar_on_stderr_unless_no_progress(tmp_path, capsys):
+    from ..helpers import EXTRACT_ARGS, write_images
+
+    write_images(tmp_path / "in")
+    quiet = [a for a in EXTRACT_ARGS if a != "--no-progress"]
+    tool.extract([str(tmp_path / "in"), str(tmp_path / "out"), "--workers", "0"] + quiet)
+    err = capsys.readouterr().err
+    assert "extracting" in err and "100%" in err  # rich's bar, run to its end
+    again = tool.extract([str(tmp_path / "in"), str(tmp_path / "out"), "--workers", "0", "--no-progress"] + quiet)
+    assert again["resumed"] == 8 and "extracting" not in capsys.readouterr().err
