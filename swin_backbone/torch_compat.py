@@ -148,18 +148,18 @@ def _autocast_query_takes_device() -> bool:
 #: ``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype`` (torch >= 2.4); older
 #: torch has one query per device. Decided once here: under ``torch.compile`` a caught ``TypeError``
 #: would be a graph error.
-_AUTOCAST_BY_DEVICE = _autocast_query_takes_device() and hasattr(torch, "get_autocast_dtype")
+AUTOCAST_BY_DEVICE = _autocast_query_takes_device() and hasattr(torch, "get_autocast_dtype")
 
 #: Device types autocast keeps no state for (torch's query raises there): a forward on ``meta``
 #: tensors (shapes without compute) runs in its tensors' own dtype.
-_NO_AUTOCAST = frozenset({"meta"})
+NO_AUTOCAST = frozenset({"meta"})
 
 
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (``'cuda'``, ``'cpu'``, ...)."""
-    if device_type in _NO_AUTOCAST:
+    if device_type in NO_AUTOCAST:
         return False
-    if _AUTOCAST_BY_DEVICE:
+    if AUTOCAST_BY_DEVICE:
         return bool(torch.is_autocast_enabled(device_type))
     if device_type == "cpu":
         return bool(torch.is_autocast_cpu_enabled())
@@ -176,16 +176,6 @@ def autocast_dtype(device_type: str) -> torch.dtype:
     if device_type == "cpu":
         return torch.get_autocast_cpu_dtype()
     return torch.get_autocast_gpu_dtype()
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype ``x``'s device computes in: autocast's if it is on there, else ``x``'s."""
-    device = x.device.type
-    if device in _NO_AUTOCAST:
-        return x.dtype
-    if _AUTOCAST_BY_DEVICE:  # (torch's queries directly: this runs once per forward)
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return autocast_dtype(device) if autocast_enabled(device) else x.dtype
 
 
 # ---------------------------------------------------------------------------- TF32

@@ -17,7 +17,7 @@ from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
 from .compiled import compile_regions
 from .dropin import InitCfg, translate_mmlab_args
 from .presets import resolve_arch
-from .valid_sizes import attached_valid_sizes
+from .valid_sizes import ATTRIBUTE as SIZES_ATTRIBUTE, attached_valid_sizes
 
 # The checkpoint package sits above the model and plugs into it when imported:
 #: ``load_state_dict`` pre-hooks every backbone gets (the checkpoint key converter);
@@ -321,7 +321,7 @@ class SwinBackbone(BaseModule):
                 ``mask_padding=True`` and ``pad_small_map=True``; docs/image-exact-batches.md).
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
-        if valid_sizes is None:
+        if valid_sizes is None and (x._base is not None or hasattr(x, SIZES_ATTRIBUTE)):  # (a batch, or a crop of one)
             valid_sizes = attached_valid_sizes(x, self)
         valid = None if valid_sizes is None else check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
@@ -339,11 +339,11 @@ class SwinBackbone(BaseModule):
             print_log(f"SwinBackbone: compile=True on {x.device.type}: {note} (docs/compiled-mode.md)", logger="current")
         if self.marks_cuda_graph_steps and x.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # one forward, one step of its regions' CUDA graphs
-        # how this forward runs; plan.stages[i]: stage i's (traced ones for compiled blocks)
-        plan = ops.plan_forward(x, self, valid, compiled_blocks=compiled)
-        if valid is not None:  # images in a padded batch: patches across their edges read zeros
-            x = ops.mask_input(x, valid, self.patch_size)
-        return self._stages(x, plan)
+        plans = ops.plan_stages(x, self, compiled_blocks=compiled)  # how each stage runs
+        if valid is None:
+            return self._stages(x, plans)
+        x = ops.mask_input(x, valid, self.patch_size)  # images in a padded batch: patches across their edges read zeros
+        return self._stages(x, plans, ops.stage_valid_sizes(valid, self.patch_size, self.num_stages, *x.shape[-2:]))
 
     def forward_static(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
         """:meth:`forward` with every shape fixed by ``x``'s, for one graph per input shape
@@ -352,39 +352,46 @@ class SwinBackbone(BaseModule):
         whole map is computed, and beyond each image is a region of its own in every window, so
         the features are those of :meth:`forward` with ``valid_sizes`` (image-exact).
         ``(B, C_in, H, W)`` -> as :meth:`forward`; no absolute position embedding with ``sizes``."""
-        plan = ops.plan_forward(x, self, compiled_blocks=True)  # (traced stage plans: plain torch ops)
+        plans = ops.plan_stages(x, self, compiled_blocks=True)  # (traced stage plans: plain torch ops)
         if sizes is None:
-            return self._stages(x, plan)
+            return self._stages(x, plans)
         x = torch.where(ops.valid_map(sizes, x.shape[-2], x.shape[-1]).unsqueeze(1), x, x.new_zeros(()))
-        return self._stages(x, plan, ops.stage_sizes(sizes, self.patch_size, self.num_stages))
+        return self._stages(x, plans, ops.stage_sizes(sizes, self.patch_size, self.num_stages))
 
-    def _stages(self, x: torch.Tensor, plan: ops.Plan, sizes: Optional[Sequence[torch.Tensor]] = None
-                ) -> Tuple[torch.Tensor, ...]:
-        """Patch embedding, stages and output norms of :meth:`forward`; ``sizes``: per stage the
-        images' ``(B, 2)`` token sizes of :meth:`forward_static`."""
+    def _stages(self, x: torch.Tensor, plans: Sequence[ops.Plan],
+                sizes: Optional[Sequence[Union[ops.Sizes, torch.Tensor, None]]] = None) -> Tuple[torch.Tensor, ...]:
+        """Patch embedding, stages and output norms of :meth:`forward`; ``plans``: one per stage;
+        ``sizes``: per stage the images' token sizes (:data:`~swin_backbone.ops.Sizes`, ``None``
+        where they fill the map), or :meth:`forward_static`'s ``(B, 2)`` tensors."""
+        static = sizes is not None and isinstance(sizes[0], torch.Tensor)
         x = self.patch_embed(x)  # (B, H0, W0, C)
         if self.absolute_pos_embed is not None:
-            x = x + self._position_embeddings(x.shape[1], x.shape[2], plan.stages[0])
+            x = x + self._position_embeddings(x.shape[1], x.shape[2], None if static or sizes is None else sizes[0])
         x = self.drop_after_pos(x)
         outs = []
         last = self.out_indices[-1]
         for i in range(last + 1):
-            stage, stage_plan = self.stages[i], plan.stages[i]
-            valid = None if sizes is None else ops.valid_map(sizes[i], x.shape[1], x.shape[2])  # (B, H_i, W_i)
-            out = stage(x, stage_plan) if valid is None else stage(x, stage_plan, valid)
+            stage, plan = self.stages[i], plans[i]
+            images = None if sizes is None else sizes[i]
+            if static:  # (B, H_i, W_i) bool
+                images = ops.valid_map(images, x.shape[1], x.shape[2])
+            out = stage(x, plan) if images is None else stage(x, plan, images)
             if i in self.out_indices:
-                y = ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, stage_plan)
-                outs.append(y if valid is None else torch.where(valid.unsqueeze(1), y, y.new_zeros(())))
+                norm = getattr(self, f"norm{i}")
+                if static:
+                    y = ops.output_nchw(out, norm, self.channels_last_outputs, plan)
+                    outs.append(torch.where(images.unsqueeze(1), y, y.new_zeros(())))
+                else:
+                    outs.append(ops.output_nchw(out, norm, self.channels_last_outputs, plan, images))
             if i < last:
                 x = stage.downsample(out)
         return tuple(outs)
 
-    def _position_embeddings(self, height: int, width: int, plan: ops.Plan) -> torch.Tensor:
+    def _position_embeddings(self, height: int, width: int, sizes: Optional[ops.Sizes]) -> torch.Tensor:
         """The absolute position embedding for a ``height x width`` token map: ``(1, H, W, C)``,
-        or with stage 0's ``plan``'s per-image valid sizes ``(B, H, W, C)``, each image's resized
-        to its own token size (as it is alone) at the top left, zeros beyond."""
-        stage0 = plan.valid_sizes
-        if stage0 is None:
+        or with stage 0's per-image token ``sizes`` ``(B, H, W, C)``, each image's resized to its
+        own token size (as it is alone) at the top left, zeros beyond."""
+        if sizes is None:
             return self.position_embedding(height, width)
-        resized = {size: self.position_embedding(*size)[0] for size in set(stage0)}
-        return torch.stack([F.pad(resized[(h, w)], (0, 0, 0, width - w, 0, height - h)) for h, w in stage0])
+        resized = {size: self.position_embedding(*size)[0] for size in set(sizes)}
+        return torch.stack([F.pad(resized[(h, w)], (0, 0, 0, width - w, 0, height - h)) for h, w in sizes])

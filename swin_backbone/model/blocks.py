@@ -5,7 +5,7 @@ stage the blocks work on the flat ``(B, H * W, C)`` view of the same memory.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,30 +39,35 @@ class PatchEmbed(nn.Module):
 class DropPath(nn.Module):
     """Stochastic depth: in training, zero a sample's branch with probability ``drop_prob`` and
     scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; per sample, as timm's and
-    torchvision's ``mode='row'``; drawn as mmcv's ``drop_path``)."""
+    torchvision's ``mode='row'``; drawn as mmcv's ``drop_path``). A packed layout's ``(1, T, C)``
+    tokens are dropped image by image (:attr:`~swin_backbone.ops.WindowLayout.image_tokens`),
+    each image a sample as it is alone."""
 
     def __init__(self, drop_prob: float = 0.0) -> None:
         super().__init__()
         self.drop_prob = drop_prob
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: Optional[ops.WindowLayout] = None) -> torch.Tensor:
+        """``(B, ..., C)`` -> the same, each sample kept (and scaled) or zeroed."""
         if not self.training or self.drop_prob == 0.0:
             return x
-        keep = 1.0 - self.drop_prob
-        # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
-        # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
-        # symbolic: the blocks of a stage share one graph whatever their rates. Drawn in fp32
-        # (a bf16 U keeps 0.8986 of the samples at keep = 0.9), then cast.
-        noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device)
-        return x * noise.add_(keep).floor_().div_(keep).to(x.dtype)
+        if layout is not None and layout.image_tokens is not None:
+            return torch.cat([drop_samples(image, self.drop_prob) for image in x.split(layout.image_tokens, 1)], 1)
+        return drop_samples(x, self.drop_prob)
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}"
 
 
-def drop_path(rate: float) -> nn.Module:
-    """:class:`DropPath` for a rate > 0, else ``nn.Identity`` (as timm: nothing to call)."""
-    return DropPath(rate) if rate > 0 else nn.Identity()
+def drop_samples(x: torch.Tensor, drop_prob: float) -> torch.Tensor:
+    """``x`` with each sample (dim 0) zeroed with probability ``drop_prob``, the rest scaled."""
+    keep = 1.0 - drop_prob
+    # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
+    # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
+    # symbolic: the blocks of a stage share one graph whatever their rates. Drawn in fp32
+    # (a bf16 U keeps 0.8986 of the samples at keep = 0.9), then cast.
+    noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device)
+    return x * noise.add_(keep).floor_().div_(keep).to(x.dtype)
 
 
 class Mlp(nn.Sequential):
@@ -101,19 +106,18 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(embed_dims, embed_dims)
         self.proj_drop = nn.Dropout(proj_drop_rate)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
-        """``proj(attention(qkv(windows(norm(x)))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout) -> torch.Tensor:
+        """``proj(attention(qkv(windows(x))))``: ``(B, H * W, C)`` -> ``(B, H * W, C)``.
 
-        The tokens are normalised by the block's ``norm``, padded, shifted and cut into
-        ``layout``'s windows (one gather), projected to q, k, v, attend within their window (a
-        bias per relative offset, a mask between shift regions and padding), and return to
-        row-major order before the output projection, which thus runs on real tokens only.
-        ``plan``: the stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or
-        :func:`swin_backbone.ops.plan_forward`'s for the module on its own.
+        The tokens are padded, shifted and cut into ``layout``'s windows (one gather), projected
+        to q, k, v, attend within their window (a bias per relative offset, a mask between shift
+        regions and padding), and return to row-major order before the output projection, which
+        thus runs on real tokens only. ``layout``: the stage's, bound to the forward's plan
+        (:func:`swin_backbone.ops.stage_layouts`).
         """
-        qkv = self.qkv(ops.window_partition(norm(x), layout, plan))  # (B, nW * N, 3C), windows' order
-        out = ops.window_attention(qkv, self.relative_position_bias_table, layout, plan, num_heads=self.num_heads,
-                                   scale=self.scale, dropout_p=self.attn_drop_rate)
+        qkv = self.qkv(ops.window_partition(x, layout))  # (B, nW * N, 3C), windows' order
+        out = ops.window_attention(qkv, self.relative_position_bias_table, layout, num_heads=self.num_heads,
+                                   scale=self.scale, dropout_p=self.attn_drop_rate if self.training else 0.0)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -136,20 +140,20 @@ class SwinBlock(nn.Module):
         self.shift = shift
         self.norm1 = nn.LayerNorm(embed_dims)
         self.attn = WindowAttention(embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate)
-        self.drop_path = drop_path(drop_path_rate)
+        self.drop_path = DropPath(drop_path_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout) -> torch.Tensor:
         """``x + drop_path(attn(norm1(x)))``, then ``+ drop_path(mlp(norm2(x)))``:
         ``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        images = layout.image_tokens  # (a packed layout: stochastic depth per image)
-        x = x + ops.drop_samples(self.drop_path, self.attn(x, self.norm1, layout, plan), images)
-        return ops.mlp_residual(x, self.mlp_branch, self.drop_path, images, self.mlp.fc1.out_features, plan)
-
-    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """``mlp(norm2(x))`` of ``(..., C)`` tokens (row-wise; stochastic depth follows it per sample)."""
-        return self.mlp(self.norm2(x))
+        x = x + self.drop_path(self.attn(self.norm1(x), layout), layout)
+        if layout.row_chunks is None:
+            return x + self.drop_path(self.mlp(self.norm2(x)), layout)
+        rows = x.view(-1, x.shape[-1])
+        for part in layout.row_chunks:  # (CPU inference: cache-sized rows, added in place)
+            rows[part].add_(self.mlp(self.norm2(rows[part])))
+        return x
 
 
 def merge_2x2(x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +211,7 @@ class SwinStage(nn.Module):
         self.pad_small_map = pad_small_map
         self.mask_padding = mask_padding
         self.with_cp = with_cp
+        self.mlp_hidden_dims = int(embed_dims * mlp_ratio)  #: sizes the row chunks of inference
         self.blocks = nn.ModuleList(
             block(embed_dims, num_heads, window_size, shift=i % 2 == 1, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                   qk_scale=qk_scale, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
@@ -215,42 +220,30 @@ class SwinStage(nn.Module):
         )
         self.downsample = merging(embed_dims, norm=patch_norm) if downsample else None
 
-    def forward(self, x: torch.Tensor, plan: ops.Plan, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ops.Plan, images: Union[ops.Sizes, torch.Tensor, None] = None
+                ) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
-        stage's (:attr:`Plan.stages <swin_backbone.ops.plan.Plan.stages>`), or for a stage called on
-        its own :func:`swin_backbone.ops.plan_forward`'s.
+        stage's (:func:`swin_backbone.ops.plan_stages`), or for a stage on its own
+        :func:`swin_backbone.ops.plan_forward`'s.
 
-        With the plan's per-image valid sizes the blocks run on the images' real tokens alone,
-        packed into ``(1, T, C)`` (each image in the windows it has alone: the planner's packed
-        layouts), and the map returned is zero beyond each image. ``valid`` (``(B, H, W)`` bool,
-        a traced plan's: static shapes) does the same on the whole map, with a mask per image."""
-        b, h, w, c = x.shape
+        ``images``, per image, its ``(h, w)`` tokens on this map: the blocks run on the images'
+        real tokens alone, packed into ``(1, T, C)`` (each image in the windows it has alone);
+        or a ``(B, H, W)`` bool map (static shapes): the whole map, with a mask per image. Either
+        way each image's tokens are those of the image alone, and the map returned is zero
+        beyond it."""
+        regular, shifted = ops.stage_layouts(
+            x, plan, window_size=self.window_size, shift_size=self.shift_size, pad_small_map=self.pad_small_map,
+            mask_padding=self.mask_padding, images=images, row_width=self.mlp_hidden_dims)
+        tokens = regular.pack(x)  # (B, H * W, C), or packed (1, T, C)
         with_cp = self.with_cp and self.training and plan.grad
-        plan, regular, shifted = ops.plan_stage(
-            plan, height=h, width=w, window_size=self.window_size, shift_size=self.shift_size,
-            pad_small_map=self.pad_small_map, mask_padding=self.mask_padding, device=x.device, with_cp=with_cp)
-        if valid is not None:  # (each image a region of its own in every window)
-            valid = valid.reshape(b, h * w)
-            regular = ops.image_masked_layout(regular, valid)
-            shifted = None if shifted is None else ops.image_masked_layout(shifted, valid)
-        packed = regular.rows  # (T,) rows of the flat map, or None: the whole map
-        if packed is None:
-            tokens = x.reshape(b, h * w, c)
-        else:
-            tokens = x.reshape(b * h * w, c).index_select(0, packed).unsqueeze(0)
         with ops.lean_saves(plan):  # (training on the CPU: no norm or GELU output kept for backward)
             for block in self.blocks:
                 layout = shifted if block.shift and shifted is not None else regular
                 if with_cp:
-                    tokens = checkpoint.checkpoint(block, tokens, layout, plan, use_reentrant=False)
+                    tokens = checkpoint.checkpoint(block, tokens, layout, use_reentrant=False)
                 else:
-                    tokens = block(tokens, layout, plan)
-        if valid is not None:  # zeros beyond each image, as packed
-            tokens = torch.where(valid.unsqueeze(-1), tokens, tokens.new_zeros(()))
-        if packed is None:
-            return tokens.view(b, h, w, c)
-        # Zeros beyond each image: the next merging's cells there read what they read alone.
-        return tokens.new_zeros(b * h * w, c).index_copy(0, packed, tokens[0]).view(b, h, w, c)
+                    tokens = block(tokens, layout)
+        return regular.unpack(tokens, x.shape)
 
 
 ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))

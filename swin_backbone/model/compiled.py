@@ -6,8 +6,8 @@ layouts and the gathers between the stages stay eager. Each of these modules get
 ``nn.Module.compile`` (its ``__call__`` compiled, hooks included, parameter names unchanged); they
 share one code object, and with ``inline_inbuilt_nn_modules`` (torch >= 2.5's default) their
 parameters are graph inputs, so modules of one class and equal shapes share one compiled graph.
-The planner decides each stage's plan eagerly as a traced one (``plan_forward(...,
-compiled_blocks=True)``), and the window layouts reach the compiled blocks as inputs.
+The planner decides each stage's plan eagerly as a traced one (``plan_stages(...,
+compiled_blocks=True)``), and the window layouts, bound to it, reach the compiled blocks as inputs.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from torch import nn
 from .. import ops
 from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
-from .blocks import Mlp, drop_path, merge_2x2
+from .blocks import DropPath, Mlp, merge_2x2
 from .presets import DEFAULT_WINDOW, resolve_arch
 
 #: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
@@ -76,15 +76,15 @@ class WindowAttentionV2(nn.Module):
         """``((2 tw - 1)**2, nH)``: ``16 * sigmoid(cpb_mlp(log-spaced coordinates))``."""
         return ops.continuous_position_bias(self.cpb_mlp, self.window_size, self.pretrained_window_size, plan)
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout) -> torch.Tensor:
         """``proj(attention(windows(x)))``: ``(B, H * W, C)`` -> ``(B, H * W, C)`` (no norm
-        before: V2 normalises the branch's output)."""
-        qkv = self.qkv(ops.window_partition(x, layout, plan))
+        before: V2 normalises the branch's output); ``layout`` bound to the forward's plan."""
+        qkv = self.qkv(ops.window_partition(x, layout))
         if self.q_bias is not None:  # (in qkv's dtype, as F.linear's bias under autocast)
             qkv = qkv + self.qkv_bias().to(qkv.dtype)
-        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, plan)  # (in place where the plan allows)
-        out = ops.window_attention(qkv, self.position_bias_table(plan), layout, plan, num_heads=self.num_heads,
-                                   scale=1.0, dropout_p=self.attn_drop_rate)
+        qkv = ops.cosine_qkv(qkv, self.logit_scale, self.num_heads, layout.plan)  # (in place where the plan allows)
+        out = ops.window_attention(qkv, self.position_bias_table(layout.plan), layout, num_heads=self.num_heads,
+                                   scale=1.0, dropout_p=self.attn_drop_rate if self.training else 0.0)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:
@@ -114,21 +114,21 @@ class SwinBlockV2(nn.Module):
             embed_dims, num_heads, window_size, pretrained_window_size, qkv_bias, attn_drop_rate, drop_rate
         )
         self.norm1 = nn.LayerNorm(embed_dims)
-        self.drop_path = drop_path(drop_path_rate)
+        self.drop_path = DropPath(drop_path_rate)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None
 
-    def forward(self, x: torch.Tensor, layout: ops.WindowLayout, plan: ops.Plan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: ops.WindowLayout) -> torch.Tensor:
         """``(B, H * W, C)`` -> ``(B, H * W, C)``."""
-        images = layout.image_tokens  # (a packed layout: stochastic depth per image)
-        x = x + ops.drop_samples(self.drop_path, self.norm1(self.attn(x, layout, plan)), images)
-        x = ops.mlp_residual(x, self.mlp_branch, self.drop_path, images, self.mlp.fc1.out_features, plan)
+        x = x + self.drop_path(self.norm1(self.attn(x, layout)), layout)
+        if layout.row_chunks is None:
+            x = x + self.drop_path(self.norm2(self.mlp(x)), layout)
+        else:
+            rows = x.view(-1, x.shape[-1])
+            for part in layout.row_chunks:  # (CPU inference: cache-sized rows, added in place)
+                rows[part].add_(self.norm2(self.mlp(rows[part])))
         return x if self.norm3 is None else self.norm3(x)
-
-    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """``norm2(mlp(x))`` of ``(..., C)`` tokens (row-wise; stochastic depth follows it per sample)."""
-        return self.norm2(self.mlp(x))
 
     def reset_post_norms(self) -> None:
         """Zero ``norm1`` / ``norm2`` (official ``_init_respostnorm``): every residual

@@ -23,13 +23,11 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
+from ..ops import Sizes
 from ..torch_compat import is_compiling
 
 #: Attribute of the batch tensor holding the sizes.
 ATTRIBUTE = "_swin_valid_sizes"
-
-Sizes = Tuple[Tuple[int, int], ...]
-
 
 def attach_valid_sizes(inputs: torch.Tensor, sizes: Sequence[Sequence[int]]) -> torch.Tensor:
     """Attach per-image valid ``(h, w)`` (input pixels, top-left) to a ``(B, C, H, W)`` batch.

@@ -10,21 +10,23 @@ back to row-major order (:func:`window_reverse`), attending with the plan's kern
   memory-efficient kernel runs (it also gives the bias gradient).
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
+
+In training, :func:`lean_saves` keeps the activations around it lean: no LayerNorm, GELU or
+window-gather output is kept for backward where it can be rebuilt from what autograd keeps anyway.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import contextlib
+from typing import Callable, ContextManager, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..torch_compat import is_compiling, scaled_dot_product_attention
-from .layouts import WindowLayout, size_cache
+from .layouts import WindowLayout, row_chunks, size_cache
 from .plan import Plan
-from .regions import REBUILD_ATTR, row_chunks
 from .windows import padded_size, relative_position_index, window_attention_mask
-
 
 
 def reference_window_attention(
@@ -66,22 +68,6 @@ def sdpa_ready(bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Ten
     return F.pad(bias, (0, -n % 8)).narrow(-1, 0, n)
 
 
-def per_window_bias(mask: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, align: bool) -> torch.Tensor:
-    """``mask[..., None, :, :] + bias``: ``(nW, N, N)`` (or per image ``(B, nW, N, N)``) and
-    ``(nH, N, N)`` -> ``(nW, nH, N, N)`` (``(B, nW, nH, N, N)``) in ``dtype`` (with ``align``, a view
-    with 8-aligned rows made by one addition)."""
-    mask, bias = mask.to(dtype), bias.to(dtype)
-    n = mask.shape[-1]
-    pad = -n % 8
-    if not align or pad == 0:
-        return mask.unsqueeze(-3) + bias
-    if mask.stride(-1) == 1 and mask.stride(-2) == n + pad:
-        mask = mask.as_strided(mask.shape[:-1] + (n + pad,), mask.stride())
-    else:
-        mask = F.pad(mask, (0, pad))
-    return (mask.unsqueeze(-3) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
-
-
 class _TokenGather(torch.autograd.Function):
     """``gather_tokens`` whose backward is a gather with ``inverse`` (a bijection on real
     tokens) instead of ``index_select``'s scatter-add, several times slower on CPU."""
@@ -90,7 +76,7 @@ class _TokenGather(torch.autograd.Function):
     def forward(ctx, x, index, inverse, pad_slots, pad_in: bool, pad_out: bool):
         ctx.save_for_backward(inverse, pad_slots)
         ctx.pad_out = pad_out
-        # (a function of x alone: regions.lean_saves may rebuild the output from a rebuilt x)
+        # (a function of x alone: lean_saves may rebuild the output from a rebuilt x)
         setattr(ctx, REBUILD_ATTR, lambda source: gather_tokens(source, index, pad_in, pad_slots))
         return gather_tokens(x, index, pad_in, pad_slots)
 
@@ -128,43 +114,48 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Op
         # (out=: torch 2.1's meta kernel sizes it wrongly; autograd records no out= op)
         if (torch.is_grad_enabled() and x.requires_grad) or x.device.type == "meta" or is_compiling():
             out = flat.index_select(0, rows.view(-1)).view(batch, -1, channels)
-        else:  # into a tensor of its own, not a view (regions.lean_saves rebuilds _TokenGather's output)
+        else:  # into a tensor of its own, not a view (lean_saves rebuilds _TokenGather's output)
             out = x.new_empty(batch, index.numel(), channels)
             torch.index_select(flat, 0, rows.view(-1), out=out.view(-1, channels))
     return out.index_fill_(1, pad_slots, 0) if pad else out
 
 
-def window_partition(x: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
+def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """Pad, shift and partition in one gather: ``(B, H * W, C)`` -> ``(B, nW * N, C)`` (padding
-    zeros)."""
+    zeros); ``layout`` bound to the forward's plan (:func:`~.planner.stage_layouts`)."""
+    plan = layout.plan
+    if plan is None:
+        raise ValueError("layout: expected a WindowLayout bound to a plan (ops.stage_layouts, or "
+                         "dataclasses.replace(layout, plan=plan)), got one without")
     if layout.traced or not plan.grad:
         return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
-def window_reverse(windows: torch.Tensor, layout: WindowLayout, plan: Plan) -> torch.Tensor:
+def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """Inverse of :func:`window_partition`: ``(B, nW * N, C)`` -> ``(B, H * W, C)``."""
-    if layout.traced or not plan.grad:
+    if layout.traced or not layout.plan.grad:
         return gather_tokens(windows, layout.inverse, False, None, layout.traced)
     return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 
 def window_attention(
-    qkv: torch.Tensor, table: torch.Tensor, layout: WindowLayout, plan: Plan, *, num_heads: int, scale: float,
+    qkv: torch.Tensor, table: torch.Tensor, layout: WindowLayout, *, num_heads: int, scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """:func:`reference_window_attention` between the projections, by the plan's kernel:
-    ``qkv`` from :func:`window_partition` -> ``(B, H * W, C)`` row-major; ``table``
-    ``((2 * tw - 1) ** 2, nH)`` for ``layout.table_window``. A packed layout
-    (:func:`~.image_sizes.packed_layout`) runs the same way on its ``(1, T, 3C)`` tokens."""
+    """:func:`reference_window_attention` between the projections, by the kernel of the layout's
+    plan: ``qkv`` from :func:`window_partition` -> ``(B, H * W, C)`` row-major; ``table``
+    ``((2 * tw - 1) ** 2, nH)`` for ``layout.table_window``; ``dropout_p``: attention dropout
+    (the module's, in training). A packed layout (:func:`~.image_sizes.packed_layout`) runs the
+    same way on its ``(1, T, 3C)`` tokens."""
     n = layout.window * layout.window
     bias = table.t().index_select(1, layout.bias_index).view(-1, n, n)  # (nH, N, N)
-    dropout_p = dropout_p if plan.attn_dropout else 0.0
-    if plan.attention == "recompute":  # (CPU training: SDPA's forward, a backward that gives the bias gradient)
-        return _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale, plan)
+    kernel = layout.plan.attention
+    if kernel == "recompute":  # (CPU training: SDPA's forward, a backward that gives the bias gradient)
+        return _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale)
     out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
-                               KERNELS[plan.attention], plan.align_masks)
-    return window_reverse(out, layout, plan)
+                               KERNELS[kernel], layout.align)
+    return window_reverse(out, layout)
 
 
 #: What attends within a batch of windows: SDPA's signature, ``(q, k, v, *, attn_mask, dropout_p,
@@ -190,13 +181,21 @@ def attention_in_windows(
         q, k, v = heads.flatten(1, 2).unbind(0)
         # (4-d: CPU SDPA runs its fused kernel for a (1, nH, N, N) mask, its math one for (nH, N, N))
         attn_bias = sdpa_ready(bias, qkv.dtype, align).unsqueeze(0)
-    elif batch == 1 and mask.dim() == 3:
-        q, k, v = heads.flatten(1, 2).unbind(0)
-        attn_bias = per_window_bias(mask, bias, qkv.dtype, align)
     else:
-        q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
-        images = mask.shape[0] if mask.dim() == 4 else 1
-        attn_bias = per_window_bias(mask, bias, qkv.dtype, align).reshape(images, num_windows * num_heads, n, n)
+        # mask[..., None, :, :] + bias: (nW, nH, N, N), per image (B, nW, nH, N, N); with align a view
+        # with 8-aligned rows made by one addition.
+        mask, bias, pad = mask.to(qkv.dtype), bias.to(qkv.dtype), -n % 8 if align else 0
+        if pad and mask.stride(-1) == 1 and mask.stride(-2) == n + pad:  # (a cached mask's aligned rows)
+            mask = mask.as_strided(mask.shape[:-1] + (n + pad,), mask.stride())
+        elif pad:
+            mask = F.pad(mask, (0, pad))
+        attn_bias = (mask.unsqueeze(-3) + F.pad(bias, (0, pad))).narrow(-1, 0, n)
+        if batch == 1 and mask.dim() == 3:
+            q, k, v = heads.flatten(1, 2).unbind(0)
+        else:
+            q, k, v = heads.reshape(3, batch, num_windows * num_heads, n, head_dim).unbind(0)
+            images = mask.shape[0] if mask.dim() == 4 else 1
+            attn_bias = attn_bias.reshape(images, num_windows * num_heads, n, n)
     out = run(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     out = out.view(batch, -1, num_heads, n, head_dim).transpose(2, 3)  # (B, nW, N, nH, d)
     return out.reshape(batch, tokens, three_c // 3)
@@ -219,14 +218,14 @@ class _RecomputedAttention(torch.autograd.Function):
     would keep ``P`` plus copies of q, k, v (about 1.5x ``qkv``)."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, layout: WindowLayout, num_heads: int, scale: float, plan: Plan):
+    def forward(ctx, qkv, bias, layout: WindowLayout, num_heads: int, scale: float):
         # (No attention dropout: the planner runs "plain" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0,
-                                   scaled_dot_product_attention, plan.align_masks)
+                                   scaled_dot_product_attention, layout.align)
         out = gather_tokens(out, layout.inverse, False, None)  # (B, H * W, C)
         ctx.save_for_backward(qkv, bias, out)
-        ctx.num_heads, ctx.scale, ctx.layout, ctx.chunk_bytes = num_heads, scale, layout, plan.chunk_bytes
+        ctx.num_heads, ctx.scale, ctx.layout = num_heads, scale, layout
         return out
 
     @staticmethod
@@ -249,12 +248,12 @@ class _RecomputedAttention(torch.autograd.Function):
         bias_c, mask_c = bias.to(dtype), None if mask is None else mask.to(dtype)  # once, not per chunk
         # Windows a few at a time: the chunk's logits, probabilities and gradients stay in cache.
         window_bytes = batch * num_heads * n * n * qkv.element_size()
-        for wins in row_chunks(num_windows, window_bytes, ctx.chunk_bytes // 2):
+        for wins in row_chunks(num_windows, window_bytes, layout.plan.chunk_bytes // 2):
             attention_backward(qkv[:, wins], grad_out[:, wins], delta[:, wins], bias_c,
                                None if mask_c is None else mask_c[wins], scale, grad_qkv[:, wins], grad_bias)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None, None
+        return grad_qkv.view(batch, tokens, three_c), grad_bias, None, None, None
 
 
 def _split_heads(qkv: torch.Tensor, scale: float):
@@ -300,3 +299,91 @@ def attention_backward(
 #: (``recompute``: SDPA, in :class:`_RecomputedAttention`).
 KERNELS: Dict[str, Attend] = {"sdpa": scaled_dot_product_attention, "plain": _plain,
                               "recompute": scaled_dot_product_attention}
+
+
+# ------------------------------------------------------------------------------ activations kept for backward
+#: Autograd nodes whose first output backward can rebuild from what the node itself keeps:
+#: LayerNorm (from its input, mean and 1 / std) and GELU (from its input). Their outputs feed
+#: linears (``qkv`` and ``fc1`` after a norm, ``fc2`` after GELU), which would keep them too.
+_LAYER_NORM, _GELU = "NativeLayerNormBackward0", "GeluBackward0"
+
+#: A dtype cast (autocast's, before a linear: on CUDA a LayerNorm computes and returns fp32 and
+#: the linear keeps the bf16 copy): rebuilt as the cast of its rebuilt input.
+_CAST = "ToCopyBackward0"
+
+#: A custom autograd Function whose output is a function of its first input alone (the window
+#: gather) says so by setting ``ctx.rebuild_output`` (that function): rebuilt where its input is.
+REBUILD_ATTR = "rebuild_output"
+
+#: What :func:`lean_saves` keeps in place of a rebuildable tensor: the node that made it (or its
+#: base, for a view), the view's ``(size, stride, storage_offset)`` and the tensor's dtype.
+_Rebuild = Tuple[torch.autograd.graph.Node, Optional[Tuple[torch.Size, Tuple[int, ...], int]], torch.dtype]
+
+
+def _pack(t: torch.Tensor) -> Union[torch.Tensor, _Rebuild]:
+    # The node's own output (or a view of it) as it left the op: an in-place change since would
+    # have given it another node, so the node's inputs rebuild exactly what autograd would keep.
+    base = t if t._base is None else t._base
+    if base._base is not None or base.grad_fn is None or base.output_nr != 0:
+        return t
+    # The LayerNorm / GELU node it rebuilds from, through at most one cast and one gather of its first output.
+    node, cast = base.grad_fn, False
+    for _ in range(3):
+        name = type(node).__name__
+        if name in (_LAYER_NORM, _GELU):
+            break
+        if name != _CAST and not hasattr(node, REBUILD_ATTR):
+            return t
+        cast = cast or name == _CAST
+        node, output_nr = node.next_functions[0]
+        if node is None or output_nr != 0:
+            return t
+    else:
+        return t
+    if cast:  # (kept where the cast moved devices: it is rebuilt as a dtype change)
+        kept = node._saved_self if type(node).__name__ == _GELU else node._saved_input
+        if kept.device != t.device:
+            return t
+    return base.grad_fn, None if base is t else (t.size(), t.stride(), t.storage_offset()), t.dtype
+
+
+def _rebuild(node: torch.autograd.graph.Node, dtype: torch.dtype) -> torch.Tensor:
+    """``node``'s first output again (a cast's in ``dtype``, the dtype of what was kept)."""
+    name = type(node).__name__
+    if name == _GELU:
+        return F.gelu(node._saved_self, approximate=node._saved_approximate)
+    if name == _LAYER_NORM:  # (x - mean) / std * weight + bias, in the statistics' dtype (fp32 for half)
+        x, mean, rstd = node._saved_input, node._saved_result1, node._saved_result2
+        weight, bias = node._saved_weight, node._saved_bias
+        out = (x.to(mean.dtype) - mean).mul_(rstd)
+        if weight is not None and bias is not None:
+            out = torch.addcmul(bias, out, weight)  # (one rounding, as torch's CPU kernel: the same bits)
+        elif weight is not None:
+            out = out.mul_(weight)
+        elif bias is not None:
+            out = out.add_(bias)
+        return out.to(x.dtype)
+    source = _rebuild(node.next_functions[0][0], dtype)
+    return source.to(dtype) if name == _CAST else getattr(node, REBUILD_ATTR)(source)
+
+
+def _unpack(saved: Union[torch.Tensor, _Rebuild]) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    node, view, dtype = saved
+    out = _rebuild(node, dtype)
+    return out if view is None else out.as_strided(*view)
+
+
+def lean_saves(plan: Plan) -> ContextManager[None]:
+    """Where :attr:`Plan.save_memory`: autograd keeps no LayerNorm or GELU output for backward.
+
+    The linear after each (``qkv`` after a norm and the window gather, ``fc1`` after a norm,
+    ``fc2`` after GELU, a merging's reduction) would keep its input, or autocast's cast of it (CUDA
+    runs LayerNorm in fp32 and the linear in bf16); backward rebuilds it instead
+    from what the norm's or GELU's own node keeps anyway: pointwise, no module called again, no
+    matmul. The predicate is each tensor's own autograd node, so a hooked or replaced module's
+    output, or a tensor changed in place, is kept as usual. Else: nothing changes."""
+    if not plan.save_memory:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)

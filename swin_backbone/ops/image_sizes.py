@@ -9,13 +9,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device
+from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device, valid_map, zero_beyond_valid
 from .plan import Sizes
 from .windows import MASK_VALUE, ceil_div, mask_rows, output_size, row_length
-
-#: :data:`~.plan.Sizes`, or ``None``: every image fills the map.
-ValidSizes = Optional[Sizes]
-
 
 def packed_layout(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
@@ -69,7 +65,7 @@ def packed_layout(
         table_window=parts[0].table_window, has_padding=pad_slots is not None or traced,
         index=to_device(index, device), inverse=to_device(inverse, device),
         pad_slots=to_device(pad_slots, device) if pad_slots is not None and not traced else None, mask=mask,
-        bias_index=to_device(parts[0].bias_index, device), rows=to_device(torch.cat(rows), device),
+        bias_index=to_device(parts[0].bias_index, device), align=align, rows=to_device(torch.cat(rows), device),
         image_tokens=tuple(h * w for h, w in valid_sizes), traced=traced,
     )
 
@@ -78,43 +74,17 @@ def packed_layout(
 get_packed_layout = size_cache(maxsize=128)(packed_layout)
 
 
-def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int) -> Tuple[Sizes, ...]:
-    """``(num_stages, B)`` valid sizes on each stage's map (:func:`output_size` per image)."""
+def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int, height: int = 0, width: int = 0
+                      ) -> Tuple[Optional[Sizes], ...]:
+    """Per stage, the images' ``(h, w)`` tokens on its map (:func:`output_size` of each image's
+    ``valid_sizes``, input pixels); with the input's ``height`` and ``width``, ``None`` for a
+    stage whose map every image fills."""
     per_image = [output_size(h, w, patch_size, num_stages) for h, w in valid_sizes]
-    return tuple(tuple(sizes[i] for sizes in per_image) for i in range(num_stages))
-
-
-def sizes_tensor(valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
-    """``(B, 2)`` int64 ``(h, w)`` per image on ``device`` (moved without a host wait)."""
-    return to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
-
-
-def valid_map(sizes: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """``(B, H, W)`` bool, True inside each image's ``(h, w)`` of ``sizes`` ``(B, 2)`` (traceable)."""
-    rows = torch.arange(height, device=sizes.device)[None, :, None] < sizes[:, 0, None, None]
-    cols = torch.arange(width, device=sizes.device)[None, None, :] < sizes[:, 1, None, None]
-    return rows & cols
-
-
-def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
-    """``(B, H, W)`` bool: True inside the image's valid size (sizes moved without a host wait)."""
-    return valid_map(sizes_tensor(valid_sizes, device), height, width)
-
-
-def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
-    """Zero ``x`` beyond each image's valid ``(h, w)``; H, W are dims ``height_dim``, ``+ 1``
-    (``(B, C, H, W)``: 2); ``inplace`` or a new tensor."""
-    height, width = x.shape[height_dim], x.shape[height_dim + 1]
-    if not inplace:
-        keep = valid_token_mask(height, width, valid_sizes, x.device)
-        keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
-        return torch.where(keep, x, x.new_zeros(()))  # (keeps x's memory format: masked_fill makes it contiguous)
-    for b, (h, w) in enumerate(valid_sizes):
-        if h < height:
-            x[b].narrow(height_dim - 1, h, height - h).zero_()
-        if w < width:
-            x[b].narrow(height_dim - 1, 0, h).narrow(height_dim, w, width - w).zero_()
-    return x
+    per_stage = [tuple(sizes[i] for sizes in per_image) for i in range(num_stages)]
+    if height and width:
+        maps = output_size(height, width, patch_size, num_stages)
+        per_stage = [None if all(v == maps[i] for v in sizes) else sizes for i, sizes in enumerate(per_stage)]
+    return tuple(per_stage)
 
 
 def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[Tuple[int, int, int, int, int], ...]:
@@ -138,7 +108,7 @@ def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: 
     return x
 
 
-def mask_input(x: torch.Tensor, valid_sizes: ValidSizes, patch_size: int) -> torch.Tensor:
+def mask_input(x: torch.Tensor, valid_sizes: Optional[Sizes], patch_size: int) -> torch.Tensor:
     """``(B, C, H, W)`` input with zeros beyond an image where a patch straddles its edge (all
     beyond it if ``x`` requires grad); a copy where anything must be zeroed, else ``x`` itself."""
     if valid_sizes is None:
@@ -179,4 +149,4 @@ def image_masked_layout(layout: WindowLayout, valid: torch.Tensor) -> WindowLayo
     mask = (flags[..., :, None] != flags[..., None, :]).to(dtype) * MASK_VALUE
     if layout.mask is not None:
         mask = mask + layout.mask
-    return dataclasses.replace(layout, mask=mask)
+    return dataclasses.replace(layout, mask=mask, valid=valid)

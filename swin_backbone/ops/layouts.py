@@ -1,17 +1,22 @@
-"""Window layouts of a map size (gathers and attention mask), and the one owner of the ops'
-caches (:func:`size_cache`, :func:`register_cache`, :func:`clear_caches`).
+"""How tokens are laid out: window layouts of a map size (gathers and attention mask, packing),
+CPU row chunks (:func:`row_chunks`), the output maps' NCHW layout (:func:`output_nchw`), and the
+one owner of the ops' caches (:func:`size_cache`, :func:`register_cache`, :func:`clear_caches`).
 
 No host-device sync in a forward: host-side work runs on the CPU and moves with one
 non-blocking copy (:func:`to_device`); while tracing, layouts are built with plain ops.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache, wraps
 from typing import Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
+from torch import nn
+
+from .plan import Plan, Sizes
 from .windows import (
     ceil_div, mask_buffer, mask_from_labels, mask_rows, needs_mask, pad_amount, partition_grid, region_labels,
     relative_position_index, window_inverse_index, window_token_index,
@@ -38,18 +43,25 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WindowLayout:
-    """Everything window attention needs for one map size, window and shift.
+    """Where a stage's tokens go for window attention, for one map size, window and shift, and
+    (bound by the planner for one forward: :attr:`plan`) how the attention is computed.
 
     Attributes:
         index: ``(nW * N,)`` gather from ``H * W`` tokens (padding slots read token 0, then zeroed;
             while tracing ``H * W`` is an appended zero token).
         inverse: ``(H * W,)`` gather back to row-major tokens.
         pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or tracing).
-        mask: ``(nW, N, N)`` additive mask of every window, or ``None`` (no window needs one);
-            bias_index: ``(N * N,)`` bias table rows.
+        mask: ``(nW, N, N)`` additive mask of every window (per image ``(B, nW, N, N)``), or
+            ``None`` (no window needs one); bias_index: ``(N * N,)`` bias table rows.
         rows: a *packed* layout's (:func:`~.image_sizes.packed_layout`) ``(T,)`` rows of the flat
             ``(B * H * W)`` map that its ``T`` tokens are; ``None``: the layout of the whole map.
         image_tokens: a packed layout's tokens per image, in order (``sum = T``); ``None`` otherwise.
+        valid: an image-masked layout's (:func:`~.image_sizes.image_masked_layout`) ``(B, H * W)``
+            bool, True inside each image; ``None`` otherwise.
+        plan: the forward's :class:`~.plan.Plan` for this stage (``None``: not bound yet).
+        row_chunks: in CPU inference with plain modules (:class:`~.plan.Plan`'s ``plain``, no
+            ``grad``, ``chunk_bytes``), the slices of the stage's ``(B * H * W)`` token rows that
+            the blocks' MLPs run on one at a time; ``None``: whole tensors.
     """
 
     height: int
@@ -64,9 +76,31 @@ class WindowLayout:
     pad_slots: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     bias_index: torch.Tensor
+    align: bool = False  #: mask rows are 8-aligned for fused CUDA kernels (biases added to it are too)
     rows: Optional[torch.Tensor] = None
     image_tokens: Optional[Tuple[int, ...]] = None
+    valid: Optional[torch.Tensor] = None
     traced: bool = False
+    plan: Optional[Plan] = None
+    row_chunks: Optional[Tuple[slice, ...]] = None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """A stage's ``(B, H, W, C)`` map -> its tokens: ``(B, H * W, C)``, or a packed layout's
+        ``(1, T, C)`` (the images' real tokens only)."""
+        b, h, w, c = x.shape
+        if self.rows is None:
+            return x.reshape(b, h * w, c)
+        return x.reshape(b * h * w, c).index_select(0, self.rows).unsqueeze(0)
+
+    def unpack(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Inverse of :meth:`pack` to a ``shape`` ``(B, H, W, C)`` map, zeros beyond each image
+        (packed or image-masked): a next merging's cells there read what they read alone."""
+        b, h, w, c = shape
+        if self.valid is not None:
+            tokens = torch.where(self.valid.unsqueeze(-1), tokens, tokens.new_zeros(()))
+        if self.rows is None:
+            return tokens.view(b, h, w, c)
+        return tokens.new_zeros(b * h * w, c).index_copy(0, self.rows, tokens[0]).view(b, h, w, c)
 
 
 def build_window_layout(
@@ -89,7 +123,7 @@ def build_window_layout(
             mask = mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
         return WindowLayout(has_padding=True, index=window_token_index(height, width, window, shift, device),
                             inverse=window_inverse_index(height, width, window, shift, device), pad_slots=None,
-                            mask=mask, bias_index=bias_index.to(device), traced=True, **sizes)
+                            mask=mask, bias_index=bias_index.to(device), align=align, traced=True, **sizes)
     has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
     index = window_token_index(height, width, window, shift, CPU)
     inverse = window_inverse_index(height, width, window, shift, CPU)
@@ -106,7 +140,7 @@ def build_window_layout(
     mask = None if buffer is None else mask_rows(to_device(buffer, device), window * window)
     return WindowLayout(has_padding=has_padding, index=to_device(index, device), inverse=to_device(inverse, device),
                         pad_slots=None if pad_slots is None else to_device(pad_slots, device), mask=mask,
-                        bias_index=to_device(bias_index, device), **sizes)
+                        bias_index=to_device(bias_index, device), align=align, **sizes)
 
 
 def register_cache(cache: T) -> T:
@@ -142,3 +176,87 @@ def clear_caches() -> None:
     """Empty every cache of the ops (e.g. to free device memory after a size sweep)."""
     for cache in _CACHES:
         cache.cache_clear()
+
+
+# ------------------------------------------------------------------------------ images in a batch
+def sizes_tensor(valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
+    """``(B, 2)`` int64 ``(h, w)`` per image on ``device`` (moved without a host wait)."""
+    return to_device(torch.tensor(valid_sizes, dtype=torch.long).view(-1, 2), device)
+
+
+def valid_map(sizes: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``(B, H, W)`` bool, True inside each image's ``(h, w)`` of ``sizes`` ``(B, 2)`` (traceable)."""
+    rows = torch.arange(height, device=sizes.device)[None, :, None] < sizes[:, 0, None, None]
+    cols = torch.arange(width, device=sizes.device)[None, None, :] < sizes[:, 1, None, None]
+    return rows & cols
+
+
+def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.device) -> torch.Tensor:
+    """``(B, H, W)`` bool: True inside the image's valid size (sizes moved without a host wait)."""
+    return valid_map(sizes_tensor(valid_sizes, device), height, width)
+
+
+def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
+    """Zero ``x`` beyond each image's valid ``(h, w)``; H, W are dims ``height_dim``, ``+ 1``
+    (``(B, C, H, W)``: 2); ``inplace`` or a new tensor."""
+    height, width = x.shape[height_dim], x.shape[height_dim + 1]
+    if not inplace:
+        keep = valid_token_mask(height, width, valid_sizes, x.device)
+        keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
+        return torch.where(keep, x, x.new_zeros(()))  # (keeps x's memory format: masked_fill makes it contiguous)
+    for b, (h, w) in enumerate(valid_sizes):
+        if h < height:
+            x[b].narrow(height_dim - 1, h, height - h).zero_()
+        if w < width:
+            x[b].narrow(height_dim - 1, 0, h).narrow(height_dim, w, width - w).zero_()
+    return x
+
+
+
+# ------------------------------------------------------------------------------ rows
+def cpu_chunk_bytes() -> int:
+    """Bytes of a CPU row chunk: twice the L2 cache of the cores torch uses, within 4-16 MiB
+    (not the L3: virtual machines report the whole host's)."""
+    try:
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError):
+        l2 = 0
+    l2 = l2 if l2 > 0 else 2**20
+    return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
+
+
+def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
+    """``range(total)`` in ``ceil(total * row_bytes / budget)`` slices (``budget`` 0: one; at least
+    a row each, and one slice also for ``total`` 0), as even as possible (a short tail's matmuls
+    run at a lower rate): each within ``budget`` bytes of ``row_bytes`` rows, or one row over it."""
+    count = 1 if budget <= 0 else min(max(total, 1), max(1, -(-total * row_bytes // budget)))
+    slices = []
+    for i in range(count):
+        slices.append(slice(i * total // count, (i + 1) * total // count))
+    return slices
+
+
+def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan,
+                sizes: Optional[Sizes] = None) -> torch.Tensor:
+    """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)`` (a channels-last view or
+    contiguous), zeros beyond each image's ``sizes`` (``None``: every image fills the map)."""
+    if channels_last:
+        out, own = norm(x).permute(0, 3, 1, 2), None  # a view of the module's output
+    elif plan.plain and not plan.grad and plan.chunk_bytes > 0:  # (inference: by map rows: whole, the transposing copy's strided writes miss the cache)
+        batch, height, width, channels = x.shape
+        out = None
+        for rows in row_chunks(height, width * channels * x.element_size(), plan.chunk_bytes // 8):
+            part = norm(x[:, rows]).permute(0, 3, 1, 2)
+            if out is None:  # dtype known only now (autocast)
+                out = part.new_empty(batch, channels, height, width)
+            out[:, :, rows] = part
+        own = out
+    else:
+        view = norm(x).permute(0, 3, 1, 2)
+        out = view.contiguous()
+        own = None if out is view else out  # (a 1 x 1 map is contiguous already: no copy made)
+    if sizes is None:
+        return out
+    # Zeroed in place only in memory of our own, or where module outputs may be written.
+    inplace = not plan.grad and (own is not None or plan.plain)
+    return zero_beyond_valid(out, sizes, 2, inplace=inplace)

@@ -4,39 +4,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
-import torch
-
-#: Per image of a batch, the ``(h, w)`` that is the image on a map (top left).
+#: Per image of a batch, the ``(h, w)`` that is the image on a map (top left), in that map's units.
 Sizes = Tuple[Tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one forward (or one stage of it) is computed (the situations: docs/design.md, "The planner")."""
+    """How one forward (or one stage of the backbone's) is computed (docs/design.md, "The planner")."""
 
-    device: str  #: ``'cpu'``, ``'cuda'``, ...
-    mask_dtype: torch.dtype  #: dtype of cached masks: the compute dtype (the autocast dtype under autocast)
-    #: masks and biases handed to SDPA have 8-aligned rows (CUDA kernels copy misaligned ones on every call)
-    align_masks: bool
-    grad: bool  #: autograd records this forward (some input or parameter requires grad)
-    #: ``torch.compile``, ``torch.export`` or ``torch.jit.trace``: plain torch ops only
-    tracing: bool
-    attn_dropout: bool  #: attention dropout is active
-    attention: str  #: the kernel: a key of :data:`~.attention.KERNELS`
-    #: training: norm and GELU outputs rebuilt in backward, not kept (:func:`~.regions.lean_saves`)
+    #: the window-attention kernel: a key of :data:`~.attention.KERNELS`
+    attention: str
+    #: autograd records this forward (an input or a parameter requires grad)
+    grad: bool
+    #: plain torch ops only: ``torch.compile`` / ``torch.export`` / ``torch.jit.trace`` records
+    #: it, or a compiled block runs it (layouts in their traced form)
+    traced: bool
+    #: training: no LayerNorm / GELU output kept for backward (:func:`~.attention.lean_saves`)
     save_memory: bool
-    chunk_bytes: int  #: CPU row-chunk size in bytes, 0 for whole tensors
-    #: no hook, adapter or wrapper holds a module's output (``plain`` of :func:`~.planner.read_modules`), so
-    #: it may be written into (residual adds, in-place normalising or zeroing; sites add ``not
-    #: grad`` where autograd may need the values), and modules may run more than once
-    #: (checkpointing, chunks)
-    may_write_module_outputs: bool = False
-    #: CPU inference with plain modules and no dropout: row-wise modules run ``chunk_bytes`` of rows at a time
-    chunked: bool = False
-    #: per image, its ``(h, w)`` on this plan's map (the forward's: input pixels; a stage's:
-    #: tokens); ``None``: every image fills it
-    valid_sizes: Optional[Sizes] = None
-    #: the backbone's forward plan only: one plan per stage (its grad mode, dropout and sizes)
-    stages: Tuple["Plan", ...] = ()
+    #: bytes of a CPU row chunk (0: whole tensors): attention backward's window groups, and with
+    #: ``plain`` and no ``grad`` (inference) the rows row-wise modules run on at a time
+    chunk_bytes: int
+    #: every module is exactly its declared class, unhooked, with no active dropout: a module may
+    #: run on part of its input (row chunks) and its output may be written into
+    plain: bool

@@ -103,9 +103,17 @@ def test_train_and_test_commands_name_themselves_in_their_errors(name, tmp_path)
 
 
 def test_benchmark_success_exits_0_without_a_dict_dump(tmp_path):
-    # the benchmark's smallest real run: one memory measurement in its own child mode
-    pytest.importorskip("mmdet")
-    proc = run("swin-benchmark", "--device", "cpu", "--memory-child", "ours", "--batch", "1", "--memory-size", "8", "8")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"] >= 0
-    assert "{" not in proc.stderr
+    # the benchmark's smallest real run: one round of each step at 32 x 32, no timm / torchvision;
+    # the results as a table of readable lines (and in --json), never a dict dump
+    proc = run("swin-benchmark", "--device", "cpu", "--size", "32", "32", "--iters", "1", "--warmup", "0",
+               "--no-peers", "--json", tmp_path / "bench.json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("eval fp32 1x3x32x32: ") and "ours " in line for line in lines), proc.stdout
+    assert any(line.startswith("train fwd+bwd fp32 2x3x32x32: ") for line in lines), proc.stdout
+    assert any(line.startswith("ours ") and line.count("x") >= 2 for line in lines), proc.stdout  # its table row
+    assert any(line.startswith("speedup: ") for line in lines), proc.stdout
+    assert "{" not in proc.stdout + proc.stderr  # no dict dump anywhere
+    assert "Traceback" not in proc.stderr
+    result = json.load(open(tmp_path / "bench.json"))
+    assert result["size"] == [32, 32] and result["eval"]["median_s"]["ours"] > 0

@@ -1,5 +1,6 @@
 """SwinBackbone: registry, shapes at any size, parity with mmdet / mmseg, padding masks,
 caching, freezing, checkpointing, precision and argument checks."""
+import dataclasses
 import math
 
 import pytest
@@ -544,13 +545,17 @@ def test_modules_called_on_their_own_work(version, train):
     block, merging = stage.blocks[1], stage.downsample
     x = torch.randn(2, 9, 11, 16, requires_grad=train)
     with torch.set_grad_enabled(train):
-        plan = ops.plan_forward(x, model)
+        plan = ops.plan_stages(x, model)[0]  # (stage 0's, as the backbone plans it)
         layout = get_window_layout(9, 11, 4, 2, True, x.device, x.dtype, False, False, 4)
         tokens = x.reshape(2, 99, 16)
-        norm = (block.norm1,) if version == "v1" else ()  # (V1 attention normalises its input, V2's its output)
+        norm = block.norm1 if version == "v1" else torch.nn.Identity()  # (V1 normalises attention's input, V2 its output)
+
+        def bound(p):
+            return dataclasses.replace(layout, plan=p)
+
         calls = {
-            "attention": (block.attn, tokens, lambda p: block.attn(tokens, *norm, layout, p)),
-            "block": (block, tokens, lambda p: block(tokens, layout, p)),
+            "attention": (block.attn, tokens, lambda p: block.attn(norm(tokens), bound(p))),
+            "block": (block, tokens, lambda p: block(tokens, bound(p))),
             "stage": (stage, x, lambda p: stage(x, p)),
             "merging": (merging, x, lambda p: merging(x)),  # (no plan: merging reads no sizes)
         }
@@ -575,10 +580,10 @@ def test_modules_called_on_their_own_work_on_the_meta_device(version):
     x = torch.empty(2, 9, 11, 16, device="meta")
     layout = get_window_layout(9, 11, 4, 2, True, x.device, x.dtype, False, False, 4)
     tokens = x.reshape(2, 99, 16)
-    norm = (stage.blocks[1].norm1,) if version == "v1" else ()  # (V1 attention normalises its input)
+    norm = stage.blocks[1].norm1 if version == "v1" else torch.nn.Identity()  # (V1 normalises attention's input)
     attn, block = stage.blocks[1].attn, stage.blocks[1]
-    assert attn(tokens, *norm, layout, ops.plan_forward(tokens, attn)).shape == (2, 99, 16)
-    assert block(tokens, layout, ops.plan_forward(tokens, block)).shape == (2, 99, 16)
+    assert attn(norm(tokens), dataclasses.replace(layout, plan=ops.plan_forward(tokens, attn))).shape == (2, 99, 16)
+    assert block(tokens, dataclasses.replace(layout, plan=ops.plan_forward(tokens, block))).shape == (2, 99, 16)
     assert stage(x, ops.plan_forward(x, stage)).shape == (2, 9, 11, 16)
     assert stage.downsample(x).shape == (2, 5, 6, 32)
     assert [tuple(o.shape) for o in model(torch.empty(1, 3, 36, 44, device="meta"))] == [(1, 16, 9, 11), (1, 32, 5, 6)]

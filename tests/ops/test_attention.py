@@ -1,20 +1,26 @@
 """The window-attention implementations (SDPA, plain, CPU recompute) agree, in values and
 gradients, with the reference algorithm and with each other, in every backward mode."""
+import dataclasses
+
 import pytest
 import torch
 
 from swin_backbone import ops
 from swin_backbone.model.blocks import WindowAttention
 from swin_backbone.ops import planner
-from swin_backbone.ops.attention import _RecomputedAttention, per_window_bias, sdpa_ready, window_attention
+from swin_backbone.ops.attention import (
+    KERNELS as ATTEND, _RecomputedAttention, attention_in_windows, sdpa_ready, window_attention,
+)
 from swin_backbone.ops.layouts import build_window_layout
 from swin_backbone.ops.windows import relative_position_index, window_attention_mask
 
 KERNELS = ("sdpa", "plain", "recompute")
 
 
-def _layout(h, w, shift, mask_padding=True, dtype=torch.float64):
-    return build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), dtype)
+def _layout(h, w, shift, mask_padding=True, dtype=torch.float64, plan=None):
+    """A 7-window layout of an ``h x w`` map, bound to ``plan`` (the ops read the plan from it)."""
+    layout = build_window_layout(h, w, 7, shift, mask_padding, torch.device("cpu"), dtype)
+    return layout if plan is None else dataclasses.replace(layout, plan=plan)
 
 
 @pytest.fixture(params=[None, 1, 3], ids=["whole", "1-window-chunks", "3-window-chunks"])
@@ -29,9 +35,10 @@ def backward_mode(request):
 
 
 def _attend(attn, x, layout, kernel, chunk):
-    """The attention module's computation (no norm) with a plan forcing these choices."""
+    """The attention module's computation (no norm) with a plan forcing these choices, bound to
+    the layout the module reads it from."""
     plan = ops.plan_for(x, grad=True, attention=kernel, save_memory=False, chunk_bytes=chunk)
-    return attn(x, torch.nn.Identity(), layout, plan)
+    return attn(x, dataclasses.replace(layout, plan=plan))
 
 
 @pytest.mark.parametrize("size,shift", [((14, 14), 0), ((14, 14), 3), ((9, 12), 0), ((9, 12), 3), ((22, 15), 3)])
@@ -75,10 +82,12 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     qkv = torch.randn(2, layout.index.numel(), 3 * heads * d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(heads, window**2, window**2, dtype=torch.float64, requires_grad=True)
 
-    plan = ops.plan_for(qkv, grad=True, chunk_bytes=chunk, align_masks=False)
+    plan = ops.plan_for(qkv, grad=True, chunk_bytes=chunk)
+    assert not layout.align  # (the kernel reads the alignment and the chunk size from the bound layout)
+    bound = dataclasses.replace(layout, plan=plan)
 
     def fn(qkv, bias):  # (no dropout: the planner runs "plain" for it)
-        return _RecomputedAttention.apply(qkv, bias, layout, heads, d**-0.5, plan)
+        return _RecomputedAttention.apply(qkv, bias, bound, heads, d**-0.5)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
 
@@ -110,23 +119,24 @@ def test_attention_dropout_always_runs_a_kernel_that_drops():
     # Only the plain kernel applies attention dropout (SDPA's CPU kernels and the recompute
     # kernel's hand-written backward do not): every situation with attention dropout plans it,
     # on every device, eagerly and while tracing.
-    f32 = torch.float32
     for device in ("cpu", "cuda"):
-        for grad, tracing in ((True, False), (False, False), (True, True), (False, True)):
-            plan = planner._decide(device, f32, grad, tracing, True, True, True, planner._SWITCHES)
-            assert plan.attention == "plain", (device, grad, tracing, plan.attention)
-    # ... and that kernel drops: two training calls differ, and zero attention dropout is deterministic.
-    attn = WindowAttention(16, 2, 7)
-    layout = _layout(9, 12, 3, dtype=torch.float32)
+        for grad, traced in ((True, False), (False, False), (True, True), (False, True)):
+            plan = planner._decide(device, grad, traced, True, True, True, planner._SWITCHES)
+            assert plan.attention == "plain", (device, grad, traced, plan.attention)
+    # ... and that kernel drops: two calls with a rate differ, and zero attention dropout is deterministic.
+    attn = WindowAttention(16, 2, 7, attn_drop_rate=0.5)
     x = torch.randn(1, 9 * 12, 16)
-    plan = ops.plan_for(x, attention="plain", attn_dropout=True)
-    qkv = attn.qkv(ops.window_partition(x, layout, plan)).detach()
+    layout = _layout(9, 12, 3, dtype=torch.float32, plan=ops.plan_for(x, attention="plain"))
+    qkv = attn.qkv(ops.window_partition(x, layout)).detach()
     table = attn.relative_position_bias_table
-    runs = [window_attention(qkv, table, layout, plan, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
+    runs = [window_attention(qkv, table, layout, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
     assert not torch.equal(runs[0], runs[1])
-    off = ops.plan_for(x, attention="plain", attn_dropout=False)  # (eval: the rate is not applied)
-    runs = [window_attention(qkv, table, layout, off, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
+    runs = [window_attention(qkv, table, layout, num_heads=2, scale=attn.scale, dropout_p=0.0) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
+    # The module passes its rate only in training (eval: the rate is not applied).
+    with torch.no_grad():
+        assert not torch.equal(attn.train()(x, layout), attn(x, layout))
+        assert torch.equal(attn.eval()(x, layout), attn(x, layout))
 
 
 def _masked_window(layout):
@@ -144,15 +154,15 @@ def test_masked_keys_get_no_weight():
     table = torch.zeros(13 * 13, heads)
     x = torch.zeros(1, 14 * 14, heads * d)
     for kernel in KERNELS:
-        plan = ops.plan_for(x, grad=False, attention=kernel)
-        base = window_attention(qkv, table, layout, plan, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
+        layout = dataclasses.replace(layout, plan=ops.plan_for(x, grad=False, attention=kernel))
+        base = window_attention(qkv, table, layout, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
         win = _masked_window(layout)
         mask = layout.mask[win]
         query = int((mask[:, 0] == 0).nonzero()[0])  # a query in key 0's region
         other = int((mask[query] != 0).nonzero()[0])  # a key outside that region
         qkv2 = qkv.clone()
         qkv2[0, win * 49 + other, 2 * d :] += 10.0  # change that key's value
-        out2 = window_attention(qkv2, table, layout, plan, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
+        out2 = window_attention(qkv2, table, layout, num_heads=heads, scale=d**-0.5, dropout_p=0.0)
         token = int(layout.index[win * 49 + query])  # the query's row-major position
         torch.testing.assert_close(out2[0, token], base[0, token])
         assert not torch.allclose(out2, base)  # the changed value does reach its own region
@@ -189,16 +199,53 @@ def test_sdpa_ready_casts_and_aligns_rows():
     assert sdpa_ready(aligned, torch.float32, align=True) is aligned  # nothing to do
 
 
+def _plain_sum_attention(qkv, bias, mask, num_windows, heads, scale):
+    """Attention of every window written out: logits + the plain sum ``mask[:, None] + bias``
+    (no alignment), back in the windows' token order."""
+    b, tokens, three_c = qkv.shape
+    n, d = tokens // num_windows, three_c // (3 * heads)
+    q, k, v = qkv.view(b, num_windows, n, 3, heads, d).permute(3, 0, 1, 4, 2, 5).unbind(0)  # (B, nW, nH, N, d)
+    logits = q @ k.transpose(-2, -1) * scale + (mask[:, None] + bias)
+    return (logits.softmax(-1) @ v).transpose(2, 3).reshape(b, tokens, three_c // 3)
+
+
 @pytest.mark.parametrize("size,shift", [((9, 12), 3), ((14, 14), 3), ((5, 5), 0)])
-def test_per_window_bias_aligned_equals_plain_sum(size, shift):
-    bias = torch.randn(2, 49, 49, requires_grad=True)
+@pytest.mark.parametrize("batch", [1, 2])  # per-window biases in SDPA's batch (1) or heads (2) dim
+@pytest.mark.parametrize("kernel", ["plain", "sdpa"])
+def test_per_window_bias_aligned_equals_plain_sum(size, shift, batch, kernel):
+    # attention_in_windows adds the mask to the bias per window: with align (CUDA) into 8-aligned
+    # rows (the layout's aligned mask read in place). Aligned or not, the same values and bias
+    # gradient as the plain unaligned sum.
+    torch.manual_seed(0)
+    heads, d = 2, 4
+    bias = torch.randn(heads, 49, 49, dtype=torch.float64, requires_grad=True)
+    results = {}
     for align in (False, True):
-        layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float32, align)
-        out = per_window_bias(layout.mask, bias, torch.float32, align)
-        torch.testing.assert_close(out, layout.mask[:, None] + bias)
+        layout = build_window_layout(*size, 7, shift, True, torch.device("cpu"), torch.float64, align)
+        assert layout.mask is not None and layout.align == align
         if align:
-            assert layout.mask.stride()[-2:] == (56, 1) and out.stride()[-2:] == (56, 1)
-            assert all(st % 8 == 0 for st in out.stride()[:-1])
+            assert layout.mask.stride()[-2:] == (56, 1)
+        if not results:  # (the same inputs and output gradient for both)
+            qkv = torch.randn(batch, layout.index.numel(), 3 * heads * d, dtype=torch.float64)
+            probe = torch.randn(batch, layout.index.numel(), heads * d, dtype=torch.float64)
+        seen = []
+
+        def run(q, k, v, *, attn_mask, dropout_p, scale):
+            seen.append(attn_mask)
+            return ATTEND[kernel](q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+
+        out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, heads, d**-0.5, 0.0, run, align)
+        (attn_mask,) = seen  # the per-window biases themselves: the plain sum
+        torch.testing.assert_close(attn_mask.reshape(-1, heads, 49, 49), layout.mask[:, None] + bias)
+        if align:  # the per-window biases handed to the kernel have 8-aligned rows
+            assert attn_mask.stride()[-2:] == (56, 1)
+            assert all(st % 8 == 0 for st in attn_mask.stride()[:-1])
+        ref = _plain_sum_attention(qkv, bias, layout.mask, layout.num_windows, heads, d**-0.5)
+        (grad,) = torch.autograd.grad(out, bias, probe)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(grad, torch.autograd.grad(ref, bias, probe)[0])
+        results[align] = (out, grad)
+    torch.testing.assert_close(results[True], results[False])
 
 
 def _same_shifted_window(y1, x1, y2, x2, window, shift):
@@ -343,7 +390,7 @@ def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, wind
     plan = ops.plan_for(x, attention=kernel, grad=True, save_memory=save_memory)
     layout = build_window_layout(h, w, window, shift, mask_padding, x.device, x.dtype, table_window=table_window)
     with ops.lean_saves(plan):
-        got = attn(x, norm, layout, plan)
+        got = attn(norm(x), dataclasses.replace(layout, plan=plan))
     ref = reference_window_attention(norm(x), attn.qkv, attn.proj, attn.relative_position_bias_table, table_window, h,
                                      w, window, shift, heads, attn.scale, mask_padding)
     torch.testing.assert_close(got, ref)

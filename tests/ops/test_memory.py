@@ -4,10 +4,12 @@
   output (nor the window gather of a norm's output); backward rebuilds them from what their own
   nodes keep: same values and gradients as plain autograd (pre-norm V1 and post-norm V2 branches,
   partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
-* CPU inference with plain modules (``plan.chunked``): the MLP residual and the output norms
-  run by row chunks, in place: same values as whole tensors. A hook or a replaced module turns
+* CPU inference with plain modules (``plan.plain``, no grad, ``chunk_bytes``): a block's MLP
+  residual (by the layout's ``row_chunks``) and the output norms run by row chunks, in place:
+  same values as whole tensors. A hook or a replaced module turns
   the chunks off (the hook sees the whole tensor once).
 """
+import dataclasses
 import itertools
 
 import pytest
@@ -19,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from swin_backbone import SwinBackbone, SwinV2Backbone, ops
 from swin_backbone.model.blocks import DropPath, SwinBlock
 from swin_backbone.model.v2 import SwinBlockV2
-from swin_backbone.ops import regions
+from swin_backbone.ops import attention as regions  # (lean saves live beside the gathers they rebuild)
+from swin_backbone.ops import layouts
 from swin_backbone.torch_compat import autocast_enabled
 
 from ..helpers import small_arch
@@ -46,10 +49,12 @@ def _plain_branch(block, x):
     return mlp.fc2(mlp.act(mlp.fc1(block.norm2(x))))
 
 
-def _residual(block, x, save_memory, plain=True):
-    plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=plain)
+def _residual(block, x, save_memory):
+    """The block's MLP residual, as its forward computes it, under the stage's lean saves."""
+    plan = ops.plan_for(x, grad=True, save_memory=save_memory)
     with ops.lean_saves(plan):  # (as a stage runs its blocks)
-        return ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, block.mlp.fc1.out_features, plan)
+        branch = block.norm2(block.mlp(x)) if isinstance(block, SwinBlockV2) else block.mlp(block.norm2(x))
+        return x + block.drop_path(branch)
 
 
 def test_row_chunks_cover_every_row_once_in_as_few_chunks_as_the_budget_allows():
@@ -61,7 +66,7 @@ def test_row_chunks_cover_every_row_once_in_as_few_chunks_as_the_budget_allows()
     for total, row_bytes, budget in itertools.product((0, 1, 2, 3, 7, 10, 64, 1000, 2048), (1, 3, 8, 100),
                                                       (0, 1, 8, 20, 24, 80, 100, 4096, 65536)):
         case = dict(total=total, row_bytes=row_bytes, budget=budget)
-        parts = regions.row_chunks(total, row_bytes, budget)
+        parts = layouts.row_chunks(total, row_bytes, budget)
         rows = [list(range(total)[p]) for p in parts]
         assert [i for chunk in rows for i in chunk] == list(range(total)), case
         assert all(rows) or (total == 0 and len(parts) == 1), case
@@ -77,9 +82,8 @@ def test_row_chunks_cover_every_row_once_in_as_few_chunks_as_the_budget_allows()
 
 
 # ------------------------------------------------------------ training: no norm / GELU output kept
-@pytest.mark.parametrize("plain", [True, False], ids=["in-place-add", "out-of-place-add"])
 @pytest.mark.parametrize("version", sorted(VERSIONS))
-def test_memory_saving_mlp_residual_matches_autograd(version, plain):
+def test_memory_saving_mlp_residual_matches_autograd(version):
     block = _block(version)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     params = [x, *block.norm2.parameters(), *block.mlp.parameters()]
@@ -87,15 +91,15 @@ def test_memory_saving_mlp_residual_matches_autograd(version, plain):
     probe = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, params, probe)
     for save_memory in (True, False):
-        out = _residual(block, x, save_memory, plain)
+        out = _residual(block, x, save_memory)
         torch.testing.assert_close(out, ref)
         for a, b in zip(torch.autograd.grad(out, params, probe), ref_grads):
             torch.testing.assert_close(a, b)
     with torch.no_grad():
-        assert _residual(block, x, True, plain).grad_fn is None
+        assert _residual(block, x, True).grad_fn is None
     for p in block.parameters():
         p.requires_grad_(False)
-    frozen = _residual(block, x.detach(), True, plain)
+    frozen = _residual(block, x.detach(), True)
     assert frozen.grad_fn is None
     torch.testing.assert_close(frozen, ref.detach())
 
@@ -118,17 +122,16 @@ def test_memory_saving_partial_gradients(version, frozen):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("save_memory,plain", [(False, True), (False, False), (True, True)],
-                         ids=["plain", "hooked", "save_memory"])
+@pytest.mark.parametrize("save_memory", [False, True], ids=["plain", "save_memory"])
 @pytest.mark.parametrize("version", sorted(VERSIONS))
-def test_stochastic_depth_drops_whole_samples(version, save_memory, plain):
+def test_stochastic_depth_drops_whole_samples(version, save_memory):
     # DropPath zeroes a sample's branch, never single tokens: for each sample the MLP residual
     # adds either nothing or something at every token (drop rate 0.5 over 32 samples).
     block = _block(version).train()
     block.drop_path = DropPath(0.5)
     torch.manual_seed(3)
     x = torch.randn(32, 16, 8, dtype=torch.float64, requires_grad=True)
-    out = _residual(block, x * 1, save_memory, plain)
+    out = _residual(block, x * 1, save_memory)
     per_sample = ((out - x).abs().amax(-1) > 0).sum(1)  # per sample: tokens the branch changed
     assert set(per_sample.tolist()) <= {0, x.shape[1]}, per_sample.tolist()
     assert 0 < int((per_sample == 0).sum()) < x.shape[0]  # some samples dropped, some kept
@@ -150,17 +153,19 @@ def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_si
     calls = []
 
     def check(module, args, out):
-        x, = args
-        kept = (out != 0).flatten(1).any(1)
-        assert torch.equal(out[~kept], torch.zeros_like(out[~kept]))  # a dropped image: all zeros
-        calls.append((tuple(x.shape[:2]), kept.tolist()))
+        layout = args[1] if len(args) > 1 else None  # (the branch, then the stage's layout)
+        packed = layout is not None and layout.image_tokens is not None
+        for part in out.split(layout.image_tokens, 1) if packed else (out,):  # (packed: image by image)
+            kept = (part != 0).flatten(1).any(1)
+            assert torch.equal(part[~kept], torch.zeros_like(part[~kept]))  # a dropped image: all zeros
+            calls.append((tuple(part.shape[:2]), kept.tolist() if module.drop_prob > 0 else []))
 
     for m in model.modules():
         if isinstance(m, DropPath):
             m.register_forward_hook(check)
     torch.manual_seed(0)
     model(torch.randn(4, 3, 32, 32), valid_sizes=valid_sizes)
-    sites = 2 * (sum(model.depths) - 1)  # (the first block's rate is 0: no DropPath)
+    sites = 2 * sum(model.depths)  # (the first block's rate is 0: its DropPath returns its input)
     if valid_sizes is None:
         assert [shape[0] for shape, _ in calls] == [4] * sites
         kept = [k for _, ks in calls for k in ks]
@@ -169,7 +174,7 @@ def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_si
         for i, sizes in enumerate(ops.image_sizes.stage_valid_sizes(VALID, 4, len(model.depths))):
             side = 8 >> i  # (the stage's map: where every image fills it, the batch is not packed)
             per_branch = [(4, side * side)] if set(sizes) == {(side, side)} else [(1, h * w) for h, w in sizes]
-            expected += per_branch * (2 * model.depths[i] - 2 * (i == 0))
+            expected += per_branch * (2 * model.depths[i])
         assert [shape for shape, _ in calls] == expected
         kept = [k for _, ks in calls for k in ks]
     assert len(calls) and 0.25 < sum(kept) / len(kept) < 0.75  # about half of the images' branches kept
@@ -213,9 +218,9 @@ def test_memory_saving_under_bf16_autocast(version):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         branch = _plain_branch(block, x)
     (out, grads), (ref, ref_grads) = results
-    assert out.dtype == ref.dtype == branch.dtype
+    assert branch.dtype == torch.bfloat16 and out.dtype == ref.dtype == torch.float32  # (an fp32 residual stream)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=1e-3)
-    torch.testing.assert_close(out.float(), (branch.float() + x).to(branch.dtype).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, branch.float() + x, rtol=2e-2, atol=2e-2)
     for a, b in zip(grads, ref_grads):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
@@ -299,7 +304,7 @@ def test_memory_saving_keeps_only_qkv_of_the_attention_input():
     for save_memory in (True, False):
         plan = ops.plan_for(x, grad=True, save_memory=save_memory, attention="recompute")
         with ops.lean_saves(plan):
-            out = block.attn(x, block.norm1, layout, plan)
+            out = block.attn(block.norm1(x), dataclasses.replace(layout, plan=plan))
         kept[save_memory] = {name: not ref.expired() for name, ref in watched.items()}
         grads[save_memory] = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], allow_unused=True)
         del out
@@ -403,33 +408,42 @@ def test_functional_call_gets_the_gradients_of_its_own_parameters(version):
 
 
 # ---------------------------------------------------------------- CPU inference: row chunks
+def _layouts(x, plan, budget=0, hidden=32):
+    """A ``(B, H, W, C)`` map's unshifted layout bound to ``plan``, with row chunks of ``budget``
+    bytes of ``hidden``-wide rows (``None``: whole tensors)."""
+    layout, _ = ops.stage_layouts(x, plan, window_size=4, shift_size=0, pad_small_map=True, mask_padding=True)
+    rows = x.shape[0] * x.shape[1] * x.shape[2]
+    chunks = tuple(ops.row_chunks(rows, hidden * x.element_size(), budget)) if budget else None
+    return dataclasses.replace(layout, row_chunks=chunks)
+
+
 @pytest.mark.parametrize("version", sorted(VERSIONS))
-@pytest.mark.parametrize("rows", [0, 1, 11])
-def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, rows, version):
-    # The CPU inference MLP residual of Swin V1 (norm first) and V2 (norm after), in place by
-    # row chunks (an odd number of rows: a ragged end; no rows at all).
+@pytest.mark.parametrize("size", [(1, 1), (1, 11), (5, 7)])
+def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, size, version):
+    # A block's CPU inference MLP residual, Swin V1 (norm first) and V2 (norm after), in place by
+    # row chunks (an odd number of rows: a ragged end), equals whole tensors and the formula.
     block = _block(version)
-    x = torch.randn(1, rows, 8, dtype=torch.float64)
-    plan = ops.plan_for(x, grad=False, chunk_bytes=max(chunk_budget, 1), may_write_module_outputs=True,
-                        chunked=True)
-    whole = ops.plan_for(x, grad=False, chunk_bytes=0, may_write_module_outputs=True, chunked=False)
+    grid = torch.zeros(2, *size, 8, dtype=torch.float64)
+    x = torch.randn(2, size[0] * size[1], 8, dtype=torch.float64)
+    plan = ops.plan_for(x, grad=False, plain=True)
     with torch.no_grad():
-        ref = x + _plain_branch(block, x)
-        unchunked = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, None, 32, whole)
-        got = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
-    assert (got is x) == (rows * 32 * 8 > plan.chunk_bytes)  # in place by chunks where more than one
+        whole = block(x, _layouts(grid, plan))
+        got = block(x, _layouts(grid, plan, max(chunk_budget, 1)))
+        after_attn = x + block.drop_path((block.norm1(block.attn(x, _layouts(grid, plan))) if version == "v2" else
+                                          block.attn(block.norm1(x), _layouts(grid, plan))))
+        ref = after_attn + _plain_branch(block, after_attn)
     torch.testing.assert_close(got, ref)
-    torch.testing.assert_close(unchunked, ref)
+    torch.testing.assert_close(whole, ref)
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_chunked_mlp_residual_under_autocast(version):
     block = _block(version, dtype=torch.float32)
-    x = torch.randn(2, 7, 8)
-    plan = ops.plan_for(x, grad=False, chunk_bytes=3 * 32 * 2, may_write_module_outputs=True, chunked=True)
+    grid, x = torch.zeros(2, 1, 7, 8), torch.randn(2, 7, 8)
+    plan = ops.plan_for(x, grad=False, plain=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = x + _plain_branch(block, x)
-        got = ops.mlp_residual(x.clone(), block.mlp_branch, block.drop_path, None, 32, plan)
+        ref = block(x, _layouts(grid, plan))
+        got = block(x, _layouts(grid, plan, 3 * 32 * 4))
     assert got.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(got, ref)
 
@@ -439,8 +453,8 @@ def test_chunked_output_norm_matches_whole_tensors(shape):
     norm = _block("v1").norm2
     x = torch.randn(shape, dtype=torch.float64)
     # two rows a chunk
-    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, may_write_module_outputs=True, chunked=True)
-    whole = ops.plan_for(x, grad=False, chunk_bytes=0, chunked=False)
+    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, plain=True)
+    whole = ops.plan_for(x, grad=False, chunk_bytes=0, plain=True)
     with torch.no_grad():
         got = ops.output_nchw(x, norm, False, chunked)
         ref = ops.output_nchw(x, norm, False, whole)
@@ -461,8 +475,9 @@ def test_plain_modules_predicate():
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         plan = ops.plan_forward(x, model)
-    assert plan.may_write_module_outputs and plan.chunked and plan.chunk_bytes > 0
-    assert not ops.plan_forward(x, model.train()).chunked  # training
+    assert plan.plain and not plan.grad and plan.chunk_bytes > 0
+    training = ops.plan_forward(x, model.train())
+    assert training.grad  # training: no row chunks (they run without grad only)
     model.eval()
     fc1 = model.stages[1].blocks[0].mlp.fc1
     for register in (fc1.register_forward_hook, fc1.register_forward_pre_hook,
@@ -472,9 +487,9 @@ def test_plain_modules_predicate():
         with torch.no_grad():
             watched = ops.plan_forward(x, model)
         handle.remove()
-        assert not watched.may_write_module_outputs and not watched.chunked, register
+        assert not watched.plain, register
     with torch.no_grad():
-        assert ops.plan_forward(x, model).chunked  # hooks removed
+        assert ops.plan_forward(x, model).plain  # hooks removed
 
     class Scaled(nn.Linear):  # an adapter-like subclass: computes something else
         def forward(self, t):
@@ -484,7 +499,7 @@ def test_plain_modules_predicate():
     model.stages[0].blocks[1].mlp.fc2 = Scaled(old.in_features, old.out_features)
     with torch.no_grad():
         replaced = ops.plan_forward(x, model)
-    assert not replaced.may_write_module_outputs and not replaced.chunked
+    assert not replaced.plain
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
@@ -501,7 +516,7 @@ def test_a_hooked_or_replaced_module_sees_whole_tensors(version):
         handle = fc1.register_forward_hook(lambda m, args, out: calls.append(tuple(out.shape)))
         (hooked,) = model(x)
         handle.remove()
-        assert calls == [(2 * 8 * 7, 128)]  # (the MLP branch runs on the (B * L, C) rows)
+        assert calls == [(2, 8 * 7, 128)]  # (the MLP branch runs on the (B, L, C) tokens, once)
         torch.testing.assert_close(hooked, ref)
 
         seen = []
@@ -515,7 +530,7 @@ def test_a_hooked_or_replaced_module_sees_whole_tensors(version):
         replacement.load_state_dict(fc1.state_dict())
         model.stages[0].blocks[1].mlp.fc1 = replacement
         (replaced,) = model(x)
-    assert seen == [(2 * 8 * 7, 32)]
+    assert seen == [(2, 8 * 7, 32)]
     torch.testing.assert_close(replaced, ref)
 
 
@@ -568,7 +583,7 @@ def test_lean_saves_keep_what_they_cannot_rebuild():
     block.mlp.act.register_forward_hook(lambda m, args, out: out.mul_(1.5))
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     params = [x, *block.norm2.parameters(), *block.mlp.parameters()]
-    ref = torch.autograd.grad(_residual(block, x, False, plain=False).square().sum(), params)
-    got = torch.autograd.grad(_residual(block, x, True, plain=False).square().sum(), params)
+    ref = torch.autograd.grad(_residual(block, x, False).square().sum(), params)
+    got = torch.autograd.grad(_residual(block, x, True).square().sum(), params)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)

@@ -20,9 +20,17 @@ from swin_backbone.model.blocks import DropPath
 from ..helpers import small_arch
 
 
-def decide(device, dtype, grad, tracing, stochastic, attn_dropout):
-    """The planner's decision for a situation, with plain modules and the switches in force."""
-    return planner._decide_cached(device, dtype, grad, tracing, stochastic, attn_dropout, True, planner._SWITCHES)
+def decide(device, dtype, grad, traced, stochastic, attn_dropout):
+    """The planner's decision for a situation, with plain modules and the switches in force
+    (``dtype``: the situation's compute dtype, which the plan does not depend on)."""
+    return planner._decide_cached(device, grad, traced, stochastic, attn_dropout, True, planner._SWITCHES)
+
+
+def _aligned(device):
+    """Whether a stage's layouts on ``device`` get 8-aligned mask rows."""
+    regular, _ = ops.stage_layouts(torch.zeros(1, 9, 9, 8, device=device), ops.plan_for(torch.zeros(1)),
+                                   window_size=7, shift_size=3, pad_small_map=True, mask_padding=True)
+    return regular.align
 
 
 def test_decisions_per_situation():
@@ -31,19 +39,21 @@ def test_decisions_per_situation():
     assert cpu_eval.attention == "sdpa" and cpu_eval.chunk_bytes > 0 and not cpu_eval.save_memory
     cpu_train = decide("cpu", f32, True, False, True, False)
     assert cpu_train.attention == "recompute" and cpu_train.save_memory and cpu_train.chunk_bytes > 0
-    assert not cpu_eval.align_masks and not cpu_train.align_masks
+    assert not _aligned("cpu")
+    with ops.override(align_masks=True):
+        assert _aligned("cpu")
     assert decide("cpu", f32, True, False, True, True).attention == "plain"  # attention dropout
     # CUDA: 'auto' is memory-efficient SDPA (no measurement), in training and inference.
     cuda = decide("cuda", torch.bfloat16, True, False, False, False)
-    assert cuda.attention == "sdpa" and cuda.align_masks
+    assert cuda.attention == "sdpa"
     # Lean saves (no norm / GELU output kept) only where measured (CPU): off on CUDA unless asked for.
     assert not cuda.save_memory
     with planner.override(save_memory=True):
         assert decide("cuda", torch.bfloat16, True, False, False, False).save_memory
-    assert cuda.chunk_bytes == 0 and not cuda.tracing
+    assert cuda.chunk_bytes == 0 and not cuda.traced
     assert decide("cuda", torch.bfloat16, False, False, False, False).attention == "sdpa"
     traced = decide("cpu", f32, True, True, False, False)
-    assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.tracing
+    assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.traced
     assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
     # Traced training on CUDA: SDPA (memory-efficient / cuDNN kernels give the bias its gradient).
     assert decide("cuda", f32, True, True, False, False).attention == "sdpa"
@@ -56,8 +66,10 @@ def test_decisions_per_situation():
         assert off.attention == "plain" and not off.save_memory
     assert decide("cpu", f32, False, False, False, False) == cpu_eval  # restored
     # With hooks or replaced modules too (lean saves call no module again): not while tracing.
-    hooked = planner._decide_cached("cpu", f32, True, False, True, False, False, planner._SWITCHES)
-    assert hooked.save_memory and not hooked.may_write_module_outputs
+    hooked = planner._decide_cached("cpu", True, False, True, False, False, planner._SWITCHES)
+    assert hooked.save_memory and not hooked.plain
+    assert not planner._decide_cached("cpu", False, False, True, False, True, planner._SWITCHES).plain  # (dropout)
+    assert planner._decide_cached("cpu", False, False, False, False, True, planner._SWITCHES).plain
 
 
 def test_torchscript_tracing_plans_plain_attention():
@@ -74,9 +86,9 @@ def test_torchscript_tracing_plans_plain_attention():
     with torch.no_grad():
         torch.jit.trace(fn, torch.randn(1, 3, 8, 8), check_trace=False)  # (the check reruns fn eagerly)
         eager = ops.plan_forward(torch.randn(1, 3, 8, 8), model)
-    assert len(seen) == 1 and seen[0].tracing and seen[0].attention == "plain"
-    assert seen[0].chunk_bytes == 0 and not seen[0].chunked and not seen[0].save_memory
-    assert not eager.tracing and eager.attention == "sdpa"
+    assert len(seen) == 1 and seen[0].traced and seen[0].attention == "plain"
+    assert seen[0].chunk_bytes == 0 and not seen[0].plain and not seen[0].save_memory
+    assert not eager.traced and eager.attention == "sdpa"
 
 
 def test_torchscript_trace_of_the_backbone_runs_plain_ops():
@@ -100,8 +112,12 @@ def test_plan_follows_autocast_and_grad():
     with torch.no_grad():
         assert not ops.plan_forward(x, model).grad
     assert ops.plan_forward(x, model).grad  # parameters require grad
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert ops.plan_forward(x, model).mask_dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (the masks are cached in the compute dtype)
+        assert planner.compute_dtype(x) == torch.bfloat16
+        regular, _ = ops.stage_layouts(x.new_zeros(1, 9, 9, 8), ops.plan_forward(x, model), window_size=7,
+                                       shift_size=3, pad_small_map=True, mask_padding=True)
+        assert regular.mask.dtype == torch.bfloat16
+    assert planner.compute_dtype(x) == torch.float32
 
 
 def test_cpu_chunk_bytes_is_derived_from_the_machine():
@@ -115,11 +131,12 @@ def test_frozen_stages_run_as_inference(frozen):
     x = torch.randn(1, 3, 32, 32)
     plan = ops.plan_forward(x, model)
     assert plan.grad and plan.attention == "recompute"
-    assert len(plan.stages) == len(model.stages)
-    for i, stage_plan in enumerate(plan.stages):
+    plans = ops.plan_stages(x, model)
+    assert len(plans) == len(model.stages)
+    for i, stage_plan in enumerate(plans):
         assert stage_plan.grad == (i >= frozen)
         assert stage_plan.attention == ("recompute" if i >= frozen else "sdpa")
-    assert ops.plan_forward(x.requires_grad_(), model).stages[0].grad  # a gradient flows through
+    assert ops.plan_stages(x.requires_grad_(), model)[0].grad  # a gradient flows through
 
 
 def _sdpa_kernels(model, x, train):
@@ -173,44 +190,40 @@ def test_tracing_on_cuda_plans_by_the_situation(grad):
     # give the bias its gradient; on the CPU a training graph has plain ops); attention
     # dropout: plain ops.
     bf16, switches = torch.bfloat16, planner.Switches()
-    compiled = planner._decide("cuda", bf16, grad, True, False, False, False, switches)
-    assert compiled.attention == "sdpa" and compiled.tracing and not compiled.save_memory
-    assert planner._decide("cpu", bf16, grad, True, False, False, False, switches).attention == (
+    compiled = planner._decide("cuda", grad, True, False, False, False, switches)
+    assert compiled.attention == "sdpa" and compiled.traced and not compiled.save_memory
+    assert planner._decide("cpu", grad, True, False, False, False, switches).attention == (
         "plain" if grad else "sdpa")
-    assert planner._decide("cuda", bf16, grad, True, True, True, False, switches).attention == "plain"
+    assert planner._decide("cuda", grad, True, True, True, False, switches).attention == "plain"
 
 
 def test_checkpointed_stages_skip_lean_saves():
     # A stage that with_cp checkpoints block by block keeps nothing inside them: no lean saves.
-    x = torch.zeros(1, 14, 14, 32)
-    plan = ops.plan_for(x, grad=True, save_memory=True)
-    assert ops.plan_stage(plan,
-        height=14, width=14, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
-        device=x.device)[0].save_memory
-    assert not ops.plan_stage(plan,
-        height=14, width=14, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
-        device=x.device, with_cp=True)[0].save_memory
+    x = torch.randn(1, 3, 32, 32)
+    for with_cp in (False, True):
+        model = SwinBackbone(**small_arch(with_cp=with_cp)).train()
+        assert all(plan.save_memory != with_cp for plan in ops.plan_stages(x, model))
 
 
 def test_compiled_blocks_layouts_are_cached_and_traced_ones_are_built():
     # compile=True: the planner runs eagerly and hands the compiled blocks traced-form layouts;
     # they are cached like eager ones (built once per size, not on every forward). While
     # torch.jit.trace records, sizes may be symbolic: built each time.
-    x = torch.zeros(1, 14, 14, 32)
-    plan = dataclasses.replace(ops.plan_for(x), tracing=True)
-    kwargs = dict(height=14, width=13, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True,
-                  device=x.device)
-    _, regular, shifted = ops.plan_stage(plan, **kwargs)
-    again = ops.plan_stage(plan, **kwargs)
-    assert regular.traced and shifted.traced and again[1] is regular and again[2] is shifted
+    x = torch.zeros(1, 14, 13, 32)
+    plan = dataclasses.replace(ops.plan_for(x), traced=True)
+    kwargs = dict(window_size=7, shift_size=3, pad_small_map=True, mask_padding=True)
+    regular, shifted = ops.stage_layouts(x, plan, **kwargs)
+    again = ops.stage_layouts(x, plan, **kwargs)
+    assert regular.traced and shifted.traced and regular.plan is plan
+    assert again[0].index is regular.index and again[1].mask is shifted.mask  # (the cached layouts' tensors)
     seen = []
 
     def fn(t):
-        seen.append(ops.plan_stage(plan, **kwargs)[1])
+        seen.append(ops.stage_layouts(x, plan, **kwargs)[0])
         return t * 2
 
     torch.jit.trace(fn, torch.randn(2), check_trace=False)
-    assert seen[0].traced and seen[0] is not regular
+    assert seen[0].traced and seen[0].index is not regular.index
     assert torch.equal(seen[0].index, regular.index) and torch.equal(seen[0].mask, regular.mask)
 
 
@@ -303,11 +316,11 @@ def test_the_backbones_save_memory_argument_decides_lean_saves():
     for value in (None, True, False):
         model = SwinBackbone(arch=None, embed_dims=8, depths=(2,), num_heads=(1,), window_size=4,
                              out_indices=(0,), save_memory=value).train()
-        seen[value] = [stage.save_memory for stage in ops.plan_forward(x, model).stages]
+        seen[value] = [stage.save_memory for stage in ops.plan_stages(x, model)]
         with ops.override(save_memory=True):
-            assert ops.plan_forward(x, model).stages[0].save_memory
+            assert ops.plan_stages(x, model)[0].save_memory
         with torch.no_grad():
-            assert not ops.plan_forward(x, model).stages[0].save_memory  # (inference keeps nothing anyway)
+            assert not ops.plan_stages(x, model)[0].save_memory  # (inference keeps nothing anyway)
     assert seen == {None: [True], True: [True], False: [False]}
     for bad in ("yes", 2, "False"):
         with pytest.raises(ValueError, match=r"^save_memory: expected True or False, got"):

@@ -1,6 +1,9 @@
-"""Swin V2's post-norm MLP residual and cosine attention inputs give the plain modules' values
-and gradients on every path the plan names (lean saves, the norm and GELU outputs rebuilt in
-backward, are tested for pre-norm V1 and post-norm V2 blocks alike in test_memory.py)."""
+"""Swin V2's post-norm block (its MLP half by row chunks in CPU inference) and cosine attention
+inputs give the plain modules' values and gradients on every path the plan names (lean saves,
+the norm and GELU outputs rebuilt in backward, are tested for pre-norm V1 and post-norm V2
+blocks alike in test_memory.py)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,16 +20,33 @@ def _block(c=8, hidden=32, dtype=torch.float64, drop_rate=0.0):
     return block
 
 
-def test_post_norm_mlp_residual_in_pure_bf16():
+def _layout(tokens, height, width, plan):
+    """The regular layout of a ``height x width`` map of ``tokens`` (``(B, H * W, C)``), bound to
+    ``plan``, as a stage gives it to its blocks (rows sized by the MLP's hidden width, 32)."""
+    grid = torch.empty(tokens.shape[0], height, width, 1, dtype=tokens.dtype)
+    regular, _ = ops.stage_layouts(grid, plan, window_size=4, shift_size=0, pad_small_map=True, mask_padding=True,
+                                   row_width=32)
+    return regular
+
+
+def _reference(block, x, layout):
+    """The post-norm block written out with its modules: ``x + drop_path(norm1(attn(x)))``, then
+    ``+ drop_path(norm2(mlp(x)))``, whole tensors."""
+    whole = dataclasses.replace(layout, row_chunks=None)
+    x = x + block.drop_path(block.norm1(block.attn(x, whole)), whole)
+    return x + block.drop_path(block.norm2(block.mlp(x)), whole)
+
+
+def test_post_norm_block_in_pure_bf16():
     block = _block(dtype=torch.bfloat16)
-    x = torch.randn(2, 5, 8, dtype=torch.bfloat16, requires_grad=True)
-    ref = x + block.norm2(block.mlp(x))
+    x = torch.randn(2, 5 * 6, 8, dtype=torch.bfloat16, requires_grad=True)
+    ref = _reference(block, x, _layout(x, 5, 6, ops.plan_for(x, grad=True, save_memory=False)))
     params = [x, block.norm2.weight]
     ref_grads = torch.autograd.grad(ref.float().sum(), params)
     for save_memory in (True, False):
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory, may_write_module_outputs=True)
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=True)
         with ops.lean_saves(plan):
-            out = ops.mlp_residual(x, block.mlp_branch, block.drop_path, None, 32, plan)
+            out = block(x, _layout(x, 5, 6, plan))
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
         for a, b in zip(torch.autograd.grad(out.float().sum(), params), ref_grads):
@@ -34,37 +54,38 @@ def test_post_norm_mlp_residual_in_pure_bf16():
 
 
 @pytest.mark.parametrize("situation", ["inference", "training", "dropout"])
-def test_ops_routes_the_post_norm_mlp_residual_by_plan(situation):
-    # The forward's plan for each situation: CPU inference adds into the tokens in place by
-    # row chunks; training (with or without dropout) keeps no norm / GELU output; both give
+def test_the_post_norm_block_runs_by_plan(situation):
+    # The forward's plan for each situation: CPU inference runs the MLP half by row chunks,
+    # added in place; training (with or without dropout) keeps no norm / GELU output; all give
     # the modules' values and gradients.
-    import dataclasses
-
     block = _block(drop_rate=0.3 if situation == "dropout" else 0.0).train(situation == "dropout")
     grad = situation != "inference"
-    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=grad)
-    with torch.set_grad_enabled(grad):
+    x = torch.randn(2, 5 * 6, 8, dtype=torch.float64, requires_grad=grad)
+    with ops.override(chunk_bytes=4096), torch.set_grad_enabled(grad):  # (2 * 30 rows of 32 fp64: 4 chunks)
         plan = ops.plan_forward(x, block)
-    assert plan.grad == grad and plan.attn_dropout is False
-    assert plan.chunked == (situation == "inference") and plan.may_write_module_outputs
-    assert plan.save_memory == grad
+        layout = _layout(x, 5, 6, plan)
+    assert plan.grad == grad and plan.plain == (situation != "dropout")  # (dropout: modules not plain)
+    chunked = plan.plain and not plan.grad and plan.chunk_bytes > 0
+    assert chunked == (situation == "inference") and plan.save_memory == grad
+    assert layout.plan is plan
+    assert (layout.row_chunks is not None) == chunked and (not chunked or len(layout.row_chunks) == 4)
     with torch.set_grad_enabled(grad):
         torch.manual_seed(1)
-        ref = x + block.drop_path(block.mlp_branch(x))
+        ref = _reference(block, x, layout)
         torch.manual_seed(1)
         tokens = x.detach().clone() if situation == "inference" else x * 1
         with ops.lean_saves(plan):
-            got = ops.mlp_residual(tokens, block.mlp_branch, block.drop_path, None, 32, plan)
+            got = block(tokens, layout)
     torch.testing.assert_close(got, ref)
-    if situation == "inference":  # (one chunk's rows: the residual is added into the MLP's output)
-        assert got.grad_fn is None and not torch.equal(tokens, got)
+    if situation == "inference":  # (the MLP's rows are added into the block's own sum, not into its input)
+        assert got.grad_fn is None and got.data_ptr() != tokens.data_ptr() and torch.equal(tokens, x)
         return
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
     torch.testing.assert_close(gx, rx)
-    whole = dataclasses.replace(plan, save_memory=False)
+    whole = dataclasses.replace(layout, plan=dataclasses.replace(plan, save_memory=False))
     torch.manual_seed(1)
-    torch.testing.assert_close(ops.mlp_residual(x * 1, block.mlp_branch, block.drop_path, None, 32, whole), got)
+    torch.testing.assert_close(block(x * 1, whole), got)
 
 
 def _reference_cosine_qkv(qkv, logit_scale, num_heads):
@@ -81,7 +102,7 @@ def _cosine_plans(qkv):
     """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), inference with
     modules that are not plain (a hook may hold qkv: plain ops), training (memory-saving
     function), training without memory-saving functions (plain ops)."""
-    inference = ops.plan_for(qkv, grad=False, may_write_module_outputs=True)
+    inference = ops.plan_for(qkv, grad=False, plain=True)
     training = ops.plan_for(qkv, grad=True, save_memory=True)  # (the memory-saving function needs no torch feature)
     assert not inference.grad and training.grad and training.save_memory
     return {"none": None, "inference": inference, "inference_watched": ops.plan_for(qkv, grad=False),

@@ -1,4 +1,5 @@
 """Window arithmetic against plain reference implementations (pad, roll, view/permute)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -47,11 +48,11 @@ def test_partition_matches_pad_roll_permute(size, ws, shift):
     h, w = size
     x = torch.randn(2, h * w, 5)
     layout = L.build_window_layout(h, w, ws, shift, True, torch.device("cpu"), torch.float32)
-    plan = plan_for(x)
-    got = window_partition(x, layout, plan)
+    layout = dataclasses.replace(layout, plan=plan_for(x))
+    got = window_partition(x, layout)
     torch.testing.assert_close(got, reference_partition(x, h, w, ws, shift), rtol=0, atol=0)
     # reverse undoes everything exactly
-    torch.testing.assert_close(window_reverse(got, layout, plan), x, rtol=0, atol=0)
+    torch.testing.assert_close(window_reverse(got, layout), x, rtol=0, atol=0)
     assert layout.num_windows == (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert layout.has_padding == (h % ws != 0 or w % ws != 0)
 
@@ -66,13 +67,25 @@ def test_gather_gradients_match_autograd_reference(size, shift):
     probe = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64)
     plan = plan_for(x1)
     assert plan.grad
-    (window_partition(x1, layout, plan) * probe).sum().backward()
+    layout = dataclasses.replace(layout, plan=plan)
+    (window_partition(x1, layout) * probe).sum().backward()
     (reference_partition(x2, h, w, ws, shift) * probe).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad)
     # and through reverse
     y = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: window_reverse(t, layout, plan), (y,))
-    torch.autograd.gradcheck(lambda t: window_partition(t, layout, plan), (x1.detach().requires_grad_(True),))
+    torch.autograd.gradcheck(lambda t: window_reverse(t, layout), (y,))
+    torch.autograd.gradcheck(lambda t: window_partition(t, layout), (x1.detach().requires_grad_(True),))
+
+
+def test_a_layout_without_a_plan_is_a_clear_error():
+    # The ops read the forward's plan from the layout: one never bound to a plan is an error
+    # naming the argument, not an AttributeError deep inside.
+    layout = L.build_window_layout(8, 9, 7, 3, True, torch.device("cpu"), torch.float32)
+    assert layout.plan is None
+    x = torch.randn(1, 8 * 9, 4)
+    with pytest.raises(ValueError, match="^layout: "):
+        window_partition(x, layout)
+    assert window_partition(x, dataclasses.replace(layout, plan=plan_for(x))).shape == (1, layout.index.numel(), 4)
 
 
 @pytest.mark.parametrize("size", [(7, 7), (8, 9), (14, 21), (1, 1), (25, 38)])
@@ -135,8 +148,8 @@ def test_small_maps_without_pad_small_map_shrink_the_window_and_drop_the_shift()
     plan = ops.plan_for(torch.zeros(1), grad=False)
     for (h, w, pad_small_map), (window, shift) in {(5, 9, True): (7, 3), (5, 9, False): (5, 0),
                                                     (7, 7, False): (7, 0), (8, 9, False): (7, 3)}.items():
-        _, regular, shifted = ops.plan_stage(plan, height=h, width=w, window_size=7, shift_size=3,
-                                             pad_small_map=pad_small_map, mask_padding=True, device=torch.device("cpu"))
+        regular, shifted = ops.stage_layouts(torch.empty(1, h, w, 1), plan, window_size=7, shift_size=3,
+                                             pad_small_map=pad_small_map, mask_padding=True)
         assert (regular.window, regular.table_window) == (window, 7), (h, w, pad_small_map)
         assert (shifted.shift if shifted is not None else 0) == shift, (h, w, pad_small_map)
 
@@ -169,7 +182,7 @@ def test_merge_reads_what_each_image_reads_alone(size):
     h, w = size
     valid = tuple((vh, vw) for vh in {1, max(h - 1, 1), h} for vw in {1, max(w - 2, 1), w})
     x = torch.randn(len(valid), h, w, 3) + 5  # non-zero everywhere beyond the images
-    got = merge_2x2(V.zero_beyond_valid(x.clone(), valid, 1, inplace=True))
+    got = merge_2x2(L.zero_beyond_valid(x.clone(), valid, 1, inplace=True))
     for b, (vh, vw) in enumerate(valid):
         ch, cw = W.ceil_div(vh, 2), W.ceil_div(vw, 2)
         torch.testing.assert_close(got[b, :ch, :cw], merge_2x2(x[b : b + 1, :vh, :vw])[0], rtol=0, atol=0)
@@ -254,24 +267,30 @@ def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
     L.clear_caches()
     x = torch.zeros(2, 13, 20, 16)
     plan = ops.plan_for(x, grad=False)
-    _, regular, shifted = ops.plan_stage(plan,
-        height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
+    stage = dict(window_size=7, shift_size=3, pad_small_map=True, mask_padding=True)
+
+    def is_cached(layout, cached):
+        """``layout`` is ``cached`` bound to the stage's plan: the cached tensors themselves."""
+        return layout.plan is plan and all(
+            getattr(layout, name) is getattr(cached, name) for name in ("index", "inverse", "mask", "bias_index", "rows"))
+
+    regular, shifted = ops.stage_layouts(x, plan, **stage)
     assert L.get_window_layout.cache_info().misses == 2
     assert regular.shift == 0 and shifted.shift == 3 and regular.rows is None
-    assert shifted is L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7)
+    assert is_cached(shifted, L.get_window_layout(13, 20, 7, 3, True, cpu, torch.float32, False, False, 7))
+    assert is_cached(regular, L.get_window_layout(13, 20, 7, 0, True, cpu, torch.float32, False, False, 7))
     assert shifted.mask.shape[0] == shifted.num_windows
+    again = ops.stage_layouts(x, plan, **stage)  # the next forward at this size: no layout built
+    assert L.get_window_layout.cache_info().misses == 2 and all(map(is_cached, again, (regular, shifted)))
     sizes = ((13, 20), (9, 11))
-    valid = ops.plan_for(x, grad=False, valid_sizes=sizes)
-    _, regular2, shifted2 = ops.plan_stage(valid,
-        height=13, width=20, window_size=7, shift_size=3, pad_small_map=True, mask_padding=True, device=cpu)
-    assert shifted2 is V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False)
-    assert regular2 is V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False)
+    regular2, shifted2 = ops.stage_layouts(x, plan, **stage, images=sizes)
+    assert is_cached(shifted2, V.get_packed_layout(13, 20, 7, 3, sizes, cpu, torch.float32, False, 7, False))
+    assert is_cached(regular2, V.get_packed_layout(13, 20, 7, 0, sizes, cpu, torch.float32, False, 7, False))
+    assert regular2.rows is not None and regular2.image_tokens == (13 * 20, 9 * 11)
     assert L.get_window_layout.cache_info().misses == 4  # image 0 (= the map) hit; image 1's two built
     assert V.get_packed_layout.cache_info().misses == 2
     # a window no larger than the map with no shift: no shifted layout at all
-    assert ops.plan_stage(plan,
-        height=13, width=20, window_size=7, shift_size=0, pad_small_map=True, mask_padding=True,
-        device=cpu)[2] is None
+    assert ops.stage_layouts(x, plan, **dict(stage, shift_size=0))[1] is None
 
 
 def test_layouts_built_in_inference_mode_serve_training():
@@ -281,7 +300,9 @@ def test_layouts_built_in_inference_mode_serve_training():
     assert not layout.index.is_inference() and not layout.mask.is_inference()
     assert not layout.inverse.is_inference() and not layout.bias_index.is_inference()
     x = torch.randn(1, 90, 3, requires_grad=True)
-    window_partition(x, layout, plan_for(x)).sum().backward()  # saves index for backward: no error
+    plan = plan_for(x)
+    assert plan.grad
+    window_partition(x, dataclasses.replace(layout, plan=plan)).sum().backward()  # saves index for backward: no error
     assert x.grad is not None
 
 
@@ -317,8 +338,8 @@ def test_packed_layout_builder_never_waits_for_the_device(align):
     L.clear_caches()
     with DeviceSyncs() as syncs:
         packed = V.packed_layout(h, w, ws, shift, valid, META, torch.float32, align)
-        keep = V.valid_token_mask(h, w, valid, META)
-        V.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
+        keep = L.valid_token_mask(h, w, valid, META)
+        L.zero_beyond_valid(torch.empty(4, 3, h, w, device=META), valid, 2, inplace=False)
     syncs.assert_none(len(PACKED_NAMES) + 2)  # one copy per tensor; the (B, 2) sizes once per call
     expected = V.packed_layout(h, w, ws, shift, valid, cpu, torch.float32, align)
     for name in PACKED_NAMES:
@@ -339,7 +360,7 @@ def test_packed_layout_is_each_image_alone(size, ws, shift, align):
     got = V.packed_layout(h, w, ws, shift, valid, cpu, torch.float64, align)
     x = torch.randn(len(valid), h, w, 2, dtype=torch.float64)
     packed = x.reshape(-1, 2).index_select(0, got.rows)[None]
-    plan = plan_for(packed, grad=False)
+    bound = dataclasses.replace(got, plan=plan_for(packed, grad=False))
     windows, masks = [], []
     for b, (vh, vw) in enumerate(valid):
         windows.append(reference_partition(x[b : b + 1, :vh, :vw].reshape(1, -1, 2), vh, vw, ws, shift))
@@ -349,12 +370,12 @@ def test_packed_layout_is_each_image_alone(size, ws, shift, align):
     expected = torch.cat(windows, 1)
     assert got.num_windows * ws * ws == expected.shape[1] and packed.shape[1] == sum(vh * vw for vh, vw in valid)
     assert got.num_windows < len(valid) * W.ceil_div(h, ws) * W.ceil_div(w, ws)  # padding-only windows left out
-    torch.testing.assert_close(window_partition(packed, got, plan), expected, rtol=0, atol=0)
-    torch.testing.assert_close(window_reverse(expected, got, plan), packed, rtol=0, atol=0)
+    torch.testing.assert_close(window_partition(packed, bound), expected, rtol=0, atol=0)
+    torch.testing.assert_close(window_reverse(expected, bound), packed, rtol=0, atol=0)
     torch.testing.assert_close(got.mask, torch.cat(masks), rtol=0, atol=0)
     n = ws * ws
     assert got.mask.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
-    keep = V.valid_token_mask(h, w, valid, cpu)
+    keep = L.valid_token_mask(h, w, valid, cpu)
     assert torch.equal(got.rows, keep.reshape(-1).nonzero().squeeze(1))  # every image's tokens, row-major
 
 

@@ -148,18 +148,14 @@ def test_every_console_script_runs_and_exits_0(plain_venv):
 
     # The benchmark without any peer: ours alone, one line naming every comparison it skipped.
     proc = script_run(python, work, "swin-benchmark", "--device", "cpu", "--iters", "1", "--warmup", "0",
-                      "--eval-size", "64", "64", "--train-size", "32", "--skip-memory")
+                      "--size", "64", "64")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("skipped (not installed): ")]
     assert len(skipped) == 1, proc.stdout
     for lib in ("mmdet", "timm", "torchvision"):
         assert f": {lib} (pip install " in skipped[0], skipped[0]
-    assert "forward eval 1x3x64x64: ours " in proc.stdout and "No module named" not in proc.stdout + proc.stderr
-
-    proc = script_run(python, work, "swin-benchmark", "--ablate", "--only", "chunk", "--iters", "1", "--warmup",
-                      "0", "--eval-size", "32", "32", "--train-size", "32", "--skip-memory")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "defaults" in proc.stdout and "skipped" not in proc.stdout  # the ablation needs no peer
+    assert "eval fp32 1x3x64x64: ours " in proc.stdout and "No module named" not in proc.stdout + proc.stderr
+    assert "train fwd+bwd fp32 2x3x64x64: ours " in proc.stdout
 
     # The toy data needs numpy and Pillow only; training and testing need mmdet / mmseg, and say so.
     proc = script_run(python, work, "swin-make-toy-data", "--out", "data", "--which", "coco", "--num-train", "2",

@@ -671,8 +671,8 @@ ABLATIONS: Dict[str, Dict[str, object]] = {
 #: ``--ablate --v2`` variants (names of :data:`ABLATIONS`): every one reaches SwinV2Backbone
 #: through the same ``ops`` functions as V1. sdpa and recompute_attention: ``WindowAttentionV2``
 #: runs ``ops.window_attention`` (the plan's kernel) on V1's stage layouts; save_memory:
-#: ``ops.cosine_qkv`` and ``ops.mlp_residual`` (norm after); chunk_bytes: the latter's inference
-#: path, the recompute attention's backward and ``ops.output_nchw``.
+#: ``ops.cosine_qkv`` and the stage's ``ops.lean_saves`` (norm after the MLP); chunk_bytes: the
+#: blocks' row-chunked MLP in inference, the recompute attention's backward and ``ops.output_nchw``.
 V2_ABLATIONS: Tuple[str, ...] = tuple(ABLATIONS)
 
 
