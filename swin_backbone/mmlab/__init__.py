@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-import warnings
 from typing import Callable, Dict, List, Sequence
 
 #: The libraries whose ``MODELS`` registries receive the backbones (where installed).
@@ -60,7 +59,8 @@ CONFIG_PACKAGE = "swin_backbone.registry"
 class _AfterImportLoader:
     """A module's own loader, and then the callbacks waiting for that module."""
 
-    def __init__(self, loader, callbacks: List[Callable]) -> None:
+    def __init__(self, finder: "AfterImportFinder", loader, callbacks: List[Callable]) -> None:
+        self.finder = finder
         self.loader = loader
         self.callbacks = callbacks
 
@@ -72,9 +72,13 @@ class _AfterImportLoader:
         module.__loader__ = self.loader
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
+        try:
+            self.loader.exec_module(module)
+        except BaseException:
+            self.finder.wait(module.__name__, self.callbacks)  # for the next attempt to import it
+            raise
         for callback in self.callbacks:
-            _run(callback, module)
+            callback(module)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
@@ -103,10 +107,15 @@ class AfterImportFinder:
             finally:
                 self._finding.discard(fullname)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                self.waiting[fullname] = callbacks  # not found (or a namespace package): wait on
+                self.wait(fullname, callbacks)  # not found (or a namespace package): wait on
                 return spec
-            spec.loader = _AfterImportLoader(spec.loader, callbacks)
+            spec.loader = _AfterImportLoader(self, spec.loader, callbacks)
             return spec
+
+    def wait(self, name: str, callbacks: List[Callable]) -> None:
+        """Run ``callbacks`` after the next import of ``name``."""
+        with self._lock:
+            self.waiting.setdefault(name, []).extend(callbacks)
 
     def _others_spec(self, fullname, path, target):
         for finder in list(sys.meta_path):
@@ -131,24 +140,14 @@ def _finder() -> AfterImportFinder:
     return finder
 
 
-def _run(callback: Callable, module) -> None:
-    try:
-        callback(module)
-    except Exception as exc:  # noqa: BLE001 - the user's import must not fail for our sake
-        warnings.warn(f"swin_backbone could not plug into {module.__name__} ({callback.__qualname__}): "
-                      f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
-
-
 def after_import(name: str, callback: Callable) -> None:
     """Run ``callback(module)`` once the module ``name`` is imported: now if it is, else when its
     import has executed it (before the importing statement returns)."""
     module = sys.modules.get(name)
     if module is not None:
-        _run(callback, module)
-        return
-    finder = _finder()
-    with finder._lock:
-        finder.waiting.setdefault(name, []).append(callback)
+        callback(module)
+    else:
+        _finder().wait(name, [callback])
 
 
 # ------------------------------------------------------------------ the notes
@@ -194,16 +193,15 @@ NOTES = (
 )
 
 
+_PLUGGED: set = set()
+
+
 def plug_in(notes: Sequence = NOTES) -> None:
     """Leave the notes of :data:`NOTES` (the module's docstring); each one once per process."""
-    done = _PLUGGED
     for name, callback in notes:
-        if (name, callback) not in done:
-            done.add((name, callback))
+        if (name, callback) not in _PLUGGED:
+            _PLUGGED.add((name, callback))
             after_import(name, callback)
-
-
-_PLUGGED: set = set()
 
 
 def installed(libraries: Sequence[str] = LIBRARIES) -> List[str]:
