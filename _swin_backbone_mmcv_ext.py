@@ -63,7 +63,6 @@ def _loader(origin):
                         "mmcv with compiled ops", name=EXT_NAME)
                 super().exec_module(module)
                 sys.modules.setdefault(STAND_IN, module)
-            module.announce()
 
     return StandInLoader(EXT_NAME, origin)
 

@@ -1,40 +1,55 @@
 """swin-backbone: a Swin Transformer backbone for mmdet 3.x and mmseg 1.x.
 
-Importing the package registers :class:`SwinBackbone` and :class:`SwinV2Backbone` in the
+After ``import swin_backbone``, :class:`SwinBackbone` and :class:`SwinV2Backbone` build from the
 ``MODELS`` registry of every installed OpenMMLab library (mmdet, mmseg, mmpretrain), so configs
 can use ``custom_imports=dict(imports=['swin_backbone'])`` and ``backbone=dict(type='SwinBackbone')``.
-:class:`SwinBlock` / :class:`SwinBlockV2` are exported for FSDP wrap policies (one unit per block:
-configs/_base_/fsdp.py, docs/large-models.md). Where mmcv is installed without compiled ops
-(mmcv-lite), mmcv gets its ops from torchvision / torch (:mod:`swin_backbone.mmcv_lite`,
-docs/mmcv-lite.md) whenever it asks for them, before or after this import.
+The import itself costs little more than ``import torch``: the classes, and mmengine's models and
+the libraries' behind them, load when first used (a name of this package, or a registry lookup:
+:mod:`swin_backbone.mmlab`). :class:`SwinBlock` / :class:`SwinBlockV2` are exported for FSDP
+wrap policies (one unit per block: configs/_base_/fsdp.py, docs/large-models.md). Where mmcv is
+installed without compiled ops (mmcv-lite), mmcv gets its ops from torchvision / torch
+(:mod:`swin_backbone.mmcv_lite`, docs/mmcv-lite.md) whenever it asks for them, before or after
+this import.
 """
+import importlib as _importlib
+import importlib.util as _util
+
 from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
 from . import mmcv_lite
-
-mmcv_lite.activate()  # the mmcv._ext finder, where no .pth installed it (a checkout on PYTHONPATH)
-from .model.backbone import SwinBackbone
-from .model.blocks import SwinBlock
-from .model.presets import ARCH_SETTINGS
-from .model.v2 import SwinBlockV2, SwinV2Backbone
-from .checkpoint import CheckpointError, LoadReport, detect_format, load_checkpoint
-from .mmlab.optim import BF16AutocastOptimWrapper
-from .mmlab.preprocessors import register_preprocessors
-from .mmlab.registry import register
-from .ops import clear_caches
-
+from . import mmlab
 from ._version import __version__
 
-REGISTERED_IN = register(SwinBackbone)
-register(SwinV2Backbone, "SwinV2Backbone")
-#: ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``: per-image valid sizes for the
-#: backbone (:mod:`swin_backbone.mmlab.preprocessors`), where mmdet / mmseg are installed.
-PREPROCESSORS = register_preprocessors()
+mmcv_lite.activate()  # the mmcv._ext finder, where no .pth installed it (a checkout on PYTHONPATH)
+mmlab.plug_in()  # registry locations, config scope, checkpoint reader: read when mmengine needs them
+
+#: The public names, by the module that defines them (imported on first use, PEP 562).
+_LAZY = {
+    "SwinBackbone": "model.backbone",
+    "SwinBlock": "model.blocks",
+    "ARCH_SETTINGS": "model.presets",
+    "SwinBlockV2": "model.v2",
+    "SwinV2Backbone": "model.v2",
+    "CheckpointError": "checkpoint",
+    "LoadReport": "checkpoint",
+    "detect_format": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "BF16AutocastOptimWrapper": "mmlab.optim",
+    "register": "mmlab.registry",
+    #: the libraries whose ``MODELS`` hold SwinBackbone (registering, where not done yet).
+    "REGISTERED_IN": "mmlab.registry",
+    #: ``SwinDetDataPreprocessor`` / ``SwinSegDataPreProcessor``: per-image valid sizes for the
+    #: backbone (:mod:`swin_backbone.mmlab.preprocessors`), where mmdet / mmseg are installed.
+    "PREPROCESSORS": "mmlab.registry",
+    "clear_caches": "ops",
+}
 
 __all__ = [
     "ARCH_SETTINGS",
     "BF16AutocastOptimWrapper",
     "CheckpointError",
     "LoadReport",
+    "PREPROCESSORS",
+    "REGISTERED_IN",
     "SwinBackbone",
     "SwinBlock",
     "SwinBlockV2",
@@ -45,3 +60,18 @@ __all__ = [
     "register",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
+            return _importlib.import_module(f"{__name__}.{name}")  # a subpackage, as ``import`` gives it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

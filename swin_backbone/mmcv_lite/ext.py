@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import glob
 import os
 import re
@@ -278,7 +279,8 @@ def _message(op: str, what: str = "") -> str:
 
 def announce() -> None:
     """The one line saying mmcv's ops run here (through mmengine's logger: stdout, as every
-    mmengine log line; stderr is kept for the console scripts' one-line errors)."""
+    mmengine log line; stderr is kept for the console scripts' one-line errors). Logged when
+    mmcv first calls one of :data:`OPS` (:func:`_first_use`), not when mmcv imports its ops."""
     import mmcv
     from mmengine.logging import print_log
 
@@ -287,9 +289,28 @@ def announce() -> None:
               logger="current")
 
 
+#: Whether :func:`announce` has run (once per process).
+_announced: List[bool] = []
+
+
+def _first_use(name: str) -> Callable:
+    """``OPS[name]`` that first logs :func:`announce`, once per process. mmcv looks the op up on
+    its ``ext_module`` at each call: once announced, the lookups answer the op itself."""
+    op = OPS[name]
+
+    @functools.wraps(op)
+    def first_use(*args, **kwargs):
+        if not _announced:
+            _announced.append(True)
+            announce()
+        return op(*args, **kwargs)
+
+    return first_use
+
+
 def __getattr__(name: str):
     if name in OPS:
-        return OPS[name]
+        return OPS[name] if _announced else _first_use(name)
     if name.startswith("__"):
         raise AttributeError(name)
     if name not in mmcv_ops():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..checkpoint.remote import fetch, is_reference, resolve
 from ..mmlab.runner import CheckpointMismatchError, config_scope
 from . import runner as R
 from .job import leave_job
@@ -31,6 +30,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from ..checkpoint.remote import fetch, is_reference, resolve  # (the backbones and mmengine's models: not for --help)
+
     with R.tool_setup(args, R.program("test.py")) as cfg:  # bad arguments or config: one line, exit status 1
         if is_reference(args.checkpoint):  # a URL (or torchvision:// ...): fetched once into torch's hub cache
             if resolve(args.checkpoint)[0] != "mmengine":  # (storage backends: mmengine's loader reads them)
