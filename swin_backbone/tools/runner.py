@@ -111,7 +111,7 @@ def _missing_libraries(path: str) -> str:
 def shipped_config(path: str) -> str:
     """The file of a shipped config named ``swin_backbone::<path>`` (as in a ``_base_``), in the
     installed package's ``.mim/configs``; any other path unchanged."""
-    from ..mmlab.registry import CONFIG_SCOPE
+    from ..mmlab import CONFIG_SCOPE
 
     prefix = CONFIG_SCOPE + "::"
     if not path.startswith(prefix):
