@@ -1,5 +1,6 @@
 """Swin V2: parity with timm and torchvision (random perturbed weights, through each one's own
 checkpoint), the fine-tune position bias, any size, precisions, gradients, tracing, freezing."""
+import dataclasses
 import math
 import re
 
@@ -223,7 +224,8 @@ def test_float64_gradcheck_through_recompute_kernel_and_cosine_prep():
     plan = ops.plan_for(torch.zeros(1, dtype=torch.float64), grad=True, attention="recompute", chunk_bytes=0)
     x = torch.randn(1, 30, 8, dtype=torch.float64, requires_grad=True)
     # the module's own forward, with logit_scale as an input of the check
-    assert torch.autograd.gradcheck(lambda t, s: functional_call(attn, {"logit_scale": s}, (t, layout, plan)),
+    layout = dataclasses.replace(layout, plan=plan)
+    assert torch.autograd.gradcheck(lambda t, s: functional_call(attn, {"logit_scale": s}, (t, layout)),
                                     (x, attn.logit_scale.detach().clone().requires_grad_(True)))
 
 
