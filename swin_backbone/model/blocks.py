@@ -49,7 +49,10 @@ class DropPath(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: Optional[ops.WindowLayout] = None) -> torch.Tensor:
         """``(B, ..., C)`` -> the same, each sample kept (and scaled) or zeroed."""
-        if not self.training or self.drop_prob == 0.0:
+        # The rate read through __dict__: torch.compile then guards rate 0 apart from the others
+        # and keeps the non-zero rates symbolic, one graph for them all (read as an attribute
+        # after a rate-0 block, it guards each rate on its value: one graph per rate).
+        if not self.training or self.__dict__["drop_prob"] == 0.0:
             return x
         if layout is not None and layout.image_tokens is not None:
             return torch.cat([drop_samples(image, self.drop_prob) for image in x.split(layout.image_tokens, 1)], 1)

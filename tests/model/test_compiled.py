@@ -267,8 +267,8 @@ def test_compiled_whole_is_one_graph_equal_to_eager(models):
 
 @needs_compile
 def test_stochastic_depth_rates_share_a_graph():
-    # Four blocks of one stage at rates 0, 0.1, 0.2, 0.3 (the first an nn.Identity): the three
-    # DropPath blocks share one training graph, their rates graph inputs rather than constants
+    # Four blocks of one stage at rates 0, 0.1, 0.2, 0.3 (the first returns its input): the three
+    # dropping blocks share one training graph, their rates graph inputs rather than constants
     # dynamo specialises (which compiled one graph per rate: 6 here). Then none for other sizes.
     # (Its own width: no graph of the shared fixture's model fits it.)
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_stochastic_depth_rates_share_a_graph():
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
         return _graphs() - before
 
-    # the patch embedding, the Identity block, the DropPath blocks, the output norm
+    # the patch embedding, the rate-0 block, the dropping blocks, the output norm
     assert new_graphs(2, 3, 32, 40) == 4
     assert new_graphs(3, 3, 36, 44) == 0
 
