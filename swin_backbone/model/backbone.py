@@ -377,12 +377,7 @@ class SwinBackbone(BaseModule):
                 images = ops.valid_map(images, x.shape[1], x.shape[2])
             out = stage(x, plan) if images is None else stage(x, plan, images)
             if i in self.out_indices:
-                norm = getattr(self, f"norm{i}")
-                if static:
-                    y = ops.output_nchw(out, norm, self.channels_last_outputs, plan)
-                    outs.append(torch.where(images.unsqueeze(1), y, y.new_zeros(())))
-                else:
-                    outs.append(ops.output_nchw(out, norm, self.channels_last_outputs, plan, images))
+                outs.append(ops.output_nchw(out, getattr(self, f"norm{i}"), self.channels_last_outputs, plan, images))
             if i < last:
                 x = stage.downsample(out)
         return tuple(outs)

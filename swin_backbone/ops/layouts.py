@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import lru_cache, wraps
-from typing import Callable, List, Optional, Tuple, TypeVar
+from typing import Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -225,21 +225,20 @@ def cpu_chunk_bytes() -> int:
     return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
 
 
-def row_chunks(total: int, row_bytes: int, budget: int) -> List[slice]:
+@lru_cache(maxsize=256)  # (a forward asks again for each size it meets)
+def row_chunks(total: int, row_bytes: int, budget: int) -> Tuple[slice, ...]:
     """``range(total)`` in ``ceil(total * row_bytes / budget)`` slices (``budget`` 0: one; at least
     a row each, and one slice also for ``total`` 0), as even as possible (a short tail's matmuls
     run at a lower rate): each within ``budget`` bytes of ``row_bytes`` rows, or one row over it."""
     count = 1 if budget <= 0 else min(max(total, 1), max(1, -(-total * row_bytes // budget)))
-    slices = []
-    for i in range(count):
-        slices.append(slice(i * total // count, (i + 1) * total // count))
-    return slices
+    return tuple(slice(i * total // count, (i + 1) * total // count) for i in range(count))
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan,
-                sizes: Optional[Sizes] = None) -> torch.Tensor:
+                sizes: Union[Sizes, torch.Tensor, None] = None) -> torch.Tensor:
     """``norm(x)`` of a ``(B, H, W, C)`` map as ``(B, C, H, W)`` (a channels-last view or
-    contiguous), zeros beyond each image's ``sizes`` (``None``: every image fills the map)."""
+    contiguous), zeros beyond each image's ``sizes``: ``(h, w)`` per image, or a ``(B, H, W)``
+    bool map of the images' tokens (static shapes); ``None``: every image fills the map."""
     if channels_last:
         out, own = norm(x).permute(0, 3, 1, 2), None  # a view of the module's output
     elif plan.plain and not plan.grad and plan.chunk_bytes > 0:  # (inference: by map rows: whole, the transposing copy's strided writes miss the cache)
@@ -257,6 +256,8 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
         own = None if out is view else out  # (a 1 x 1 map is contiguous already: no copy made)
     if sizes is None:
         return out
+    if isinstance(sizes, torch.Tensor):
+        return torch.where(sizes.unsqueeze(1), out, out.new_zeros(()))
     # Zeroed in place only in memory of our own, or where module outputs may be written.
     inplace = not plan.grad and (own is not None or plan.plain)
     return zero_beyond_valid(out, sizes, 2, inplace=inplace)

@@ -215,16 +215,6 @@ def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[s
 
 
 # ------------------------------------------------------------------------------ a stage's layouts
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype ``x``'s device computes in: autocast's if it is on there, else ``x``'s."""
-    device = x.device.type
-    if device in NO_AUTOCAST:
-        return x.dtype
-    if AUTOCAST_BY_DEVICE:
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return autocast_dtype(device) if autocast_enabled(device) else x.dtype
-
-
 def stage_layouts(
     x: torch.Tensor, plan: Plan, *, window_size: int, shift_size: int, pad_small_map: bool, mask_padding: bool,
     images: Union[Sizes, torch.Tensor, None] = None, row_width: int = 0,
@@ -246,13 +236,19 @@ def stage_layouts(
         window, shift = min(height, width), 0
     # (8-aligned mask rows on CUDA: its SDPA kernels copy misaligned ones on every call)
     align = x.device.type == "cuda" if _SWITCHES.align_masks is None else _SWITCHES.align_masks
-    dtype, device = compute_dtype(x), x.device
+    # The masks in the dtype the blocks compute in: autocast's where it is on, else the map's.
+    device, dtype = x.device, x.dtype
+    if device.type not in NO_AUTOCAST:
+        if AUTOCAST_BY_DEVICE:
+            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
+        elif autocast_enabled(device.type):
+            dtype = autocast_dtype(device.type)
     packed = images is not None and not isinstance(images, torch.Tensor)
     rows = sum(h * w for h, w in images) if packed else batch * height * width
     row_bytes = row_width * x.element_size()
     chunks = None
     if plan.plain and not plan.grad and 0 < plan.chunk_bytes < rows * row_bytes:  # (inference: more than one)
-        chunks = tuple(row_chunks(rows, row_bytes, plan.chunk_bytes))
+        chunks = row_chunks(rows, row_bytes, plan.chunk_bytes)
     layouts = []
     for offset in (0, shift) if shift > 0 else (0,):
         if packed:
