@@ -240,18 +240,16 @@ def check_valid_sizes(
         for pair in valid_sizes:
             if isinstance(pair, torch.Tensor) and pair.dim() == 1 and not pair.is_floating_point():
                 pair = pair.tolist()
-            if (
-                isinstance(pair, (str, bytes))
-                or not isinstance(pair, Sequence)
-                or len(pair) != 2
-                or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in pair)
-            ):
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
                 fail("valid_sizes", expected, valid_sizes)
+            for v in pair:
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                    fail("valid_sizes", expected, valid_sizes)
             pairs.append((int(pair[0]), int(pair[1])))
     for h, w in pairs:
         if not (1 <= h <= height and 1 <= w <= width):
             fail("valid_sizes", expected, pairs)
-    if all(p == (height, width) for p in pairs):
+    if pairs.count((height, width)) == len(pairs):
         # Checked anyway: a config that cannot honour valid sizes should fail the same way
         # whatever the batch.
         pairs_ok = None

@@ -5,11 +5,12 @@ reads alone (docs/image-exact-batches.md).
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
 
-from .layouts import CPU, WindowLayout, get_window_layout, size_cache, to_device, valid_map, zero_beyond_valid
+from .layouts import CPU, WindowLayout, get_window_layout, register_cache, size_cache, to_device, valid_map, zero_beyond_valid
 from .plan import Sizes
 from .windows import MASK_VALUE, ceil_div, mask_rows, output_size, row_length
 
@@ -87,6 +88,9 @@ def stage_valid_sizes(valid_sizes: Sizes, patch_size: int, num_stages: int, heig
     return tuple(per_stage)
 
 
+stage_valid_sizes = register_cache(lru_cache(maxsize=256)(stage_valid_sizes))  # (a padded batch's sizes recur)
+
+
 def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[Tuple[int, int, int, int, int], ...]:
     """``(b, row0, row1, col0, col1)`` boxes that ``cell x cell`` cells straddling an image's edge
     read beyond it (alone, zero padding): zeroing them makes the batch read what the image reads."""
@@ -98,6 +102,9 @@ def straddles(valid_sizes: Sizes, height: int, width: int, cell: int) -> Tuple[T
         if w < w_end:
             boxes.append((b, 0, h, w, w_end))
     return tuple(boxes)
+
+
+straddles = register_cache(lru_cache(maxsize=256)(straddles))  # (a padded batch's sizes recur)
 
 
 def zero_straddles_(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, cell: int) -> torch.Tensor:

@@ -196,12 +196,16 @@ def valid_token_mask(height: int, width: int, valid_sizes: Sizes, device: torch.
     return valid_map(sizes_tensor(valid_sizes, device), height, width)
 
 
+#: Cached :func:`valid_token_mask`: a padded batch's sizes recur every step of its forward.
+get_valid_token_mask = size_cache(maxsize=64)(valid_token_mask)
+
+
 def zero_beyond_valid(x: torch.Tensor, valid_sizes: Sizes, height_dim: int, inplace: bool) -> torch.Tensor:
     """Zero ``x`` beyond each image's valid ``(h, w)``; H, W are dims ``height_dim``, ``+ 1``
     (``(B, C, H, W)``: 2); ``inplace`` or a new tensor."""
     height, width = x.shape[height_dim], x.shape[height_dim + 1]
     if not inplace:
-        keep = valid_token_mask(height, width, valid_sizes, x.device)
+        keep = get_valid_token_mask(height, width, valid_sizes, x.device)
         keep = keep.view(keep.shape[:1] + (1,) * (height_dim - 1) + keep.shape[1:] + (1,) * (x.dim() - height_dim - 2))
         return torch.where(keep, x, x.new_zeros(()))  # (keeps x's memory format: masked_fill makes it contiguous)
     for b, (h, w) in enumerate(valid_sizes):
@@ -225,13 +229,15 @@ def cpu_chunk_bytes() -> int:
     return int(min(16 * 2**20, max(4 * 2**20, 2 * l2 * torch.get_num_threads())))
 
 
-@lru_cache(maxsize=256)  # (a forward asks again for each size it meets)
 def row_chunks(total: int, row_bytes: int, budget: int) -> Tuple[slice, ...]:
     """``range(total)`` in ``ceil(total * row_bytes / budget)`` slices (``budget`` 0: one; at least
     a row each, and one slice also for ``total`` 0), as even as possible (a short tail's matmuls
     run at a lower rate): each within ``budget`` bytes of ``row_bytes`` rows, or one row over it."""
     count = 1 if budget <= 0 else min(max(total, 1), max(1, -(-total * row_bytes // budget)))
     return tuple(slice(i * total // count, (i + 1) * total // count) for i in range(count))
+
+
+row_chunks = register_cache(lru_cache(maxsize=256)(row_chunks))  # (a forward asks again for each size)
 
 
 def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Plan,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -244,7 +245,7 @@ def stage_layouts(
         elif autocast_enabled(device.type):
             dtype = autocast_dtype(device.type)
     packed = images is not None and not isinstance(images, torch.Tensor)
-    rows = sum(h * w for h, w in images) if packed else batch * height * width
+    rows = sum(map(math.prod, images)) if packed else batch * height * width
     row_bytes = row_width * x.element_size()
     chunks = None
     if plan.plain and not plan.grad and 0 < plan.chunk_bytes < rows * row_bytes:  # (inference: more than one)

@@ -171,7 +171,7 @@ def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_si
         kept = [k for _, ks in calls for k in ks]
     else:
         expected = []
-        for i, sizes in enumerate(ops.image_sizes.stage_valid_sizes(VALID, 4, len(model.depths))):
+        for i, sizes in enumerate(ops.image_sizes.stage_valid_sizes(tuple(VALID), 4, len(model.depths))):
             side = 8 >> i  # (the stage's map: where every image fills it, the batch is not packed)
             per_branch = [(4, side * side)] if set(sizes) == {(side, side)} else [(1, h * w) for h, w in sizes]
             expected += per_branch * (2 * model.depths[i])
