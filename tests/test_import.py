@@ -140,3 +140,62 @@ def test_a_submodule_import_plugs_the_checkpoint_converter_in():
                                         init=WEIGHT_INITIALIZERS.get(PRETRAINED_INIT) is not None)))
     """)
     assert result(out) == dict(hooks=1, init=True)
+
+
+#: What ``swin-convert-checkpoint --help`` must not load: the model and the libraries (it needs
+#: the checkpoint formats alone).
+CONVERTER_HEAVY = ("swin_backbone.model", "mmdet", "mmseg", "mmpretrain", "mmengine.runner", "mmengine.model",
+                   "transformers")
+
+
+def test_converter_help_loads_neither_the_model_nor_the_libraries():
+    out = run(f"""
+        import json, runpy, sys
+        sys.argv = ['swin-convert-checkpoint', '--help']
+        try:
+            runpy.run_module('swin_backbone.tools.convert_checkpoint', run_name='__main__')
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        heavy = sorted(m for m in sys.modules if m.startswith({CONVERTER_HEAVY!r}))
+        print('JSON ' + json.dumps(dict(heavy=heavy)))
+    """)
+    assert "usage: swin-convert-checkpoint" in out and "--to {" in out
+    assert result(out) == dict(heavy=[])
+
+
+#: The public names of ``swin_backbone.checkpoint`` (its ``__all__``).
+CHECKPOINT_NAMES = ("FORMATS", "CheckpointError", "CheckpointNotFoundError", "LoadReport", "detect_format",
+                    "load_checkpoint", "prepare_state_dict", "read_checkpoint", "to_ours", "unwrap_state_dict",
+                    "write_checkpoint")
+
+
+def test_the_checkpoint_package_is_lazy_and_still_plugs_in():
+    """``import swin_backbone.checkpoint`` loads none of its modules; each public name resolves
+    to its module's object, and importing mmengine's runner and the model afterwards still plugs
+    in the checkpoint reader, the key converter and the 'Pretrained' initializer."""
+    out = run("""
+        import json, sys
+        import swin_backbone.checkpoint as ckpt
+        loaded = sorted(m for m in sys.modules if m.startswith(('swin_backbone.checkpoint.', 'mmengine')))
+        from swin_backbone.checkpoint.loading import read_checkpoint
+        from swin_backbone.checkpoint import records
+        names = {n: getattr(ckpt, n) is not None for n in ckpt.__all__}
+        from mmengine.runner.checkpoint import CheckpointLoader
+        from mmengine.registry import WEIGHT_INITIALIZERS
+        from swin_backbone.checkpoint.mmengine_schemes import load_from_swin_backbone
+        from swin_backbone.model.backbone import LOAD_STATE_DICT_PRE_HOOKS, PRETRAINED_INIT
+        print('JSON ' + json.dumps(dict(
+            loaded=loaded, names=names, same=ckpt.read_checkpoint is read_checkpoint,
+            submodule=records is sys.modules['swin_backbone.checkpoint.records'],
+            loader=CheckpointLoader._get_checkpoint_loader('weights.pth') is load_from_swin_backbone,
+            hooks=len(LOAD_STATE_DICT_PRE_HOOKS), init=WEIGHT_INITIALIZERS.get(PRETRAINED_INIT) is not None)))
+        try:
+            ckpt.NoSuchName
+        except AttributeError as e:
+            print('ERROR', e)
+    """)
+    got = result(out)
+    assert got.pop("names") == {n: True for n in CHECKPOINT_NAMES}
+    assert got == dict(loaded=[], same=True, submodule=True, loader=True, hooks=1, init=True)
+    assert "ERROR module 'swin_backbone.checkpoint' has no attribute 'NoSuchName'" in out
+

@@ -1,15 +1,37 @@
-"""Checkpoint files and formats, resizing and loading (see :func:`load_checkpoint`)."""
-from . import hooks  # noqa: F401  (backbones convert foreign keys in load_state_dict)
-from . import mmengine_schemes
-from .base import CheckpointError, to_ours
-from .detect import FORMATS, detect_format, unwrap_state_dict
-from .files import CheckpointNotFoundError, write_checkpoint
-from .loading import LoadReport, load_checkpoint, prepare_state_dict, read_checkpoint
+"""Checkpoint files and formats, resizing and loading (see :func:`load_checkpoint`).
 
-# mmengine's loads of local files, URLs and named references read through the inert unpickler
-# (mmdet's / mmseg's tools once a config's custom_imports imported swin_backbone); torch's own
-# weights-only list is left as it is (docs/checkpoints.md, "Security model").
-mmengine_schemes.register()
+``import swin_backbone.checkpoint`` loads none of its modules: the names below load on first use
+(PEP 562), as :mod:`swin_backbone`'s do, so a tool that needs the formats alone
+(``swin-convert-checkpoint --help``) does not import the model, mmengine's runner or the
+libraries. What this package plugs into others is plugged once they are imported
+(:func:`swin_backbone.mmlab.after_import`, now where they are already):
+
+- mmengine's loads of local files, URLs and named references read through the inert unpickler
+  once ``mmengine.runner.checkpoint`` is imported (:mod:`.mmengine_schemes`; mmdet's / mmseg's
+  tools once a config's custom_imports imported swin_backbone); torch's own weights-only list
+  is left as it is (docs/checkpoints.md, "Security model");
+- the backbones convert foreign keys in ``load_state_dict``, and ``init_cfg=dict(type='Pretrained')``
+  reads any format, once ``swin_backbone.model.backbone`` is imported (:mod:`.hooks`).
+"""
+import importlib as _importlib
+import importlib.util as _util
+
+from .. import mmlab as _mmlab
+
+#: The public names, by the module that defines them (imported on first use, PEP 562).
+_LAZY = {
+    "CheckpointError": "base",
+    "to_ours": "base",
+    "FORMATS": "detect",
+    "detect_format": "detect",
+    "unwrap_state_dict": "detect",
+    "CheckpointNotFoundError": "files",
+    "write_checkpoint": "files",
+    "LoadReport": "loading",
+    "load_checkpoint": "loading",
+    "prepare_state_dict": "loading",
+    "read_checkpoint": "loading",
+}
 
 __all__ = [
     "FORMATS",
@@ -24,3 +46,34 @@ __all__ = [
     "unwrap_state_dict",
     "write_checkpoint",
 ]
+
+
+def _register_loader(_module) -> None:
+    """mmengine's ``CheckpointLoader`` reads through this package (:mod:`.mmengine_schemes`)."""
+    _importlib.import_module(f"{__name__}.mmengine_schemes").register()
+
+
+def _plug_into_backbones(_module) -> None:
+    """The backbones' key converter and the 'Pretrained' initializer (importing :mod:`.hooks`)."""
+    _importlib.import_module(f"{__name__}.hooks")
+
+
+_mmlab.plug_in((
+    ("mmengine.runner.checkpoint", _register_loader),
+    ("swin_backbone.model.backbone", _plug_into_backbones),
+))
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
+            return _importlib.import_module(f"{__name__}.{name}")  # a submodule, as ``import`` gives it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

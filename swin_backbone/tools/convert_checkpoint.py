@@ -22,22 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..checkpoint import (
-    CheckpointError,
-    LoadReport,
-    detect_format,
-    load_checkpoint,
-    read_checkpoint,
-    to_ours,
-    unwrap_state_dict,
-    write_checkpoint,
-)
-from ..checkpoint.base import FROM_OURS, V2_FROM_OURS, swin_version
-from ..checkpoint.detect import infer_arch
-from ..model.backbone import SwinBackbone
-from ..model.v2 import SwinV2Backbone
+# Only what the command line needs up front (the formats, for --to's choices): the model and
+# the loading path (mmengine) load when a conversion runs, so --help stays quick.
+from ..checkpoint.base import FROM_OURS, V2_FROM_OURS, CheckpointError
+from ..checkpoint.detect import infer_arch  # (imports every format module: FROM_OURS is complete)
+
+if TYPE_CHECKING:
+    from ..checkpoint.loading import LoadReport
 
 
 def check_paths(src: str, dst: str) -> None:
@@ -74,6 +67,11 @@ def convert_file(
             incomplete load with ``strict``).
         ValueError: ``to`` is not a layout of the checkpoint's Swin version.
     """
+    from ..checkpoint.files import write_checkpoint
+    from ..checkpoint.loading import load_checkpoint, read_checkpoint
+    from ..model.backbone import SwinBackbone
+    from ..model.v2 import SwinV2Backbone
+
     check_paths(src, dst)
     checkpoint = read_checkpoint(src)
     kwargs = infer_arch(checkpoint, source=f"checkpoint {src}")
