@@ -1,25 +1,15 @@
 """Turn images into multi-scale Swin feature maps, from a folder of ten to a whole dataset.
 
     swin-extract-features INPUT OUT_DIR --arch tiny --checkpoint swin_t.pth
-    swin-extract-features INPUT OUT_DIR --arch v2-tiny --checkpoint swinv2_tiny_patch4_window8_256.pth
-    python -m swin_backbone.tools.extract_features 'photos/*.jpg' feats --config configs/mmdet/X.py --checkpoint det.pth
-    torchrun --nproc-per-node 8 -m swin_backbone.tools.extract_features coco/train2017 feats --checkpoint swin_t.pth --device cuda --pool avg
+    swin-extract-features 'photos/*.jpg' OUT_DIR --config configs/mmdet/X.py --checkpoint det.pth
+    torchrun --nproc-per-node 8 -m swin_backbone.tools.extract_features INPUT OUT_DIR --checkpoint F --device cuda
 
-``--arch`` names a Swin V1 preset (tiny, small, base, large; window 7), a Swin V2 preset
-(v2-tiny ... v2-giant; window 8) or a published Swin V2 model (swinv2_tiny_window8_256, ...:
-its window and pre-training windows); ``--checkpoint`` may be in any format of that version
-(detected from its keys: official, timm, torchvision, mmdet / mmpretrain, ours).
-
-INPUT is an image file, a folder (searched recursively) or a glob. OUT_DIR gets, at each image's
-relative path, ``NAME.npz`` (all stages) or ``NAME.stage{i}.npy|.pt``, and with ``--png`` a
-``NAME.stage{i}.png`` per stage (the image beside the first three principal components of the
-features). ``--pool avg`` writes one mean-pooled vector per image and stage into
-``pooled/shard-RRRRR-of-WWWWW.npz`` (one file per rank); ``--no-maps`` then skips the maps.
-``index.json`` / ``index.csv`` list every map. A rerun skips images whose outputs are complete;
-under torchrun each rank takes ``sorted(paths)[rank::world_size]`` (docs/feature-extraction.md).
-
-Without ``--checkpoint`` the backbone would have random weights and the features would
-mean nothing: that takes ``--random-weights`` (and is flagged in ``index.json``).
+INPUT is an image file, a folder (searched recursively) or a glob; ``--checkpoint`` any Swin
+format of the arch's version (official, timm, torchvision, mmdet / mmpretrain, ours). OUT_DIR
+gets, at each image's relative path, ``NAME.npz`` (all stages) or ``NAME.stage{i}.npy|.pt`` (and
+``NAME.stage{i}.png`` with ``--png``), ``pooled/shard-RRRRR-of-WWWWW.npz`` with ``--pool avg``,
+and ``index.json`` / ``index.csv``. A rerun skips images whose outputs are complete; under
+torchrun each rank takes ``sorted(paths)[rank::world_size]`` (docs/feature-extraction.md).
 """
 from __future__ import annotations
 
@@ -29,78 +19,103 @@ import glob
 import hashlib
 import io
 import json
-import math
 import os
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader
 
 from ..checkpoint.files import atomic_write
 from ..checkpoint.remote import fetch, is_reference, resolve
-from ..features import DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, default_window_size, mean_pool
-from ..features import split_arch
+from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, check_device, check_stages,
+                        default_window_size, mean_pool, split_arch)
+from ..validation import MAX_WINDOW_SIZE, check_int, check_number
 from .common import one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
                          default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
 from .job import DistContext, in_job, init_distributed, leave_job
 
 PROG = "swin-extract-features"
+RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-weights), so these features come "
+                          "from an untrained backbone and mean nothing for retrieval, probing or visualisation")
+
+
+# ------------------------------------------------------------------- the command line
+def arg_type(kind: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)``, then a check of :mod:`swin_backbone.validation`, whose
+    "expected ..., got ..." argparse prints after the option's name."""
+    def parse(text: str) -> Any:
+        value = kind(text)  # a ValueError here: argparse's own "invalid int value: 'x'"
+        try:
+            check(value)
+        except ValueError as err:  # "name: expected ..., got ...": argparse names the option instead
+            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
+        return value
+
+    parse.__name__ = kind.__name__  # (the word argparse puts in "invalid ... value")
+    return parse
+
+
+def int_arg(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    return arg_type(int, lambda value: check_int("", value, minimum, maximum))
+
+
+def float_arg(positive: bool = False) -> Callable[[str], float]:
+    return arg_type(float, lambda value: check_number("", value, positive=positive))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="image file, folder or glob")
     p.add_argument("out_dir")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
-    src.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
-    p.add_argument("--embed-dims", type=int, help="override the preset's embed_dims (with --arch)")
-    p.add_argument("--depths", type=int, nargs="+", help="override the preset's depths (with --arch)")
-    p.add_argument("--num-heads", type=int, nargs="+", help="override the preset's num_heads (with --arch)")
-    p.add_argument("--checkpoint", help="weights: any Swin format, or a whole detector/segmentor checkpoint; a file, "
-                   "or a URL / torchvision:// / open-mmlab:// / mmcls:// reference as in mmengine (downloaded once "
-                   "into torch's hub cache)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
+    model.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
+    p.add_argument("--embed-dims", type=int_arg(1), help="override the preset's embed_dims (with --arch)")
+    p.add_argument("--depths", type=int_arg(1), nargs="+", help="override the preset's depths (with --arch)")
+    p.add_argument("--num-heads", type=int_arg(1), nargs="+", help="override the preset's num_heads (with --arch)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", help="weights: any Swin format, or a whole detector/segmentor checkpoint; "
+                         "a file, or a URL / torchvision:// / open-mmlab:// / mmcls:// reference as in mmengine "
+                         "(downloaded once into torch's hub cache)")
+    weights.add_argument("--random-weights", action="store_true",
+                         help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
-    p.add_argument("--window-size", type=int, help="attention window (with --arch; default: 7 for Swin V1, 8 for "
-                   "a V2 preset, a published V2 model's own)")
-    p.add_argument("--pretrained-window-sizes", type=int, nargs="+", metavar="W",
+    p.add_argument("--window-size", type=int_arg(1, MAX_WINDOW_SIZE), help="attention window (with --arch; "
+                   "default: 7 for Swin V1, 8 for a V2 preset, a published V2 model's own)")
+    p.add_argument("--pretrained-window-sizes", type=int_arg(0), nargs="+", metavar="W",
                    help="Swin V2: the window(s) the checkpoint was pre-trained with (one, or one per stage), "
                    "for a larger --window-size (default: a published model's, else the window itself)")
     p.add_argument("--stages", type=int, nargs="+", help="output stages to keep (default: all)")
-    p.add_argument("--resize", type=int, nargs=2, metavar=("H", "W"), help="resize every image (default: keep size)")
-    p.add_argument("--mean", type=float, nargs=3, metavar=("R", "G", "B"),
-                   help="normalisation mean, 0..255 scale (default: the --config's data preprocessor's, "
-                   "else ImageNet's)")
-    p.add_argument("--std", type=float, nargs=3, metavar=("R", "G", "B"),
-                   help="normalisation std, 0..255 scale, > 0 (default: as --mean)")
+    p.add_argument("--resize", type=int_arg(1), nargs=2, metavar=("H", "W"), help="resize every image (default: keep)")
+    p.add_argument("--mean", type=float_arg(), nargs=3, metavar=("R", "G", "B"), help="normalisation mean, 0..255 "
+                   "scale (default: the --config's data preprocessor's, else ImageNet's)")
+    p.add_argument("--std", type=float_arg(positive=True), nargs=3, metavar=("R", "G", "B"),
+                   help="normalisation std, 0..255 scale (default: as --mean)")
     p.add_argument("--reader", choices=READERS, default="auto",
                    help="image decoding: mmcv (as mmdet's / mmseg's LoadImageFromFile: EXIF orientation, 16-bit, "
                    "palette, CMYK...), pil (the same conversions with Pillow, for installs without mmcv) or auto "
                    "(mmcv where installed; default)")
-    p.add_argument("--batch-size", type=int, default=4,
+    p.add_argument("--batch-size", type=int_arg(1), default=4,
                    help="images per forward: of one input size on the CPU, of mixed sizes on GPUs (default: 4)")
-    p.add_argument("--workers", type=int, help="decoding processes per rank (default: CUDA: the rank's share of "
-                   "the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
+    p.add_argument("--workers", type=int_arg(0), help="decoding processes per rank (default: CUDA: the rank's share "
+                   "of the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
+    p.add_argument("--device", type=arg_type(str, check_device), default="cpu",
+                   help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--attention", choices=("auto", "sdpa"),
-                   help="the attention kernel (default: the backbone's; 'auto' = 'sdpa'; SWIN_BACKBONE_ATTENTION "
-                        "overrides it)")
+    p.add_argument("--attention", choices=("auto", "sdpa"), help="the attention kernel (default: the backbone's; "
+                   "'auto' = 'sdpa'; SWIN_BACKBONE_ATTENTION overrides it)")
     p.add_argument("--format", choices=("npz", "npy", "pt"), default="npz")
     p.add_argument("--png", action="store_true", help="also write a PCA visualisation per stage")
-    p.add_argument("--pool", choices=("avg",), help="also write one mean-pooled vector per image and stage "
-                   "into pooled/shard-RRRRR-of-WWWWW.npz (one file per rank, with its image list)")
+    p.add_argument("--pool", choices=("avg",), help="also write one mean-pooled vector per image and stage into "
+                   "pooled/shard-RRRRR-of-WWWWW.npz (one file per rank, with its image list)")
     p.add_argument("--no-maps", action="store_true", help="write no per-image feature maps (with --pool or --png)")
     p.add_argument("--overwrite", action="store_true", help="redo every image (default: skip complete outputs)")
-    p.add_argument("--dist-timeout", type=float, default=720.0, metavar="MIN",
+    p.add_argument("--dist-timeout", type=float_arg(positive=True), default=720.0, metavar="MIN",
                    help="how long ranks wait for each other under torchrun, in minutes (default: 720)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -109,41 +124,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every check that needs no model and no image: a usage error (exit status 2) names the
-    option, what it expects and what it got, before anything is loaded."""
-    from ..features import check_device, check_stages
-    from ..validation import MAX_WINDOW_SIZE
-
+    """What argparse cannot check alone, still before any model or image is loaded (status 2)."""
     check_paths(p, args.input, args.out_dir)
-    if args.config and not os.path.isfile(args.config):
-        p.error(f"--config: no such file {args.config!r}")
     if not args.checkpoint and not args.random_weights:
         p.error("--checkpoint: none given, so the backbone would have random weights and every feature would be "
                 "meaningless; pass --checkpoint FILE (any Swin format, or a detector/segmentor checkpoint), or "
                 "--random-weights if random weights are really what you want")
-    if args.checkpoint and args.random_weights:
-        p.error("--random-weights: not allowed with --checkpoint")
-    if args.checkpoint and not is_reference(args.checkpoint) and not os.path.isfile(args.checkpoint):
-        p.error(f"--checkpoint: {'a folder, expected a file' if os.path.isdir(args.checkpoint) else 'no such file'} "
-                f"{args.checkpoint!r}")
-    for option, values in (("--embed-dims", [args.embed_dims] if args.embed_dims is not None else None),
-                           ("--depths", args.depths), ("--num-heads", args.num_heads),
-                           ("--pretrained-window-sizes", args.pretrained_window_sizes)):
-        low = 0 if option == "--pretrained-window-sizes" else 1
-        if values is not None and min(values) < low:
-            p.error(f"{option}: expected ints >= {low}, got {' '.join(map(str, values))}")
+    for option, path in (("--config", args.config), ("--checkpoint", args.checkpoint)):
+        if path and not os.path.isfile(path) and not (option == "--checkpoint" and is_reference(path)):
+            p.error(f"{option}: {'a folder, expected a file' if os.path.isdir(path) else 'no such file'} {path!r}")
     if args.depths and args.num_heads and len(args.depths) != len(args.num_heads):
         p.error(f"--num-heads: expected one per stage ({len(args.depths)} --depths), got {len(args.num_heads)}")
-    if args.window_size is not None and not 1 <= args.window_size <= MAX_WINDOW_SIZE:
-        p.error(f"--window-size: expected an int in [1, {MAX_WINDOW_SIZE}], got {args.window_size}")
-    try:
-        check_device(args.device)
-    except ValueError as err:
-        p.error(f"--{err}")
-    for option, values in (("--mean", args.mean), ("--std", args.std)):
-        if values is not None and not all(math.isfinite(v) and (v > 0 or option == "--mean") for v in values):
-            p.error(f"{option}: expected 3 finite numbers{' > 0' if option == '--std' else ''}, "
-                    f"got {' '.join(map(str, values))}")
     if args.stages is not None:
         try:  # --arch: every stage is an output; --config: known once the backbone is built
             check_stages(args.stages, None if args.config else len(args.depths) if args.depths else 4)
@@ -154,38 +145,27 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.config and (args.window_size is not None or args.pretrained_window_sizes is not None):
         p.error("--window-size/--pretrained-window-sizes: only with --arch, not --config (the config sets them)")
     if not args.config:
-        version, _ = split_arch(args.arch)
-        if args.pretrained_window_sizes is not None and version != 2:
+        if args.pretrained_window_sizes is not None and split_arch(args.arch)[0] != 2:
             p.error(f"--pretrained-window-sizes: only for Swin V2 presets (v2-tiny, ...), got --arch {args.arch}")
         if args.pretrained_window_sizes is not None and len(args.pretrained_window_sizes) == 1:
             args.pretrained_window_sizes = args.pretrained_window_sizes[0]
         if args.window_size is None:
             args.window_size = default_window_size(args.arch)
-    if args.batch_size < 1:
-        p.error(f"--batch-size: expected >= 1, got {args.batch_size}")
-    if args.workers is not None and args.workers < 0:
-        p.error(f"--workers: expected >= 0, got {args.workers}")
-    if args.resize and min(args.resize) < 1:
-        p.error(f"--resize: expected two sizes >= 1, got {args.resize}")
     if args.no_maps and not (args.pool or args.png):
         p.error("--no-maps: nothing would be written; add --pool avg (or --png)")
-    if not math.isfinite(args.dist_timeout) or args.dist_timeout <= 0:
-        p.error(f"--dist-timeout: expected > 0 minutes, got {args.dist_timeout}")
 
 
 def check_paths(p: argparse.ArgumentParser, input_spec: str, out_dir: str) -> None:
-    """INPUT exists (a file, a folder or a glob); OUT_DIR is (or can become) a folder that is
-    not INPUT itself nor one of the input images."""
+    """INPUT exists (a file, a folder or a glob); OUT_DIR is (or can become) a writable folder
+    that is not INPUT itself."""
     if not (os.path.exists(input_spec) or glob.has_magic(input_spec)):
         p.error(f"input: no such file or folder {input_spec!r} (expected an image file, a folder or a glob)")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        p.error(f"out_dir: {out_dir!r} is a file; expected a folder (created if missing)")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        p.error(f"out_dir: {out_dir!r} cannot be created: {parent!r} is a file, not a folder")
-    if not os.access(parent if not os.path.exists(out_dir) else out_dir, os.W_OK | os.X_OK):
+    existing = os.path.abspath(out_dir)  # OUT_DIR, or the folder it would be created in
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        p.error(f"out_dir: {existing!r} is a file; expected a folder (OUT_DIR {out_dir!r} is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
         p.error(f"out_dir: {out_dir!r} is not writable")
     if os.path.isdir(input_spec) and os.path.realpath(input_spec) == os.path.realpath(out_dir):
         p.error(f"out_dir: {out_dir!r} is the input folder itself; expected another folder (a subfolder is "
@@ -198,21 +178,20 @@ def extract(argv: Optional[Sequence[str]] = None) -> dict:
     command line use :func:`main`."""
     args = parse_args(argv)
     ctx = init_distributed(args.dist_timeout)
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun shows the failing rank's traceback
+    body = run
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun then names the failing rank as the root cause
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        result = record(run)(args, ctx)
-    else:
-        result = run(args, ctx)
+        body = record(run)
+    result = body(args, ctx)
     ctx.barrier()  # every rank done (rank 0 has written the index)
     return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point (``swin-extract-features``): the exit status. 0: done (a
-    summary on stdout, the index in OUT_DIR); 2: a usage error (argparse); 1: a failure, said
-    in one line on stderr (also when not one image could be read). Under torchrun the process
-    ends here, without tearing the process group down (:func:`~swin_backbone.tools.job.leave_job`)."""
+    """Command-line entry point: the exit status. 0: done (a summary on stdout, the index in
+    OUT_DIR); 2: a usage error (argparse); 1: a failure, said in one line on stderr (also when
+    not one image could be read). Under torchrun the process ends here (:func:`leave_job`)."""
     code = 1
     try:
         summary = extract(argv)
@@ -222,16 +201,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "and in index.json 'failed')", file=sys.stderr)
             code = 1
     except SystemExit as exit_:
-        if isinstance(exit_.code, str):  # our own SystemExit("why"): one line, status 1
+        if isinstance(exit_.code, str):  # our own SystemExit("why")
             print(f"{PROG}: error: {exit_.code}", file=sys.stderr)
         elif not in_job():
             raise  # argparse: its usage message and status 2
-    except RankFailed:
-        pass  # run() already said which rank, why, and how to finish
-    except (ValueError, OSError, RuntimeError) as err:
-        text = one_line(err) or type(err).__name__
-        print(f"{PROG}: error: {text if isinstance(err, (ValueError, OSError)) else f'{type(err).__name__}: {text}'}",
-              file=sys.stderr)
+    except (ValueError, OSError, RankFailed) as err:
+        print(f"{PROG}: error: {one_line(err) or type(err).__name__}", file=sys.stderr)
+    except RuntimeError as err:
+        print(f"{PROG}: error: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
     except BaseException:
         if not in_job():
             raise
@@ -240,13 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-# -------------------------------------------------------------------------------- one run
-RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-weights), so these features come "
-                          "from an untrained backbone and mean nothing for retrieval, probing or visualisation")
-
-
+# --------------------------------------------------------------------------------- one run
 class RankFailed(RuntimeError):
-    """A rank stopped on an error; its message (already printed) says why and how to finish."""
+    """A rank stopped on an error; the message says which, why, and how to finish."""
 
 
 @dataclass
@@ -256,7 +229,7 @@ class Share:
     rank: int
     world_size: int
     paths: List[str]
-    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> index rows
+    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> its index rows
     failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
     notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
     in_flight: List[str] = field(default_factory=list)
@@ -265,14 +238,13 @@ class Share:
 
     def record(self, out_dir: str, status: str, error: Optional[str] = None, **extra: object) -> dict:
         """Write and return the rank's record."""
-        done = sorted(self.rows)
         info = dict(rank=self.rank, world_size=self.world_size, status=status, error=error, assigned=len(self.paths),
-                    images=len(done), new=self.new, resumed=self.resumed, in_flight=self.in_flight,
+                    images=len(self.rows), new=self.new, resumed=self.resumed, in_flight=self.in_flight,
                     failed=[dict(image=self.paths[i], error=e) for i, e in sorted(self.failed.items())],
                     pending=[p for i, p in enumerate(self.paths) if i not in self.rows and i not in self.failed],
-                    notes=self.notes, features=[r for i in done for r in self.rows[i]], **extra)
+                    notes=self.notes, features=[r for i in sorted(self.rows) for r in self.rows[i]], **extra)
         name = f"rank-{self.rank:05d}-of-{self.world_size:05d}.json"
-        atomic_write(os.path.join(out_dir, "ranks", name), json.dumps(info, indent=1).encode())
+        atomic_write(os.path.join(out_dir, "ranks", name), json.dumps(info, indent=1))
         return info
 
 
@@ -285,10 +257,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
         raise SystemExit(f"input {args.input!r}: no images found (files ending in {', '.join(IMAGE_EXTS)}"
                          + (f"; {args.out_dir!r} is OUT_DIR, not searched" if inside(args.out_dir, args.input) else "")
                          + ")")
-    try:
-        names = output_names(paths, root)
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
+    names = output_names(paths, root)
     if args.workers is None:
         args.workers = default_workers(ctx.local_world_size, args.device)
     preprocessing(args)
@@ -302,7 +271,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     check_settings(args, ctx, feature_settings(args, channels))
 
     share = Share(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
-    pooled = done_pooled = None
+    pooled, done_pooled = None, None
     if args.pool:
         pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels)
         done_pooled = set() if args.overwrite else pooled.load_existing({plan.key(p) for p in share.paths})
@@ -310,28 +279,26 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     try:
         extract_share(args, extractor, plan, share, pooled, done_pooled, show=ctx.rank == 0 and not args.no_progress)
     except Exception as err:
-        if pooled is not None and pooled.unflushed:  # what this run did is kept for the rerun
-            pooled.save(f"partial-{pooled.tag}-{pooled.run_id}.end.npz", pooled.unflushed)
+        if pooled is not None:  # what this run did is kept for the rerun
+            pooled.flush(".end")
         info = share.record(args.out_dir, "failed", f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-        message = (f"rank {ctx.rank} of {ctx.world_size} failed" + (f" on {', '.join(share.in_flight)}"
-                   if share.in_flight else "") + f": {info['error']}; {len(info['pending'])} of its "
-                   f"{len(share.paths)} images are not done (listed under 'pending' in {args.out_dir}/ranks); "
-                   "run the same command again to finish them")
-        print(message, file=sys.stderr, flush=True)
-        raise RankFailed(message) from err
+        raise RankFailed(f"rank {ctx.rank} of {ctx.world_size} failed"
+                         + (f" on {', '.join(share.in_flight)}" if share.in_flight else "")
+                         + f": {info['error']}; {len(info['pending'])} of its {len(share.paths)} images are not done "
+                         f"(listed under 'pending' in {args.out_dir}/ranks); run the same command again to finish "
+                         "them") from err
     shard = None
     if pooled is not None:
         shard = pooled.write_shard([plan.key(share.paths[i]) for i in sorted(share.rows)])
-        shard = os.path.relpath(shard, args.out_dir).replace(os.sep, "/")
     info = share.record(args.out_dir, "complete", pooled_file=shard)
     gathered = ctx.gather(info)  # waits for every rank
     if ctx.rank != 0 or gathered is None:
         return info
     summary = write_index(args, gathered, paths, time.perf_counter() - start, warnings)
     PooledStore.remove_stale(args.out_dir, ctx.world_size)
-    for stale in set(glob.glob(os.path.join(args.out_dir, "ranks", "rank-*.json"))) - set(
-            glob.glob(os.path.join(args.out_dir, "ranks", f"rank-*-of-{ctx.world_size:05d}.json"))):
-        os.remove(stale)  # records of runs with another world size
+    for name in os.listdir(os.path.join(args.out_dir, "ranks")):
+        if not name.endswith(f"-of-{ctx.world_size:05d}.json"):
+            os.remove(os.path.join(args.out_dir, "ranks", name))  # a record of a run with another world size
     for item in summary["failed"]:
         print(f"skipped {item['image']}: {item['error']}", file=sys.stderr)
     for note in summary["notes"]:
@@ -340,45 +307,43 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
         print(f"WARNING: {w}", file=sys.stderr)
     print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
           f"{ctx.world_size} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
-          f"{len(summary['failed'])} skipped, images read with {summary['reader']}", flush=True)
-    print(f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
+          f"{len(summary['failed'])} skipped, images read with {summary['reader']}\n"
+          f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
     return summary
 
 
 def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, share: Share,
                   pooled: Optional[PooledStore], done_pooled: Optional[set], show: bool) -> None:
     """The rank's loop: DataLoader workers decode (or find an image's outputs complete); the
-    main process batches what they decoded as :meth:`FeatureExtractor.batches` does (mixed sizes
-    where the backbone takes per-image valid sizes, else by size), runs the backbone and writes."""
+    main process batches what they decoded as :meth:`FeatureExtractor.batches` does, runs the
+    backbone and writes."""
     from rich.console import Console
     from rich.progress import track
 
     jobs = ImageJobs(share.paths, plan, tuple(args.resize) if args.resize else None, skip_complete=not args.overwrite,
                      pooled=done_pooled, reader=args.reader, loader=args.loader)
-    chunk = 8 * args.batch_size  # decoded images batched together (the workers decode the next ones meanwhile)
-    ahead = dict(prefetch_factor=max(2, -(-chunk // args.workers))) if args.workers else {}
-    loader = DataLoader(jobs, batch_size=None, num_workers=args.workers, collate_fn=as_is,
-                        pin_memory=extractor.device.type == "cuda", **ahead)
-    items = iter(loader)  # (the workers start before the bar's refresh thread)
+    chunk = 8 * args.batch_size  # decoded images batched by size together, while the workers decode the next ones
+    ahead = dict(prefetch_factor=max(2, -(-chunk // args.workers))) if args.workers else {}  # a chunk in flight
+    # one image per item (batches form by size below); iter() forks the workers before the bar starts its thread
+    items = iter(DataLoader(jobs, batch_size=None, collate_fn=as_is, num_workers=args.workers,
+                            pin_memory=extractor.device.type == "cuda", **ahead))
     if show:
         items = track(items, total=len(jobs), description="extracting" if share.world_size == 1 else
                       f"rank 0's share of {share.world_size}", console=Console(stderr=True))
-    waiting: List[dict] = []  # decoded images, batched by FeatureExtractor.batches (by size, or mixed sizes)
-
-    def run_batch(batch: List[dict]) -> None:
-        share.in_flight = [share.paths[it["i"]] for it in batch]
-        for it, feat in zip(batch, extractor.run_batch([it["image"] for it in batch])):
-            path = share.paths[it["i"]]
-            share.in_flight = [path]
-            share.rows[it["i"]] = plan.write(path, feat, it["shown"])
-            if pooled is not None:
-                pooled.add(plan.key(path), mean_pool(feat))
-            share.new += 1
-        share.in_flight = []
+    waiting: List[dict] = []
 
     def run_waiting() -> None:
         for batch in extractor.batches([tuple(it["image"].shape[-2:]) for it in waiting]):
-            run_batch([waiting[i] for i in batch])
+            share.in_flight = [share.paths[waiting[i]["i"]] for i in batch]
+            for i, feat in zip(batch, extractor.run_batch([waiting[i]["image"] for i in batch])):
+                item = waiting[i]
+                path = share.paths[item["i"]]
+                share.in_flight = [path]  # the forward is done: only this image's files are being written
+                share.rows[item["i"]] = plan.write(path, feat, item["shown"])
+                if pooled is not None:
+                    pooled.add(plan.key(path), mean_pool(feat))
+                share.new += 1
+            share.in_flight = []
         waiting.clear()
 
     for item in items:
@@ -388,7 +353,8 @@ def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: O
         elif item["status"] == "failed":
             share.failed[item["i"]] = item["error"]
         else:
-            share.notes += [item["note"]] if item["note"] else []
+            if item["note"]:
+                share.notes.append(item["note"])
             waiting.append(item)
             if len(waiting) >= chunk:
                 run_waiting()
@@ -412,37 +378,41 @@ def write_index(args: argparse.Namespace, records: List[dict], paths: List[str],
                            if s["pooled_file"]],
                    ranks=[{k: s[k] for k in ("rank", "assigned", "images", "new", "resumed")} for s in records],
                    features=rows)
-    atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1).encode())
+    atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=["image", "stage", "shape", "dtype", "file", "key"])
     writer.writeheader()
     writer.writerows(dict(row, shape="x".join(map(str, row["shape"]))) for row in rows)
-    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue().encode())
+    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue())
     return summary
 
 
 # ------------------------------------------------------ what decides the features' values
 def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
     """What decides the features' values: a rerun into the same OUT_DIR must match it."""
-    ckpt = None
+    checkpoint = None
     if args.checkpoint:
-        path, name = args.checkpoint, os.path.basename(args.checkpoint)
-        if is_reference(args.checkpoint):  # a URL: its cached file (downloaded once), named by the URL
-            path, name = (fetch(args.checkpoint)[0] if resolve(args.checkpoint)[0] != "mmengine" else None), path
-        digest = hashlib.sha256()
-        if path is not None:
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 23), b""):
-                    digest.update(chunk)
-        ckpt = dict(file=name, sha256=digest.hexdigest() if path is not None else None)
+        local = args.checkpoint
+        if is_reference(local):  # its cached download; mmengine's own schemes have no local file
+            local = fetch(local)[0] if resolve(local)[0] != "mmengine" else None
+        name = args.checkpoint if is_reference(args.checkpoint) else os.path.basename(args.checkpoint)
+        checkpoint = dict(file=name, sha256=sha256_of(local) if local else None)
     model = dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
                  window_size=args.window_size)
-    if args.pretrained_window_sizes is not None:  # (V2 only; absent otherwise, as before V2 existed)
+    if args.pretrained_window_sizes is not None:  # (absent otherwise: OUT_DIRs written before V2 still match)
         model["pretrained_window_sizes"] = args.pretrained_window_sizes
     return dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
-                checkpoint=ckpt, random_weights_seed=args.seed if args.random_weights else None,
-                stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=list(args.mean),
-                std=list(args.std), dtype=args.dtype, reader=args.reader)
+                checkpoint=checkpoint, random_weights_seed=args.seed if args.random_weights else None,
+                stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=args.mean,
+                std=args.std, dtype=args.dtype, reader=args.reader)
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):  # 8 MiB at a time: checkpoints reach GiBs
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -> None:
@@ -452,44 +422,14 @@ def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -
     if not args.overwrite and os.path.isfile(path):
         with open(path) as f:
             previous = json.load(f)
-        current = json.loads(json.dumps(settings))  # (as it would read back: lists for tuples)
-        if previous != current:
-            diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        current = json.loads(json.dumps(settings))  # as it reads back: lists for tuples
+        diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if diff:
             raise SystemExit(f"out_dir {args.out_dir!r}: holds features made with other settings ({', '.join(diff)} "
                              f"differ, see {path}); pass --overwrite to redo everything, or use another OUT_DIR")
     ctx.barrier()  # every rank has compared before rank 0 replaces the file
     if ctx.rank == 0:
-        atomic_write(path, json.dumps(settings, indent=1).encode())
-
-
-def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
-    common = dict(stages=args.stages, mean=args.mean, std=args.std, resize=args.resize,
-                  batch_size=args.batch_size, device=device, dtype=args.dtype, seed=args.seed)
-    if args.config:
-        return FeatureExtractor.from_config(args.config, args.checkpoint, attention=args.attention, **common)
-    if args.attention is not None:
-        common["attention"] = args.attention
-    return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
-                                      embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
-                                      pretrained_window_sizes=args.pretrained_window_sizes, **common)
-
-
-def rank_device(args: argparse.Namespace, ctx: DistContext) -> str:
-    """The device this rank runs on: under torchrun with CUDA, cuda:LOCAL_RANK (made current)."""
-    if torch.device(args.device).type == "cuda" and ctx.world_size > 1:
-        if torch.device(args.device).index is not None:
-            raise SystemExit(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
-                             "pass --device cuda")
-        torch.cuda.set_device(ctx.local_rank)
-        return f"cuda:{ctx.local_rank}"
-    return args.device
-
-
-def reader_label(args: argparse.Namespace) -> str:
-    """How images were decoded, for the summary: mmcv's loader settings, or the Pillow fallback."""
-    if args.reader == "mmcv":
-        return f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
-    return "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)"
+        atomic_write(path, json.dumps(settings, indent=1))
 
 
 def preprocessing(args: argparse.Namespace) -> None:
@@ -503,12 +443,39 @@ def preprocessing(args: argparse.Namespace) -> None:
         cfg = Config.fromfile(args.config)
         args.loader = loader_settings(cfg)
         preprocessor = (cfg.get("model") or {}).get("data_preprocessor") or {}
-        if args.mean is None and preprocessor.get("mean") is not None:
-            args.mean = [float(v) for v in preprocessor["mean"]]
-        if args.std is None and preprocessor.get("std") is not None:
-            args.std = [float(v) for v in preprocessor["std"]]
-    args.mean = list(IMAGENET_MEAN) if args.mean is None else args.mean
-    args.std = list(IMAGENET_STD) if args.std is None else args.std
+        args.mean = args.mean or preprocessor.get("mean")
+        args.std = args.std or preprocessor.get("std")
+    args.mean = [float(v) for v in args.mean or IMAGENET_MEAN]
+    args.std = [float(v) for v in args.std or IMAGENET_STD]
+
+
+def reader_label(args: argparse.Namespace) -> str:
+    """How images were decoded, for the summary."""
+    if args.reader == "mmcv":
+        return f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
+    return "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)"
+
+
+def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
+    common = dict(stages=args.stages, mean=args.mean, std=args.std, resize=args.resize, batch_size=args.batch_size,
+                  device=device, dtype=args.dtype, seed=args.seed)
+    if args.attention is not None:  # (else the config's, or the preset's default)
+        common["attention"] = args.attention
+    if args.config:
+        return FeatureExtractor.from_config(args.config, args.checkpoint, **common)
+    return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
+                                      embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
+                                      pretrained_window_sizes=args.pretrained_window_sizes, **common)
+
+
+def rank_device(args: argparse.Namespace, ctx: DistContext) -> str:
+    """The device this rank runs on: under torchrun with CUDA, cuda:LOCAL_RANK (made current)."""
+    if torch.device(args.device).type != "cuda" or ctx.world_size == 1:
+        return args.device
+    if torch.device(args.device).index is not None:
+        raise SystemExit(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda")
+    torch.cuda.set_device(ctx.local_rank)
+    return f"cuda:{ctx.local_rank}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from swin_backbone.features import mean_pool
 from swin_backbone.tools import extract_features as tool
 from swin_backbone.tools.extraction import default_workers, find_images
 
@@ -112,6 +113,32 @@ def test_pooled_only_run_resumes_from_its_shard(tmp_path, images, reference):
     assert first["new"] == 8 and first["features"] == [] and not list(out.rglob("img*"))
     again = tool.extract(args)
     assert again["new"] == 0 and again["resumed"] == 8
+    assert_same_features(pooled(out), pooled(reference[0]))
+
+
+def test_a_pooled_run_that_stops_keeps_its_vectors_for_the_rerun(tmp_path, images, reference, monkeypatch):
+    """Vectors go to partial files every FLUSH images and when the rank stops on an error; the
+    rerun takes them from there, redoes the rest, and leaves only its shard."""
+    out = tmp_path / "out"
+    args = [str(images), str(out), "--pool", "avg", "--no-maps", "--workers", "0"] + SMALL
+    monkeypatch.setattr(tool.PooledStore, "FLUSH", 2)
+    done = []
+
+    def stop_at_the_sixth(feat):
+        if len(done) == 5:
+            raise RuntimeError("stopped")
+        done.append(1)
+        return mean_pool(feat)
+
+    monkeypatch.setattr(tool, "mean_pool", stop_at_the_sixth)
+    with pytest.raises(tool.RankFailed, match="rank 0 of 1 failed on .*RuntimeError: stopped"):
+        tool.extract(args)
+    assert len(list((out / "pooled").glob("partial-*.npz"))) == 3  # 2 + 2 at FLUSH, 1 at the error
+    assert json.load(open(out / "ranks" / "rank-00000-of-00001.json"))["status"] == "failed"
+    monkeypatch.setattr(tool, "mean_pool", mean_pool)
+    again = tool.extract(args)
+    assert again["resumed"] == 5 and again["new"] == 3
+    assert not list((out / "pooled").glob("partial-*"))
     assert_same_features(pooled(out), pooled(reference[0]))
 
 

@@ -127,6 +127,16 @@ def test_tool_rerun_skips_complete_and_overwrite_redoes(tmp_path, photos):
     assert not list(out.rglob("*.tmp*"))
 
 
+def test_tool_resize_maps_and_pngs(tmp_path, photos):
+    src = tmp_path / "images"
+    _write_inputs(src, photos)
+    out = tmp_path / "features"
+    summary = tool.extract([str(src), str(out), "--resize", "32", "48", "--stages", "0", "--png", "--no-progress",
+                            "--random-weights"])
+    assert summary["images"] == 3 and all(r["shape"] == [96, 8, 12] for r in summary["features"])
+    assert Image.open(out / "odd.stage0.png").size[1] == 32  # the resized image beside its PCA panel
+
+
 def test_tool_from_config_and_glob(tmp_path, photos):
     src = tmp_path / "images"
     _write_inputs(src, photos)
