@@ -3,8 +3,8 @@
 ``import swin_backbone.checkpoint`` loads none of its modules: the names below load on first use
 (PEP 562), as :mod:`swin_backbone`'s do, so a tool that needs the formats alone
 (``swin-convert-checkpoint --help``) does not import the model, mmengine's runner or the
-libraries. What this package plugs into others is plugged once they are imported
-(:func:`swin_backbone.mmlab.after_import`, now where they are already):
+libraries. What this package plugs into others, :mod:`swin_backbone.mmlab`'s notes plug once
+they are imported (now where they are already):
 
 - mmengine's loads of local files, URLs and named references read through the inert unpickler
   once ``mmengine.runner.checkpoint`` is imported (:mod:`.mmengine_schemes`; mmdet's / mmseg's
@@ -16,7 +16,6 @@ libraries. What this package plugs into others is plugged once they are imported
 import importlib as _importlib
 import importlib.util as _util
 
-from .. import mmlab as _mmlab
 
 #: The public names, by the module that defines them (imported on first use, PEP 562).
 _LAZY = {
@@ -46,22 +45,6 @@ __all__ = [
     "unwrap_state_dict",
     "write_checkpoint",
 ]
-
-
-def _register_loader(_module) -> None:
-    """mmengine's ``CheckpointLoader`` reads through this package (:mod:`.mmengine_schemes`)."""
-    _importlib.import_module(f"{__name__}.mmengine_schemes").register()
-
-
-def _plug_into_backbones(_module) -> None:
-    """The backbones' key converter and the 'Pretrained' initializer (importing :mod:`.hooks`)."""
-    _importlib.import_module(f"{__name__}.hooks")
-
-
-_mmlab.plug_in((
-    ("mmengine.runner.checkpoint", _register_loader),
-    ("swin_backbone.model.backbone", _plug_into_backbones),
-))
 
 
 def __getattr__(name: str):

@@ -177,10 +177,14 @@ def _add_config_scope(utils) -> None:
     utils.MODULE2PACKAGE.setdefault(CONFIG_SCOPE, CONFIG_PACKAGE)
 
 
-def _import_checkpoint(_module) -> None:
-    # Registers the checkpoint reader with mmengine's CheckpointLoader, the backbones'
-    # load_state_dict key converter and the 'Pretrained' initializer.
-    importlib.import_module("swin_backbone.checkpoint")
+def _register_checkpoint_loader(_module) -> None:
+    # mmengine's CheckpointLoader reads local files, URLs and references through our unpickler.
+    importlib.import_module("swin_backbone.checkpoint.mmengine_schemes").register()
+
+
+def _plug_into_backbones(_module) -> None:
+    # The backbones' load_state_dict key converter and the 'Pretrained' initializer.
+    importlib.import_module("swin_backbone.checkpoint.hooks")
 
 
 #: What :func:`plug_in` waits for: module -> what it does there.
@@ -188,8 +192,8 @@ NOTES = (
     ("mmengine.config.utils", _add_config_scope),
     *((name, _add_locations) for name in REGISTRY_MODULES),
     ("mmengine.registry.root", _add_optim_location),
-    ("mmengine.runner.checkpoint", _import_checkpoint),
-    ("swin_backbone.model.backbone", _import_checkpoint),
+    ("mmengine.runner.checkpoint", _register_checkpoint_loader),
+    ("swin_backbone.model.backbone", _plug_into_backbones),
 )
 
 
