@@ -11,10 +11,9 @@ installed without compiled ops (mmcv-lite), mmcv gets its ops from torchvision /
 (:mod:`swin_backbone.mmcv_lite`, docs/mmcv-lite.md) whenever it asks for them, before or after
 this import.
 """
-import importlib as _importlib
-import importlib.util as _util
 
 from . import torch_compat  # noqa: F401  (first: one clear ImportError on a torch below the floor)
+from ._lazy import lazy_names as _lazy_names
 from . import mmcv_lite
 from . import mmlab
 from ._version import __version__
@@ -62,16 +61,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
-            return _importlib.import_module(f"{__name__}.{name}")  # a subpackage, as ``import`` gives it
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # once: later lookups do not come here
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY)

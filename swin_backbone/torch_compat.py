@@ -155,27 +155,22 @@ AUTOCAST_BY_DEVICE = _autocast_query_takes_device() and hasattr(torch, "get_auto
 NO_AUTOCAST = frozenset({"meta"})
 
 
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (``'cuda'``, ``'cpu'``, ...)."""
-    if device_type in NO_AUTOCAST:
-        return False
-    if AUTOCAST_BY_DEVICE:
-        return bool(torch.is_autocast_enabled(device_type))
-    if device_type == "cpu":
-        return bool(torch.is_autocast_cpu_enabled())
-    if device_type == "cuda":
-        return bool(torch.is_autocast_enabled())
-    return False
+#: ``autocast_enabled(device_type)`` / ``autocast_dtype(device_type)``: whether autocast is on for
+#: ``'cuda'``, ``'cpu'``, ... and the dtype it casts to. torch's own queries where they take a device
+#: type (builtins: a forward that asks runs no Python frame for it); else built from older torch's
+#: per-device queries. A device type in :data:`NO_AUTOCAST` is the caller's to rule out first.
+if AUTOCAST_BY_DEVICE:
+    autocast_enabled = torch.is_autocast_enabled
+    autocast_dtype = torch.get_autocast_dtype
+else:
 
+    def autocast_enabled(device_type: str) -> bool:
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
 
-def autocast_dtype(device_type: str) -> torch.dtype:
-    """The dtype autocast casts to on ``device_type``."""
-    get = getattr(torch, "get_autocast_dtype", None)  # torch >= 2.4
-    if get is not None:
-        return get(device_type)
-    if device_type == "cpu":
-        return torch.get_autocast_cpu_dtype()
-    return torch.get_autocast_gpu_dtype()
+    def autocast_dtype(device_type: str) -> torch.dtype:
+        return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
 
 
 # ---------------------------------------------------------------------------- TF32

@@ -11,7 +11,7 @@ from typing import Dict, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .torch_compat import autocast_enabled
+from .torch_compat import NO_AUTOCAST, autocast_enabled
 
 
 def fail(name: str, expected: str, got: object) -> NoReturn:
@@ -205,7 +205,7 @@ def check_input(x: object, in_channels: int, weight: torch.Tensor) -> None:
         )
     if x.device != weight.device:
         raise ValueError(f"input: expected a tensor on the model's device {weight.device}, got {x.device}")
-    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
+    if x.dtype != weight.dtype and (x.device.type in NO_AUTOCAST or not autocast_enabled(x.device.type)):
         raise ValueError(
             f"input: expected dtype {weight.dtype} (the model's), got {x.dtype}; "
             "cast the input or run under torch.autocast"

@@ -13,9 +13,7 @@ they are imported (now where they are already):
 - the backbones convert foreign keys in ``load_state_dict``, and ``init_cfg=dict(type='Pretrained')``
   reads any format, once ``swin_backbone.model.backbone`` is imported (:mod:`.hooks`).
 """
-import importlib as _importlib
-import importlib.util as _util
-
+from .._lazy import lazy_names as _lazy_names
 
 #: The public names, by the module that defines them (imported on first use, PEP 562).
 _LAZY = {
@@ -47,16 +45,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        if not name.startswith("_") and _util.find_spec(f"{__name__}.{name}") is not None:
-            return _importlib.import_module(f"{__name__}.{name}")  # a submodule, as ``import`` gives it
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # once: later lookups do not come here
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY)

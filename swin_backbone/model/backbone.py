@@ -192,7 +192,7 @@ class SwinBackbone(BaseModule):
         #: ``compile=dict(regions=False)``: :meth:`forward_static` compiled (called with the backbone first)
         self.whole_graph: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
         self._warned_compile = False
-        #: training keeps no LayerNorm / GELU output for backward (``ops.lean_saves``); ``None``: on the CPU only
+        #: training keeps no LayerNorm / GELU output for backward (``ops.LEAN_SAVES``); ``None``: on the CPU only
         if save_memory is not None:
             check_flag("save_memory", save_memory)
         self.save_memory = None if save_memory is None else bool(save_memory)

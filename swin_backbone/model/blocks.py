@@ -239,7 +239,7 @@ class SwinStage(nn.Module):
             mask_padding=self.mask_padding, images=images, row_width=self.mlp_hidden_dims)
         tokens = regular.pack(x)  # (B, H * W, C), or packed (1, T, C)
         with_cp = self.with_cp and self.training and plan.grad
-        with ops.lean_saves(plan):  # (training on the CPU: no norm or GELU output kept for backward)
+        with ops.LEAN_SAVES[plan.save_memory]:  # (training on the CPU: no norm or GELU output kept for backward)
             for block in self.blocks:
                 layout = shifted if block.shift and shifted is not None else regular
                 if with_cp:

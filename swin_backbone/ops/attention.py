@@ -11,7 +11,7 @@ back to row-major order (:func:`window_reverse`), attending with the plan's kern
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
 
-In training, :func:`lean_saves` keeps the activations around it lean: no LayerNorm, GELU or
+In training, :data:`LEAN_SAVES` keeps the activations around it lean: no LayerNorm, GELU or
 window-gather output is kept for backward where it can be rebuilt from what autograd keeps anyway.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import nn
 
 from ..torch_compat import is_compiling, scaled_dot_product_attention
 from .layouts import WindowLayout, row_chunks, size_cache
-from .plan import Plan
 from .windows import padded_size, relative_position_index, window_attention_mask
 
 
@@ -315,7 +314,7 @@ _CAST = "ToCopyBackward0"
 #: gather) says so by setting ``ctx.rebuild_output`` (that function): rebuilt where its input is.
 REBUILD_ATTR = "rebuild_output"
 
-#: What :func:`lean_saves` keeps in place of a rebuildable tensor: the node that made it (or its
+#: What :data:`LEAN_SAVES` keeps in place of a rebuildable tensor: the node that made it (or its
 #: base, for a view), the view's ``(size, stride, storage_offset)`` and the tensor's dtype.
 _Rebuild = Tuple[torch.autograd.graph.Node, Optional[Tuple[torch.Size, Tuple[int, ...], int]], torch.dtype]
 
@@ -375,15 +374,18 @@ def _unpack(saved: Union[torch.Tensor, _Rebuild]) -> torch.Tensor:
     return out if view is None else out.as_strided(*view)
 
 
-def lean_saves(plan: Plan) -> ContextManager[None]:
-    """Where :attr:`Plan.save_memory`: autograd keeps no LayerNorm or GELU output for backward.
-
-    The linear after each (``qkv`` after a norm and the window gather, ``fc1`` after a norm,
-    ``fc2`` after GELU, a merging's reduction) would keep its input, or autocast's cast of it (CUDA
-    runs LayerNorm in fp32 and the linear in bf16); backward rebuilds it instead
-    from what the norm's or GELU's own node keeps anyway: pointwise, no module called again, no
-    matmul. The predicate is each tensor's own autograd node, so a hooked or replaced module's
-    output, or a tensor changed in place, is kept as usual. Else: nothing changes."""
-    if not plan.save_memory:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+#: The context a stage's blocks run in, by :attr:`Plan.save_memory <swin_backbone.ops.plan.Plan.save_memory>`
+#: (``with LEAN_SAVES[plan.save_memory]:``, a value: no call per stage). Where true, autograd keeps
+#: no LayerNorm or GELU output for backward.
+#:
+#: The linear after each (``qkv`` after a norm and the window gather, ``fc1`` after a norm,
+#: ``fc2`` after GELU, a merging's reduction) would keep its input, or autocast's cast of it (CUDA
+#: runs LayerNorm in fp32 and the linear in bf16); backward rebuilds it instead from what the
+#: norm's or GELU's own node keeps anyway: pointwise, no module called again, no matmul. The
+#: predicate is each tensor's own autograd node, so a hooked or replaced module's output, or a
+#: tensor changed in place, is kept as usual. Where false: nothing changes. (Both contexts hold
+#: no state: one of each serves every stage, nested or in any thread.)
+LEAN_SAVES: Dict[bool, ContextManager[None]] = {
+    False: contextlib.nullcontext(),
+    True: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack),
+}

@@ -21,7 +21,7 @@ class Plan:
     #: plain torch ops only: ``torch.compile`` / ``torch.export`` / ``torch.jit.trace`` records
     #: it, or a compiled block runs it (layouts in their traced form)
     traced: bool
-    #: training: no LayerNorm / GELU output kept for backward (:func:`~.attention.lean_saves`)
+    #: training: no LayerNorm / GELU output kept for backward (:data:`~.attention.LEAN_SAVES`)
     save_memory: bool
     #: bytes of a CPU row chunk (0: whole tensors): attention backward's window groups, and with
     #: ``plain`` and no ``grad`` (inference) the rows row-wise modules run on at a time

@@ -18,7 +18,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..torch_compat import AUTOCAST_BY_DEVICE, NO_AUTOCAST, autocast_dtype, autocast_enabled, is_compiling
+from ..torch_compat import NO_AUTOCAST, autocast_dtype, autocast_enabled, is_compiling
 from .attention import KERNELS
 from .image_sizes import get_packed_layout, image_masked_layout
 from .layouts import WindowLayout, build_window_layout, cpu_chunk_bytes, get_window_layout, register_cache, row_chunks
@@ -36,7 +36,7 @@ class Switches:
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
-    #: training: no LayerNorm / GELU output kept for backward (:func:`~.attention.lean_saves`). None:
+    #: training: no LayerNorm / GELU output kept for backward (:data:`~.attention.LEAN_SAVES`). None:
     #: the backbone's ``save_memory`` argument, whose default is the CPU only (on CUDA they cost
     #: time per step: docs/performance.md, "GPU").
     save_memory: Optional[bool] = None
@@ -239,11 +239,8 @@ def stage_layouts(
     align = x.device.type == "cuda" if _SWITCHES.align_masks is None else _SWITCHES.align_masks
     # The masks in the dtype the blocks compute in: autocast's where it is on, else the map's.
     device, dtype = x.device, x.dtype
-    if device.type not in NO_AUTOCAST:
-        if AUTOCAST_BY_DEVICE:
-            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
-        elif autocast_enabled(device.type):
-            dtype = autocast_dtype(device.type)
+    if device.type not in NO_AUTOCAST and autocast_enabled(device.type):
+        dtype = autocast_dtype(device.type)
     packed = images is not None and not isinstance(images, torch.Tensor)
     rows = sum(map(math.prod, images)) if packed else batch * height * width
     row_bytes = row_width * x.element_size()

@@ -1,6 +1,6 @@
 """The planner's memory and cache savings compute what plain autograd and whole tensors compute.
 
-* Training (``plan.save_memory``): under ``ops.lean_saves`` autograd keeps no LayerNorm or GELU
+* Training (``plan.save_memory``): under ``ops.LEAN_SAVES[True]`` autograd keeps no LayerNorm or GELU
   output (nor the window gather of a norm's output); backward rebuilds them from what their own
   nodes keep: same values and gradients as plain autograd (pre-norm V1 and post-norm V2 branches,
   partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
@@ -52,7 +52,7 @@ def _plain_branch(block, x):
 def _residual(block, x, save_memory):
     """The block's MLP residual, as its forward computes it, under the stage's lean saves."""
     plan = ops.plan_for(x, grad=True, save_memory=save_memory)
-    with ops.lean_saves(plan):  # (as a stage runs its blocks)
+    with ops.LEAN_SAVES[plan.save_memory]:  # (as a stage runs its blocks)
         branch = block.norm2(block.mlp(x)) if isinstance(block, SwinBlockV2) else block.mlp(block.norm2(x))
         return x + block.drop_path(branch)
 
@@ -303,7 +303,7 @@ def test_memory_saving_keeps_only_qkv_of_the_attention_input():
     kept, grads = {}, {}
     for save_memory in (True, False):
         plan = ops.plan_for(x, grad=True, save_memory=save_memory, attention="recompute")
-        with ops.lean_saves(plan):
+        with ops.LEAN_SAVES[plan.save_memory]:
             out = block.attn(block.norm1(x), dataclasses.replace(layout, plan=plan))
         kept[save_memory] = {name: not ref.expired() for name, ref in watched.items()}
         grads[save_memory] = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], allow_unused=True)

@@ -1,6 +1,6 @@
 """The torch internals the ops read, named: a torch that renames them fails here, not silently.
 
-``lean_saves`` (swin_backbone/ops/attention.py) recognises LayerNorm, GELU and cast outputs by their
+``ops.LEAN_SAVES`` (swin_backbone/ops/attention.py) recognises LayerNorm, GELU and cast outputs by their
 autograd node's class name and rebuilds them from the node's private ``_saved_*`` fields. If a
 torch release renamed either, the pack hook would keep every tensor as usual: no error, only the
 memory saving gone. These tests pin both, on this torch, through the hook itself."""
@@ -59,7 +59,7 @@ def test_under_lean_saves_a_linear_keeps_no_norm_output():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(attention._pack(t)) or t, lambda t: t):
         linear(norm(x))
     assert any(not isinstance(k, torch.Tensor) for k in kept), "the norm output was kept as a tensor"
-    with ops.lean_saves(plan):
+    with ops.LEAN_SAVES[plan.save_memory]:
         y = linear(norm(x)).sum()
     y.backward()
     expected = torch.autograd.grad(linear(norm(x)).sum(), x)[0]
