@@ -5,12 +5,16 @@
 #                 .venv-torch2.1  torch 2.1.2 + mmcv 2.1.0 (compiled) + mmdet 3.3 + mmseg 1.2 + numpy 1.x
 #                 .venv-torch2.0  torch 2.0.1 (the floor) + mmengine + numpy 1.x, no mmcv
 #               `make test COMPAT=0` (or PYTEST_ARGS=...) runs today's stack only.
+#               Every suite runs in JOBS pytest-xdist workers (default 2, the test machine's cores; a
+#               test file to a worker at a time: a module's fixtures are built once); JOBS=1: one process.
 # make test-fast = the quick tier while working (under 10 minutes on a 2-core machine): today's stack
 #               only, without the slow end-to-end tests (FAST_SKIP below); `make test` runs those too.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+JOBS ?= 2
+XDIST := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 COMPAT ?= $(if $(PYTEST_ARGS),0,1)
 
 # What the old stacks run. Whole directories (new test files join by themselves); tests that need a
@@ -29,7 +33,7 @@ COMPAT_TORCH21 := $(COMPAT_CORE) $(COMPAT_TOOLS) tests/mmlab/test_tools_train.py
 # The floor has no mmdet: test_tool_from_config_and_glob reads an mmdet config.
 COMPAT_TORCH20 := $(COMPAT_CORE) $(COMPAT_TOOLS) \
 	--deselect tests/tools/test_tools_extract_features.py::test_tool_from_config_and_glob
-COMPAT_PYTEST := -m "not install" -p no:cacheprovider
+COMPAT_PYTEST := -m "not install" -p no:cacheprovider $(XDIST)
 
 # The fast tier (`make test-fast`): today's stack, every test directory except these, and no
 # `install` test (wheels built and pip-installed into fresh venvs). Left out: real mmdet / mmseg
@@ -66,10 +70,10 @@ test: setup test-main
 endif
 
 test-main: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not install" $(addprefix --ignore=,$(FAST_SKIP)) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not install" $(XDIST) $(addprefix --ignore=,$(FAST_SKIP)) $(PYTEST_ARGS)
 
 test-compat: test-torch2.1 test-torch2.0
 

@@ -3,7 +3,15 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# `make test` runs the suite in 2 pytest-xdist workers (a file per worker at a time, so a module's
+# fixtures are built once): one intra-op thread each, and in the processes the tests start, so that
+# the 2 cores are not oversubscribed (threads spinning against each other make small forwards 2-5x
+# slower). Alone, 2 threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 @pytest.fixture(autouse=True)

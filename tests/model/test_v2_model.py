@@ -390,6 +390,10 @@ def test_v1_and_v2_checkpoints_are_refused_by_the_other_version():
 def test_built_from_registry(lib):
     import importlib
 
+    from mmengine.registry import DefaultScope
+
     registry = importlib.import_module(f"{lib}.registry").MODELS
-    model = registry.build(dict(type="SwinV2Backbone", arch="tiny", window_size=8, pretrained_window_sizes=[8, 8, 8, 8]))
+    with DefaultScope.overwrite_default_scope(lib):  # (a Runner of another test may have left its scope current)
+        model = registry.build(dict(type="SwinV2Backbone", arch="tiny", window_size=8,
+                                    pretrained_window_sizes=[8, 8, 8, 8]))
     assert isinstance(model, swin_backbone.SwinV2Backbone)
