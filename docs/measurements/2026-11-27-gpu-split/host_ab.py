@@ -1,4 +1,4 @@
-"""Session 20's one-off A/B of the host-time changes (not part of the product).
+"""One-off A/B of the host-time changes, H200, 2026-11-27 (not part of the product).
 
 Run once per code version, in turns (``PYTHONPATH`` picks the package): eval bf16 at 1 and 8
 images and training bf16 at 2 images (3x800x1344), ours and mmdet in the same interleaved

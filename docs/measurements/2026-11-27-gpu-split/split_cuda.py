@@ -1,4 +1,4 @@
-"""Session 20's one-off device checks (not part of the product; results to $OUT/split.json).
+"""One-off GPU checks, H200, 2026-11-27 (not part of the product; results to $OUT/split.json).
 
 1. Straddling-only masks (``split_masks``) and the 4-d shared bias on CUDA, fp32 with TF32 off:
    features and gradients with ``split_masks`` on against off, on a whole-window input, an input

@@ -1,4 +1,4 @@
-"""One-off GPU measurement (issue #47, session 18): where the time of the compiled mode and of a
+"""One-off GPU measurement (H200, 2026-11-27): where the time of the compiled mode and of a
 training step goes. Run from the project root on the device after `source .device/setup.sh`,
 with OUT set to a folder. Writes $OUT/profile.json and $OUT/profile_<name>.txt (kernel tables)."""
 import json

@@ -1,4 +1,4 @@
-"""One-off GPU measurement (issue #47, session 18, second call): the compiled mode with all its
+"""One-off GPU measurement (H200, 2026-11-27, second device call): the compiled mode with all its
 regions (blocks, patch embedding, mergings, output norms) against blocks only, eager, mmdet eager
 and compiled. From the project root on the device after `source .device/setup.sh`, OUT set."""
 import copy

@@ -1,4 +1,4 @@
-"""Session 17's second device call (one-off; results to $OUT/lean2.json).
+"""One-off GPU measurement, H200, 2026-11-27, second device call (results to $OUT/lean2.json).
 
 1. Where lean saves cost time on CUDA: training 2x3xHxW bf16 and fp32, interleaved: mmdet, ours
    (lean off), lean (all), lean with GELU only (norm outputs kept), lean with the norm rebuilt by

@@ -1,4 +1,4 @@
-"""Session 17's one-off device checks (not part of the product; results to $OUT/lean.json).
+"""One-off GPU checks, H200, 2026-11-27 (not part of the product; results to $OUT/lean.json).
 
 1. Lean saves on CUDA: outputs and gradients with ``save_memory`` forced on against plain
    autograd (fp32 TF32 off, and bf16 autocast), with plain-vs-plain as the noise floor.

@@ -1,4 +1,4 @@
-"""One-off GPU measurement (issue #47, session 23): CUDA graphs (mode='reduce-overhead', static
+"""One-off GPU measurement (H200, 2026-11-28): CUDA graphs (mode='reduce-overhead', static
 shapes) where a step waits on the host, after the fix that makes a forward of CUDA-graphed regions
 one CUDA-graph step: eval bf16 1x3x800x1344, then training bf16 2x3x512x512 (the ADE20K recipe's
 per-GPU batch and crop, one fixed size), each: mmdet eager, mmdet compiled whole, ours eager, ours

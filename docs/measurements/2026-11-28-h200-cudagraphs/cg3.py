@@ -1,4 +1,4 @@
-"""One-off GPU measurement (issue #47, session 23): the whole of ours compiled with CUDA graphs
+"""One-off GPU measurement (H200, 2026-11-28): the whole of ours compiled with CUDA graphs
 (``torch.compile(backbone, mode='reduce-overhead', dynamic=False)``, as a user compiles a model
 whole, e.g. mmengine's Runner(compile=...)), training bf16 2x3x512x512, beside ours and mmdet
 eager; its first (compiling) call, dynamo's graph count and graph breaks. Writes $OUT/cg3.json."""

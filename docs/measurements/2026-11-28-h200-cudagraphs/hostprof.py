@@ -1,4 +1,4 @@
-"""One-off GPU measurement (issue #47, session 23): where a training step's host time goes, ours
+"""One-off GPU measurement (H200, 2026-11-28): where a training step's host time goes, ours
 and mmdet's (bf16, 2x3x800x1344), and eval at 1 image. Writes $OUT/hostprof.json and
 $OUT/hostprof_<name>.txt (profiler self-CPU tables, cProfile of the forward)."""
 import cProfile
