@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,27 @@ else:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _default_scope():
+    """Each test leaves mmengine's default scope as it found it. The latest ``DefaultScope`` is
+    the one every registry builds from; a Runner or ``init_default_scope`` of another test run
+    earlier in the same process (which earlier test depends on how the xdist workers share the
+    files out) would otherwise decide what this test's ``MODELS.build`` finds."""
+    before = _scopes()
+    saved = None if before is None else dict(before)
+    yield
+    after = _scopes()
+    if after is not None:
+        after.clear()
+        after.update(saved or {})
+
+
+def _scopes():
+    """mmengine's ordered dict of ``DefaultScope`` instances (the last is current), where imported."""
+    module = sys.modules.get("mmengine.registry.default_scope")
+    return None if module is None else module.DefaultScope._instance_dict
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
