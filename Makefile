@@ -40,8 +40,8 @@ COMPAT_PYTEST := -m "not install" -p no:cacheprovider $(XDIST)
 # training, FSDP and the shipped / drop-in configs (tests/mmlab) and mmcv-lite's end-to-end runs
 # (tests/mmcv_lite); torch.compile (test_compiled.py, test_static_shapes.py); the benchmark run end to end; multi-process
 # launches (torchrun ranks and nodes); the console scripts and converter run as subprocesses; the
-# library configs' stock Swin-B / L weights; and the old stacks (`make test-compat`). About 7 minutes
-# on the 2-core test machine, other jobs running (`make test` runs everything: about 35 minutes).
+# library configs' stock Swin-B / L weights; and the old stacks (`make test-compat`). About 4.5
+# minutes on the 2-core test machine in 2 workers (`make test` runs everything: about 30 minutes).
 FAST_SKIP := tests/mmlab tests/mmcv_lite tests/model/test_compiled.py tests/model/test_static_shapes.py \
 	tests/tools/test_tools_benchmark.py \
 	tests/tools/test_multinode.py tests/tools/test_features_dataset_runs.py tests/hostile/test_console_scripts.py \

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -21,12 +22,12 @@ def _seed():
     yield
 
 
-@pytest.fixture(autouse=True)
-def _default_scope():
-    """Each test leaves mmengine's default scope as it found it. The latest ``DefaultScope`` is
-    the one every registry builds from; a Runner or ``init_default_scope`` of another test run
-    earlier in the same process (which earlier test depends on how the xdist workers share the
-    files out) would otherwise decide what this test's ``MODELS.build`` finds."""
+@contextlib.contextmanager
+def _scope_restored():
+    """mmengine's default scope afterwards as it was before. The latest ``DefaultScope`` is the
+    one every registry builds from; a Runner or ``init_default_scope`` of a test or module run
+    earlier in the same process (which ones depends on how the xdist workers share the files out)
+    would otherwise decide what a later test's ``MODELS.build`` finds."""
     before = _scopes()
     saved = None if before is None else dict(before)
     yield
@@ -34,6 +35,20 @@ def _default_scope():
     if after is not None:
         after.clear()
         after.update(saved or {})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_default_scope():
+    """A module (its fixtures included) leaves the default scope as it found it."""
+    with _scope_restored():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _default_scope():
+    """A test leaves the default scope as it found it (its module's fixtures' scope included)."""
+    with _scope_restored():
+        yield
 
 
 def _scopes():
