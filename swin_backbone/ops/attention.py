@@ -3,7 +3,7 @@ gathers, and the kernels that compute it.
 
 :func:`reference_window_attention` is the algorithm in plain torch; :func:`window_attention`
 computes the same between one gather into the window layout (:func:`window_partition`) and one
-back to row-major order (:func:`window_reverse`), attending with the plan's kernel from
+back to row-major order (the window reverse, its inverse), attending with the plan's kernel from
 :data:`KERNELS` (SDPA's signature for all):
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
@@ -131,13 +131,6 @@ def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
-def window_reverse(windows: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-    """Inverse of :func:`window_partition`: ``(B, nW * N, C)`` -> ``(B, H * W, C)``."""
-    if layout.traced or not layout.plan.grad:
-        return gather_tokens(windows, layout.inverse, False, None, layout.traced)
-    return _TokenGather.apply(windows, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
-
-
 def window_attention(
     qkv: torch.Tensor, table: torch.Tensor, layout: WindowLayout, *, num_heads: int, scale: float,
     dropout_p: float = 0.0,
@@ -154,7 +147,10 @@ def window_attention(
         return _RecomputedAttention.apply(qkv, bias, layout, num_heads, scale)
     out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
                                KERNELS[kernel], layout.align)
-    return window_reverse(out, layout)
+    # The window reverse: back to row-major tokens, the inverse gather of window_partition's.
+    if layout.traced or not layout.plan.grad:
+        return gather_tokens(out, layout.inverse, False, None, layout.traced)
+    return _TokenGather.apply(out, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 
 #: What attends within a batch of windows: SDPA's signature, ``(q, k, v, *, attn_mask, dropout_p,

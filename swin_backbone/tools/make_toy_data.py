@@ -29,6 +29,8 @@ from typing import List, Sequence, Tuple
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..checkpoint.files import atomic_write
+
 CLASSES = ("square", "disc", "triangle")
 COLOURS = ((200, 40, 40), (40, 170, 60), (40, 70, 210))  # base colour per class
 ADE_CLASSES = ("background",) + CLASSES
@@ -114,9 +116,7 @@ def write_coco(root: str, split: str, n: int, rng: np.random.RandomState, min_si
             )
     categories = [dict(id=i + 1, name=name, supercategory="shape") for i, name in enumerate(CLASSES)]
     path = os.path.join(ann_dir, f"instances_{split}2017.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(dict(images=images, annotations=annotations, categories=categories), f)
-    os.replace(path + ".tmp", path)
+    atomic_write(path, json.dumps(dict(images=images, annotations=annotations, categories=categories)))
     return path
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from swin_backbone.model.blocks import merge_2x2
 from swin_backbone.ops import image_sizes as V, layouts as L, windows as W
-from swin_backbone.ops.attention import window_partition, window_reverse
+from swin_backbone.ops.attention import _TokenGather, gather_tokens, window_partition
 from swin_backbone.ops.planner import plan_for
 
 from ..helpers import DeviceSyncs
@@ -51,8 +51,8 @@ def test_partition_matches_pad_roll_permute(size, ws, shift):
     layout = dataclasses.replace(layout, plan=plan_for(x))
     got = window_partition(x, layout)
     torch.testing.assert_close(got, reference_partition(x, h, w, ws, shift), rtol=0, atol=0)
-    # reverse undoes everything exactly
-    torch.testing.assert_close(window_reverse(got, layout), x, rtol=0, atol=0)
+    # the layout's inverse gather (window_attention's window reverse) undoes everything exactly
+    torch.testing.assert_close(gather_tokens(got, layout.inverse, False, None), x, rtol=0, atol=0)
     assert layout.num_windows == (W.padded_size(h, ws) // ws) * (W.padded_size(w, ws) // ws)
     assert layout.has_padding == (h % ws != 0 or w % ws != 0)
 
@@ -71,9 +71,10 @@ def test_gather_gradients_match_autograd_reference(size, shift):
     (window_partition(x1, layout) * probe).sum().backward()
     (reference_partition(x2, h, w, ws, shift) * probe).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad)
-    # and through reverse
+    # and through the window reverse (training's gather back: its backward gathers with the index)
     y = torch.randn(2, layout.index.numel(), 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda t: window_reverse(t, layout), (y,))
+    reverse = (layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
+    torch.autograd.gradcheck(lambda t: _TokenGather.apply(t, *reverse), (y,))
     torch.autograd.gradcheck(lambda t: window_partition(t, layout), (x1.detach().requires_grad_(True),))
 
 
@@ -371,7 +372,7 @@ def test_packed_layout_is_each_image_alone(size, ws, shift, align):
     assert got.num_windows * ws * ws == expected.shape[1] and packed.shape[1] == sum(vh * vw for vh, vw in valid)
     assert got.num_windows < len(valid) * W.ceil_div(h, ws) * W.ceil_div(w, ws)  # padding-only windows left out
     torch.testing.assert_close(window_partition(packed, bound), expected, rtol=0, atol=0)
-    torch.testing.assert_close(window_reverse(expected, bound), packed, rtol=0, atol=0)
+    torch.testing.assert_close(gather_tokens(expected, bound.inverse, False, None), packed, rtol=0, atol=0)
     torch.testing.assert_close(got.mask, torch.cat(masks), rtol=0, atol=0)
     n = ws * ws
     assert got.mask.stride()[-2:] == ((n + (-n) % 8 if align else n), 1)
