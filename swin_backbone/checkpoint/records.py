@@ -26,9 +26,11 @@ test_inert_loading.py disassembles them): docs/checkpoints.md, "Security model".
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -46,6 +48,14 @@ MAX_VIEW_RATIO = 64
 #: what a consumer that copies without a memo walks (mmengine's ``ConfigDict``, torch's optimizer
 #: ``_cast``). A Runner checkpoint holds a few thousand.
 MAX_EXPANDED = 1 << 20
+#: Bytes the records of one load may make (bytes from strings, numpy arrays' copies), per byte
+#: of the file: what a file writes once it cannot have made many times over.
+BYTES_PER_FILE_BYTE = 4
+#: A dict key that is an int lies within this bound: below it an int is its own hash, so keys
+#: cannot be chosen to collide (``k * (2**61 - 1)`` all hash to 0: quadratic dict inserts).
+MAX_KEY_INT = (1 << 61) - 2
+#: A size (a tensor's, an array's) lies below this bound.
+MAX_SIZE = 1 << 63
 
 
 #: What the message of a file that names or calls code says first (tests and callers match it).
@@ -65,6 +75,32 @@ class RefusedError(CheckpointError):
 
 def refuse(what: str) -> RefusedError:
     return RefusedError(what)
+
+
+#: Bytes the records of the load in progress may still make (``None``: no load, no bound).
+_BYTES_LEFT: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar("swin_backbone_bytes_left",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def byte_budget(file_bytes: int) -> Iterator[None]:
+    """Bound what the records of one load make to :data:`BYTES_PER_FILE_BYTE` times ``file_bytes``
+    (plus 1 MiB): each maker asks :func:`spend` before it allocates."""
+    token = _BYTES_LEFT.set([BYTES_PER_FILE_BYTE * file_bytes + 2**20])
+    try:
+        yield
+    finally:
+        _BYTES_LEFT.reset(token)
+
+
+def spend(nbytes: int, what: str) -> None:
+    """Take ``nbytes`` from the load's :func:`byte_budget`, or refuse before they are allocated."""
+    left = _BYTES_LEFT.get()
+    if left is not None:
+        if nbytes > left[0]:
+            raise refuse(f"{what}: {nbytes} more bytes would pass what this load may make "
+                         f"({BYTES_PER_FILE_BYTE} times the file's size): a small file that unpacks into much more")
+        left[0] -= nbytes
 
 
 # ---------------------------------------------------------------------------- records
@@ -194,10 +230,14 @@ def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...]
 
 
 def check_key(key: Any, what: str) -> None:
-    """A dict key or set item: a leaf, or a tuple of leaves."""
-    if type(key) not in PLAIN_LEAVES and not (type(key) is tuple and all(type(k) in PLAIN_LEAVES for k in key)):
-        raise refuse(f"{what}: a dict key or set item must be a number, a string, bytes or a tuple of those, found "
-                     f"{describe(key)}")
+    """A dict key or set item, before anything hashes it: a leaf, or a tuple of leaves (a nested
+    tuple's hash recurses without a limit: a deep one crashes the process); no int of
+    :data:`MAX_KEY_INT` or more, and no complex number (keys chosen to share a hash)."""
+    for part in key if type(key) is tuple else (key,):
+        kind = type(part)
+        if kind not in PLAIN_LEAVES or kind is complex or (kind is int and abs(part) > MAX_KEY_INT):
+            raise refuse(f"{what}: a dict key or set item must be a number (an int below 2**61, not complex), a "
+                         f"string, bytes or a tuple of those, found {brief(key)}")
 
 
 def _complete(record: Record) -> bool:
@@ -242,7 +282,7 @@ def _int(value: Any, what: str, low: int = 0, high: Optional[int] = None) -> int
 def _shape(value: Any, what: str) -> Tuple[int, ...]:
     if type(value) not in (tuple, list, torch.Size) or len(value) > MAX_DIMS:
         raise refuse(f"{what}: expected a tuple of at most {MAX_DIMS} sizes, found {describe(value)}")
-    return tuple(_int(n, what) for n in value)
+    return tuple(_int(n, what, 0, MAX_SIZE - 1) for n in value)
 
 
 # ---------------------------------------------------------------------------- numpy
@@ -290,6 +330,7 @@ def build_array(record: ArrayRecord, state: Any) -> None:
     if type(fortran) is not bool:
         raise refuse(f"numpy array: is_fortran must be a bool, found {describe(fortran)}")
     if type(raw) is str:  # a Python 2 pickle's str: numpy's latin-1 bytes
+        spend(len(raw), "numpy array")
         raw = raw.encode("latin-1")
     if type(raw) is not bytes:
         raise refuse(f"numpy array: its data must be bytes, found {describe(raw)} (object arrays are refused)")
@@ -305,6 +346,7 @@ def numpy_scalar(dtype: Any, data: Any = None) -> ScalarRecord:
     if type(dtype) is not DtypeRecord or not dtype.built:
         raise refuse(f"numpy scalar: its dtype must be a numeric numpy.dtype, found {describe(dtype)}")
     if type(data) is str:
+        spend(len(data), "numpy scalar")
         data = data.encode("latin-1")
     if type(data) is not bytes or len(data) != np.dtype(dtype.name).itemsize:
         raise refuse(f"numpy scalar of dtype {dtype.name}: expected {np.dtype(dtype.name).itemsize} bytes, found "
@@ -383,6 +425,8 @@ def config_dict(items: Any = None) -> ConfigDictRecord:
 def ordered_dict(items: Any = ()) -> collections.OrderedDict:
     if type(items) not in (list, tuple) or not all(type(p) in (list, tuple) and len(p) == 2 for p in items):
         raise refuse(f"collections.OrderedDict: expected () or a list of pairs, found {describe(items)}")
+    for key, _ in items:
+        check_key(key, "collections.OrderedDict")
     return collections.OrderedDict(items)
 
 
@@ -428,6 +472,7 @@ def codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         raise refuse(f"_codecs.encode: expected (str, 'latin1') as protocol 2 writes bytes, found "
                      f"({describe(text)}, {brief(encoding)})")
+    spend(len(text), "_codecs.encode")
     return text.encode("latin-1")
 
 
@@ -717,11 +762,26 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
     return walk(value, 0)[0]
 
 
+def module_versions(metadata: Any) -> collections.OrderedDict:
+    """A state dict's ``_metadata`` as torch writes it, ``{module prefix: {'version': int}}``,
+    read from the file's: other entries and keys are left out (``load_state_dict`` reads more
+    keys there, e.g. ``assign_to_params_buffers``, which would make it adopt the file's tensors
+    as parameters, strides and aliasing included)."""
+    out: collections.OrderedDict = collections.OrderedDict()
+    if isinstance(metadata, dict):
+        for prefix, entry in metadata.items():
+            if type(prefix) is str and type(entry) is dict:
+                version = entry.get("version")
+                out[prefix] = {"version": version} if type(version) is int else {}
+    return out
+
+
 def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
     kind = type(value)
     if kind is ArrayRecord:
         if value.data is None:
             raise refuse("a numpy array without its state")
+        spend(len(value.data), "numpy array")
         array = np.frombuffer(value.data, dtype=np.dtype(value.dtype))
         return array.reshape(value.shape, order="F" if value.fortran else "C").copy(order="K")
     if kind is ScalarRecord:
@@ -739,6 +799,9 @@ def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
     if kind is ConfigDictRecord:
         from mmengine.config import ConfigDict
 
+        # Checked again now that nothing can change it: the file's memo can fill the dict after
+        # its REDUCE (a key such as __array_interface__ would make the real ConfigDict answer numpy).
+        check_plain(value.items, "ConfigDict", dunder_keys=False)
         return ConfigDict(walk(value.items))
     if kind in (set, frozenset):
         for item in value:
@@ -751,11 +814,11 @@ def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
         for k in value:
             check_key(k, "a dict")
         items = [(k, walk(v)) for k, v in value.items()]
-        if all(a is b for (_, a), b in zip(items, value.values())):
-            return value
-        out = (collections.defaultdict(value.default_factory, items) if kind is collections.defaultdict
-               else kind(items))
+        out = value
+        if not all(a is b for (_, a), b in zip(items, value.values())):
+            out = (collections.defaultdict(value.default_factory, items) if kind is collections.defaultdict
+                   else kind(items))
         if hasattr(value, "_metadata"):
-            out._metadata = value._metadata  # type: ignore[union-attr]
+            out._metadata = module_versions(value._metadata)  # type: ignore[union-attr]
         return out
     raise refuse(f"the data holds {describe(value)}, which is not data")

@@ -32,8 +32,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from ..torch_compat import load, zip_record_names
-from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, call, check_key,
-                      describe, materialize, new, refuse)
+from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, byte_budget, call,
+                      check_key, describe, materialize, new, refuse)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
@@ -213,16 +213,32 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         items = self.pop_mark()
         self._target((list,), self.stack[-1], "APPENDS").extend(items)
 
+    # (every key is checked before it is hashed: check_key)
     def load_setitem(self) -> None:
         value = self.stack.pop()
         key = self.stack.pop()
-        self._target(_DICTS, self.stack[-1], "SETITEM")[key] = value
+        target = self._target(_DICTS, self.stack[-1], "SETITEM")
+        check_key(key, "SETITEM")
+        target[key] = value
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._target(_DICTS, self.stack[-1], "SETITEMS")
         for i in range(0, len(items) - 1, 2):
+            check_key(items[i], "SETITEMS")
             target[items[i]] = items[i + 1]
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        for key in items[::2]:
+            check_key(key, "DICT")
+        self.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            check_key(item, "FROZENSET")
+        self.append(frozenset(items))
 
     def load_additems(self) -> None:
         items = self.pop_mark()
@@ -242,13 +258,14 @@ _DATA_OPCODES = ("PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NO
                  "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING",
                  "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "UNICODE",
                  "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-                 "EMPTY_LIST", "LIST", "EMPTY_DICT", "DICT", "EMPTY_SET", "FROZENSET", "GET", "BINGET", "LONG_BINGET",
+                 "EMPTY_LIST", "LIST", "EMPTY_DICT", "EMPTY_SET", "GET", "BINGET", "LONG_BINGET",
                  "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
 _OURS = {"REDUCE": InertUnpickler.load_reduce, "NEWOBJ": InertUnpickler.load_newobj,
          "NEWOBJ_EX": InertUnpickler.load_newobj_ex, "BUILD": InertUnpickler.load_build,
          "BINPERSID": InertUnpickler.load_binpersid, "APPEND": InertUnpickler.load_append,
          "APPENDS": InertUnpickler.load_appends, "SETITEM": InertUnpickler.load_setitem,
-         "SETITEMS": InertUnpickler.load_setitems, "ADDITEMS": InertUnpickler.load_additems}
+         "SETITEMS": InertUnpickler.load_setitems, "ADDITEMS": InertUnpickler.load_additems,
+         "DICT": InertUnpickler.load_dict, "FROZENSET": InertUnpickler.load_frozenset}
 InertUnpickler.dispatch = {
     **{getattr(pickle, name)[0]: pickle._Unpickler.dispatch[getattr(pickle, name)[0]]  # type: ignore[attr-defined]
        for name in _DATA_OPCODES},
@@ -335,24 +352,24 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
     ``trusted`` (``{'module.name': object}``): objects this one load calls and creates as
     Python's unpickler would, beside the table; only for files whose writer the caller knows
     (the FSDP strategy's own shards, :mod:`swin_backbone.mmlab.fsdp`), never for a user's file."""
-    legacy = kind != "torch-zip"
-    storages = _Storages(budget=os.path.getsize(path)) if legacy else _Storages(records=zip_records(path))
-    with _PythonReads(path, "r") if legacy else contextlib.nullcontext(path) as source:
-        try:
-            obj = load(source, map_location, pickle_module=pickle_module(storages, trusted))
-        except RuntimeError as err:
-            if "explicit pickle_module" not in str(err):
-                raise
-            # TORCH_FORCE_WEIGHTS_ONLY_LOAD: the user asks for torch's own weights-only unpickler
-            if legacy:
-                source.seek(0)
-            return load(source, map_location)
-    storages.check_filled()
-    if isinstance(obj, torch.jit.ScriptModule):  # (never: the archive checks above refuse TorchScript)
-        ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")
-        ran.ran_nothing = False
-        raise ran
-    return materialize(obj, tuple(v for v in (trusted or {}).values() if isinstance(v, type)))
-
+    legacy, size = kind != "torch-zip", os.path.getsize(path)
+    storages = _Storages(budget=size) if legacy else _Storages(records=zip_records(path))
+    with byte_budget(size):  # (what the records make, through materialize)
+        with _PythonReads(path, "r") if legacy else contextlib.nullcontext(path) as source:
+            try:
+                obj = load(source, map_location, pickle_module=pickle_module(storages, trusted))
+            except RuntimeError as err:
+                if "explicit pickle_module" not in str(err):
+                    raise
+                # TORCH_FORCE_WEIGHTS_ONLY_LOAD: the user asks for torch's own weights-only unpickler
+                if legacy:
+                    source.seek(0)
+                return load(source, map_location)
+        storages.check_filled()
+        if isinstance(obj, torch.jit.ScriptModule):  # (never: the archive checks above refuse TorchScript)
+            ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")
+            ran.ran_nothing = False
+            raise ran
+        return materialize(obj, tuple(v for v in (trusted or {}).values() if isinstance(v, type)))
 
 __all__ = ["ASKS_FOR_CODE", "InertUnpickler", "MAX_OPCODES", "OPT_IN", "RefusedError", "read_torch_checkpoint"]

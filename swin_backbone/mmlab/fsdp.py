@@ -77,6 +77,32 @@ def _process_group_state(owner: object, name: str, *default: object) -> object:
     return method_name(owner, name, *default)
 
 
+def _rebuild_sharded_tensor(func: object, new_type: object, args: object, state: object) -> object:
+    """``torch._tensor._rebuild_from_type_v2`` in a shard, which torch's calls with whatever the
+    stack holds: here only torch's wrapper rebuild of a ``ShardedTensor``
+    (:func:`_rebuild_sharded_wrapper`); any other call is the table's
+    (:func:`~swin_backbone.checkpoint.records.rebuild_from_type_v2`: tensors and parameters)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from ..checkpoint.records import rebuild_from_type_v2
+
+    if func is _rebuild_sharded_wrapper and new_type is ShardedTensor:
+        return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
+    return rebuild_from_type_v2(func, new_type, args, state)
+
+
+def _rebuild_sharded_wrapper(cls: object, *args: object) -> object:
+    """``torch._utils._rebuild_wrapper_subclass`` for a ``ShardedTensor`` only (it makes a
+    tensor of any class it is handed)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from ..checkpoint.records import describe, refuse
+
+    if cls is not ShardedTensor:
+        raise refuse(f"_rebuild_wrapper_subclass in a shard: makes only a ShardedTensor, found {describe(cls)}")
+    return torch._utils._rebuild_wrapper_subclass(cls, *args)
+
+
 def sharded_classes() -> Dict[str, object]:
     """What a ``state_dict_cfg='local'`` shard holds beyond the package's table: ``ShardedTensor``
     and its metadata classes, by the name its pickle uses, for the shard loads of
@@ -90,11 +116,12 @@ def sharded_classes() -> Dict[str, object]:
 
     objects = [sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata, sharded.TensorProperties, sharded.Shard,
                sharded.metadata.MEM_FORMAT_ENCODING, shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec,
-               remote_device._remote_device, torch._utils._rebuild_wrapper_subclass, torch._tensor._rebuild_from_type_v2,
-               torch.serialization._get_layout]
+               remote_device._remote_device, torch.serialization._get_layout]
     named = {f"{o.__module__}.{o.__qualname__}": o for o in objects}
     named.update({"torch.distributed._shard.sharded_tensor.api.ShardedTensor": sharded.ShardedTensor,
-                  "builtins.getattr": _process_group_state})
+                  "builtins.getattr": _process_group_state,
+                  "torch._utils._rebuild_wrapper_subclass": _rebuild_sharded_wrapper,
+                  "torch._tensor._rebuild_from_type_v2": _rebuild_sharded_tensor})
     return named
 
 
@@ -250,6 +277,7 @@ class SwinFSDPStrategy(FSDPStrategy):
         import torch.distributed as dist
 
         from ..checkpoint import read_checkpoint
+        from ..checkpoint.mmengine_schemes import drop_executed_texts
 
         shards = osp.isdir(filename)
         path = filename
@@ -272,6 +300,7 @@ class SwinFSDPStrategy(FSDPStrategy):
             checkpoint = read_torch_file(path, sniff(path), map_location=map_location, trusted=sharded_classes())
         else:
             checkpoint = read_checkpoint(path, map_location=map_location)
+        drop_executed_texts(checkpoint, filename)  # (FlexibleRunner.resume executes meta['config'])
         if callback is not None:
             callback(checkpoint)
         if isinstance(checkpoint, dict) and "state_dict" in checkpoint:

@@ -6,6 +6,8 @@ that composes rows with calls shaped to the stack and mutates real mmengine chec
 Runs on every stack (Makefile COMPAT_CORE)."""
 from __future__ import annotations
 
+import collections
+import inspect
 import io
 import json
 import os
@@ -126,6 +128,18 @@ CHAINS = {
     "device-with-code": (call(g("torch.device"), s("cuda;import os")), "torch.device"),
     "parameter-of-a-configdict": (call(g("torch._utils._rebuild_parameter"), call(g(CD), d()), TRUE, NONE),
                                   "expected a tensor"),
+    # checked, then changed: the dict a ConfigDict's REDUCE checked, filled afterwards through the memo
+    "configdict-filled-after-its-reduce": (
+        d() + put(0) + pickle.POP + call(g(CD), get(0)) + put(1) + pickle.POP
+        + get(0) + s("__array_interface__") + d((s("data"), t(i(4096), FALSE))) + pickle.SETITEM + pickle.POP + get(1),
+        "names an attribute protocol"),
+    # keys that would hash with no bound on recursion, or all to one value (quadratic inserts)
+    "key-a-nested-tuple": (d() + t(t(i(1))) + NONE + pickle.SETITEM, "a dict key or set item"),
+    "key-in-a-dict-opcode": (pickle.MARK + t(t(i(1))) + NONE + pickle.DICT, "DICT: a dict key"),
+    "item-of-a-frozenset-opcode": (pickle.MARK + t(t(i(1))) + pickle.FROZENSET, "FROZENSET: a dict key"),
+    "key-of-an-ordereddict-pair": (call(g("collections.OrderedDict"), l(t(t(t(i(1))), NONE))), "a dict key"),
+    "keys-sharing-one-hash": (d(*[(i(k * (2 ** 61 - 1)), NONE) for k in (1, 2, 3)]), "an int below 2**61"),
+    "size-of-a-huge-int": (np_array((2 ** 80,) * 2, np_dtype("f8"), b(b"")), "expected an int in [0, "),
 }
 
 
@@ -198,6 +212,54 @@ def test_the_forms_real_files_use_are_read(tmp_path):
     assert got["c"].k == [1, 2] and got["n"] == {1: 1} and got["f"] == frozenset({1}) and got["z"] == (2, 3)
     path = in_zip(tmp_path / "ok.pth", program(d((s("state_dict"), d((s("w"), tensor(offset=1, size=(3,))))))))
     torch.testing.assert_close(read_checkpoint(path)["state_dict"]["w"], torch.ones(3))
+
+
+def test_a_state_dicts_metadata_keeps_module_versions_only(tmp_path):
+    """``_metadata`` as torch writes it, ``{prefix: {'version': int}}``, whatever the file fills
+    into it after its BUILD (through the memo): no class, record or ``load_state_dict`` switch
+    (``assign_to_params_buffers`` would make mmengine's load adopt the file's tensors, strides
+    and aliasing included, as parameters)."""
+    metadata = (d() + put(0) + pickle.POP + build(call(g("collections.OrderedDict")), d((s("_metadata"), get(0))))
+                + put(1) + pickle.POP + get(0) + s("") + d((s("version"), i(2)), (s("assign_to_params_buffers"), TRUE))
+                + pickle.SETITEM + s("fc") + d((s("version"), g("torch.UntypedStorage"))) + pickle.SETITEM + pickle.POP)
+    path = in_zip(tmp_path / "metadata.pth", program(metadata + get(1) + s("weight") + tensor(size=(1, 4), stride=(4, 1))
+                                                     + pickle.SETITEM))
+    got = read_checkpoint(path)
+    assert dict(got._metadata) == {"": {"version": 2}, "fc": {}}
+    model = torch.nn.Linear(4, 1, bias=False)
+    weight = model.weight
+    from mmengine.runner import load_checkpoint as mmengine_load_checkpoint
+
+    mmengine_load_checkpoint(model, path, map_location="cpu")  # (through the package's reader)
+    assert model.weight is weight and model.weight.dtype == torch.float32  # copied into, not assigned
+    if "assign" in inspect.signature(torch.nn.Module.load_state_dict).parameters:  # (torch >= 2.1)
+        # the control: torch itself honours the switch
+        sd = collections.OrderedDict(weight=torch.zeros(1, 4, dtype=torch.float64))
+        sd._metadata = {"": {"assign_to_params_buffers": True}}
+        model.load_state_dict(sd)
+        assert model.weight.dtype == torch.float64
+
+
+def test_an_fsdp_shard_rebuilds_only_sharded_tensors(tmp_path):
+    """The shard loads' own classes (swin_backbone.mmlab.fsdp.sharded_classes): torch's
+    ``_rebuild_from_type_v2`` calls whatever the stack holds; a shard's only calls its wrapper
+    rebuild of a ShardedTensor (an uninitialised storage of any size was made otherwise)."""
+    pytest.importorskip("mmengine")
+    from swin_backbone.checkpoint.files import read_torch_file
+    from swin_backbone.mmlab.fsdp import sharded_classes
+
+    untyped = call(g(R2), g("torch.UntypedStorage"), g("torch.UntypedStorage"), t(i(1 << 20)), d())
+    wrapper = call(g(R2), g("torch._utils._rebuild_wrapper_subclass"),
+                   g("torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
+                   t(g("torch.Tensor"), g("torch.float32"), t(i(4)), t(i(1)), i(0), NONE, NONE, FALSE), d())
+    for name, body, says in (("untyped", untyped, "calls only torch's tensor rebuilds"),
+                             ("wrapper", wrapper, "makes only a ShardedTensor")):
+        path = in_zip(tmp_path / f"{name}.pth", program(d((s("x"), body))))
+        with pytest.raises(CheckpointError, match=says):
+            read_torch_file(path, "torch-zip", trusted=sharded_classes())
+    # a plain tensor in a shard still reads through the table's rows
+    path = in_zip(tmp_path / "plain.pth", program(d((s("x"), tensor()))))
+    torch.testing.assert_close(read_torch_file(path, "torch-zip", trusted=sharded_classes())["x"], torch.ones(4))
 
 
 # ---------------------------------------------------------------- every row
@@ -337,6 +399,18 @@ def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
                                                                            + (2 ** 34).to_bytes(8, "little"))),
         "scalar-S.pth": in_zip(tmp_path / "scalar-S.pth", program(
             call(g("numpy._core.multiarray.scalar"), np_dtype("S"), b(b"abcdef")))),
+        # a million nested tuples as a key (CPython's tuple hash recurses with no limit: SIGSEGV)
+        "deep-tuple-key.pth": in_zip(tmp_path / "deep-tuple-key.pth", program(
+            pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + pickle.TUPLE1 * 10 ** 6 + TRUE + pickle.SETITEM)),
+        "deep-tuple-frozenset.pth": in_zip(tmp_path / "deep-tuple-frozenset.pth", program(
+            pickle.MARK + pickle.EMPTY_TUPLE + pickle.TUPLE1 * 10 ** 6 + pickle.FROZENSET)),
+        # 1 MB copied 1500 times by _codecs.encode (1.5 GB), and 1 MB shared by 1500 numpy arrays
+        "encode-amplified.pth": in_zip(tmp_path / "encode-amplified.pth", program(
+            g("_codecs.encode") + put(0) + s("A" * 2 ** 20) + s("latin1") + pickle.TUPLE2 + put(1) + pickle.POP
+            + pickle.POP + pickle.MARK + (get(0) + get(1) + pickle.REDUCE) * 1500 + pickle.LIST)),
+        "arrays-amplified.pth": in_zip(tmp_path / "arrays-amplified.pth", program(
+            b(b"\0" * 2 ** 20) + put(2) + pickle.POP + np_dtype("f8") + put(3) + pickle.POP + pickle.MARK
+            + np_array((2 ** 17,), get(3), get(2)) * 1500 + pickle.LIST)),
     }
     assert os.path.getsize(files["object-array-2-28.pth"]) < 4096
     done = subprocess.run([sys.executable, "-c", _CHILD, *files.values()], capture_output=True, text=True, timeout=300)

@@ -154,15 +154,22 @@ def test_fsdp_checkpoint_file_reads_everywhere(tmp_path, fsdp_run, ddp_run):
 
 def test_work_dir_config_resumes_the_file_in_a_fresh_process(tmp_path, fsdp_run, toy_data):  # noqa: F811
     """The config mmengine dumped into the FSDP run's work dir, unchanged, in new processes (1 node
-    of 2): ``--resume`` from the run's iteration-2 file continues it exactly."""
+    of 2): ``--resume`` from the run's iteration-2 file continues it exactly. The file also holds
+    an old run's ``meta['config']``, Python that ``FlexibleRunner.resume`` executes: the
+    strategy's reader drops it, and it never runs."""
+    from swin_backbone.checkpoint import read_checkpoint
+
     work, _ = fsdp_run
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copy(os.path.join(work, "iter_2.pth"), resumed / "iter_2.pth")
+    marker = tmp_path / "ran"
+    checkpoint = read_checkpoint(os.path.join(work, "iter_2.pth"))
+    checkpoint["meta"]["config"] = f"open({str(marker)!r}, 'w').close()\ngpu_ids = [0]\n"
+    torch.save(checkpoint, resumed / "iter_2.pth")
     (resumed / "last_checkpoint").write_text(str(resumed / "iter_2.pth"))  # `--resume`: the latest one
     out = launch(["tools/dist_train.sh", dumped_config(work), "2", "--work-dir", str(resumed), "--resume"],
                  toy_data)[0]
-    assert "resumed" in out.lower()
+    assert "resumed" in out.lower() and "meta['config'] dropped" in out and not marker.exists()
     continued = losses(str(resumed))
     assert sorted(continued) == list(range(3, ITERS + 1))
     assert_losses_close(continued, {it: v for it, v in losses(work).items() if it >= 3}, 1e-6)
