@@ -32,6 +32,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 ImageLike = Union[np.ndarray, torch.Tensor]
 
+
 def to_tensor(image: ImageLike, name: str = "image") -> torch.Tensor:
     """``(H, W, 3)`` uint8 RGB array (``(H, W, 4)``: alpha dropped), ``(H, W)`` grey, or
     ``(3, H, W)`` tensor -> ``(3, H, W)`` float 0..255 (:func:`~swin_backbone.validation.check_image`:
@@ -272,7 +273,8 @@ class FeatureExtractor:
             if not self.mixed_sizes:
                 raise ValueError(f"images: expected one size per batch for this backbone, got sizes {sizes}")
             height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
-            batch = torch.cat([F.pad(self.preprocess([im]), (0, width - w, 0, height - h)) for im, (h, w) in zip(images, sizes)])
+            batch = torch.cat([F.pad(self.preprocess([im]), (0, width - w, 0, height - h))
+                               for im, (h, w) in zip(images, sizes)])
             outs = self.backbone(batch, valid_sizes=sizes)
             crops = self._crops(sizes)
         if self.stages is not None and max(self.stages) >= len(outs):
@@ -349,7 +351,8 @@ def _load_for_arch(backbone: nn.Module, checkpoint: str, arch: Optional[str]) ->
             raise
         hint = (f"a Swin V2 preset ({V2_PREFIX}tiny, {V2_PREFIX}small, ...) or a published V2 name "
                 f"(swinv2_tiny_window8_256, ...)" if have == 2 else "a Swin V1 preset (tiny, small, base, large)")
-        raise CheckpointError(f"{err}\n(arch={arch!r} builds Swin V{3 - have}; for this checkpoint pass {hint})") from None
+        raise CheckpointError(f"{err}\n(arch={arch!r} builds Swin V{3 - have}; for this checkpoint pass "
+                              f"{hint})") from None
 
 
 def extract_features(images: Sequence[ImageLike], arch: str = "tiny", checkpoint: Optional[str] = None,

@@ -36,7 +36,8 @@ from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, a
 from ..validation import MAX_WINDOW_SIZE, check_int, check_number
 from .common import one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
-                         default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
+                         default_workers, find_images, inside, loader_settings, output_names, pool_files,
+                         resolve_reader)
 from .job import DistContext, in_job, init_distributed, leave_job
 
 PROG = "swin-extract-features"
@@ -46,7 +47,7 @@ RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-w
 
 # ------------------------------------------------------------------- the command line
 def arg_type(kind: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)``, then a check of :mod:`swin_backbone.validation`, whose
+    """An argparse type: ``kind(text)``, then a :mod:`swin_backbone.validation` check, whose
     "expected ..., got ..." argparse prints after the option's name."""
     def parse(text: str) -> Any:
         value = kind(text)  # a ValueError here: argparse's own "invalid int value: 'x'"
@@ -75,13 +76,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model = p.add_mutually_exclusive_group()
     model.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
     model.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
-    p.add_argument("--embed-dims", type=int_arg(1), help="override the preset's embed_dims (with --arch)")
-    p.add_argument("--depths", type=int_arg(1), nargs="+", help="override the preset's depths (with --arch)")
-    p.add_argument("--num-heads", type=int_arg(1), nargs="+", help="override the preset's num_heads (with --arch)")
+    for name, nargs in (("embed-dims", None), ("depths", "+"), ("num-heads", "+")):
+        p.add_argument(f"--{name}", type=int_arg(1), nargs=nargs,
+                       help=f"override the preset's {name.replace('-', '_')} (with --arch)")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", help="weights: any Swin format, or a whole detector/segmentor checkpoint; "
-                         "a file, or a URL / torchvision:// / open-mmlab:// / mmcls:// reference as in mmengine "
-                         "(downloaded once into torch's hub cache)")
+    weights.add_argument("--checkpoint", help="weights in any Swin format, or a detector/segmentor checkpoint: a file, "
+                         "or a URL / torchvision:// / open-mmlab:// / mmcls:// reference (downloaded once)")
     weights.add_argument("--random-weights", action="store_true",
                          help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
@@ -96,10 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "scale (default: the --config's data preprocessor's, else ImageNet's)")
     p.add_argument("--std", type=float_arg(positive=True), nargs=3, metavar=("R", "G", "B"),
                    help="normalisation std, 0..255 scale (default: as --mean)")
-    p.add_argument("--reader", choices=READERS, default="auto",
-                   help="image decoding: mmcv (as mmdet's / mmseg's LoadImageFromFile: EXIF orientation, 16-bit, "
-                   "palette, CMYK...), pil (the same conversions with Pillow, for installs without mmcv) or auto "
-                   "(mmcv where installed; default)")
+    p.add_argument("--reader", choices=READERS, default="auto", help="image decoding: mmcv (as LoadImageFromFile: "
+                   "EXIF orientation, 16-bit, palette, CMYK...), pil (the same with Pillow), auto (mmcv if installed)")
     p.add_argument("--batch-size", type=int_arg(1), default=4,
                    help="images per forward: of one input size on the CPU, of mixed sizes on GPUs (default: 4)")
     p.add_argument("--workers", type=int_arg(0), help="decoding processes per rank (default: CUDA: the rank's share "
@@ -125,7 +123,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check alone, still before any model or image is loaded (status 2)."""
-    check_paths(p, args.input, args.out_dir)
+    if not (os.path.exists(args.input) or glob.has_magic(args.input)):
+        p.error(f"input: no such file or folder {args.input!r} (expected an image file, a folder or a glob)")
+    existing = os.path.abspath(args.out_dir)  # OUT_DIR, or the folder it would be created in
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        p.error(f"out_dir: {existing!r} is a file; expected a folder (OUT_DIR {args.out_dir!r} is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        p.error(f"out_dir: {args.out_dir!r} is not writable")
+    if os.path.isdir(args.input) and os.path.realpath(args.input) == os.path.realpath(args.out_dir):
+        p.error(f"out_dir: {args.out_dir!r} is the input folder itself; expected another folder (a subfolder is "
+                "fine: it is never searched for images)")
     if not args.checkpoint and not args.random_weights:
         p.error("--checkpoint: none given, so the backbone would have random weights and every feature would be "
                 "meaningless; pass --checkpoint FILE (any Swin format, or a detector/segmentor checkpoint), or "
@@ -140,10 +149,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             check_stages(args.stages, None if args.config else len(args.depths) if args.depths else 4)
         except ValueError as err:
             p.error(f"--{err}")
-    if args.config and (args.embed_dims or args.depths or args.num_heads):
-        p.error("--embed-dims/--depths/--num-heads: only with --arch, not --config")
-    if args.config and (args.window_size is not None or args.pretrained_window_sizes is not None):
-        p.error("--window-size/--pretrained-window-sizes: only with --arch, not --config (the config sets them)")
+    arch_only = [k for k in ("embed_dims", "depths", "num_heads", "window_size", "pretrained_window_sizes")
+                 if getattr(args, k) is not None]
+    if args.config and arch_only:
+        p.error(f"{'/'.join('--' + k.replace('_', '-') for k in arch_only)}: only with --arch, not --config (the "
+                "config sets them)")
     if not args.config:
         if args.pretrained_window_sizes is not None and split_arch(args.arch)[0] != 2:
             p.error(f"--pretrained-window-sizes: only for Swin V2 presets (v2-tiny, ...), got --arch {args.arch}")
@@ -155,27 +165,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--no-maps: nothing would be written; add --pool avg (or --png)")
 
 
-def check_paths(p: argparse.ArgumentParser, input_spec: str, out_dir: str) -> None:
-    """INPUT exists (a file, a folder or a glob); OUT_DIR is (or can become) a writable folder
-    that is not INPUT itself."""
-    if not (os.path.exists(input_spec) or glob.has_magic(input_spec)):
-        p.error(f"input: no such file or folder {input_spec!r} (expected an image file, a folder or a glob)")
-    existing = os.path.abspath(out_dir)  # OUT_DIR, or the folder it would be created in
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        p.error(f"out_dir: {existing!r} is a file; expected a folder (OUT_DIR {out_dir!r} is created if missing)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        p.error(f"out_dir: {out_dir!r} is not writable")
-    if os.path.isdir(input_spec) and os.path.realpath(input_spec) == os.path.realpath(out_dir):
-        p.error(f"out_dir: {out_dir!r} is the input folder itself; expected another folder (a subfolder is "
-                "fine: it is never searched for images)")
-
-
 def extract(argv: Optional[Sequence[str]] = None) -> dict:
-    """Parse ``argv`` and extract: rank 0's summary (``index.json``'s content) or, on other
-    ranks, the rank's own record. Errors raise (usage errors: ``SystemExit(2)``); for the
-    command line use :func:`main`."""
+    """Parse ``argv`` and extract: rank 0's summary (``index.json``), other ranks' own record. Errors raise
+    (usage errors: ``SystemExit(2)``); the command line is :func:`main`."""
     args = parse_args(argv)
     ctx = init_distributed(args.dist_timeout)
     body = run
@@ -189,9 +181,9 @@ def extract(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point: the exit status. 0: done (a summary on stdout, the index in
-    OUT_DIR); 2: a usage error (argparse); 1: a failure, said in one line on stderr (also when
-    not one image could be read). Under torchrun the process ends here (:func:`leave_job`)."""
+    """The exit status: 0 done (a summary on stdout, the index in OUT_DIR); 2 a usage error
+    (argparse); 1 a failure, said in one line on stderr (also when not one image could be read).
+    Under torchrun the process ends here (:func:`leave_job`)."""
     code = 1
     try:
         summary = extract(argv)
@@ -233,14 +225,14 @@ class Share:
     failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
     notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
     in_flight: List[str] = field(default_factory=list)
-    new: int = 0
     resumed: int = 0
 
     def record(self, out_dir: str, status: str, error: Optional[str] = None, **extra: object) -> dict:
         """Write and return the rank's record."""
+        failed = [dict(image=self.paths[i], error=e) for i, e in sorted(self.failed.items())]
         info = dict(rank=self.rank, world_size=self.world_size, status=status, error=error, assigned=len(self.paths),
-                    images=len(self.rows), new=self.new, resumed=self.resumed, in_flight=self.in_flight,
-                    failed=[dict(image=self.paths[i], error=e) for i, e in sorted(self.failed.items())],
+                    images=len(self.rows), new=len(self.rows) - self.resumed, resumed=self.resumed,
+                    in_flight=self.in_flight, failed=failed,
                     pending=[p for i, p in enumerate(self.paths) if i not in self.rows and i not in self.failed],
                     notes=self.notes, features=[r for i in sorted(self.rows) for r in self.rows[i]], **extra)
         name = f"rank-{self.rank:05d}-of-{self.world_size:05d}.json"
@@ -249,8 +241,7 @@ class Share:
 
 
 def run(args: argparse.Namespace, ctx: DistContext) -> dict:
-    """Extract this rank's share; on rank 0, merge and return the job's summary (other ranks:
-    their own record)."""
+    """Extract this rank's share; rank 0 returns the job's summary, other ranks their record."""
     start = time.perf_counter()
     paths, root = find_images(args.input, exclude=args.out_dir)
     if not paths:
@@ -258,29 +249,25 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
                          + (f"; {args.out_dir!r} is OUT_DIR, not searched" if inside(args.out_dir, args.input) else "")
                          + ")")
     names = output_names(paths, root)
-    if args.workers is None:
-        args.workers = default_workers(ctx.local_world_size, args.device)
-    preprocessing(args)
-    extractor = build_extractor(args, rank_device(args, ctx))
+    extractor = build_extractor(args, ctx)
     channels = {s: f.shape[0] for s, f in extractor.run_batch([torch.zeros(3, 64, 64)])[0].items()}
     plan = OutputPlan(args.out_dir, root, args.format, channels, maps=not args.no_maps, png=args.png, names=names)
     warnings = [RANDOM_WEIGHTS_WARNING] if args.random_weights else []
     for w in warnings if ctx.rank == 0 else ():
         print(f"WARNING: {w}", file=sys.stderr, flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    check_settings(args, ctx, feature_settings(args, channels))
+    check_settings(args, ctx, channels)
 
     share = Share(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
-    pooled, done_pooled = None, None
-    if args.pool:
-        pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels)
-        done_pooled = set() if args.overwrite else pooled.load_existing({plan.key(p) for p in share.paths})
+    pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels) if args.pool else None
+    # (with --overwrite no image is skipped, whatever the old pooled files hold)
+    done_pooled = pooled.load_existing({plan.key(p) for p in share.paths}) if pooled and not args.overwrite else None
     ctx.barrier()  # every rank has read the old pooled files before any are replaced
     try:
         extract_share(args, extractor, plan, share, pooled, done_pooled, show=ctx.rank == 0 and not args.no_progress)
     except Exception as err:
         if pooled is not None:  # what this run did is kept for the rerun
-            pooled.flush(".end")
+            pooled.flush()
         info = share.record(args.out_dir, "failed", f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         raise RankFailed(f"rank {ctx.rank} of {ctx.world_size} failed"
                          + (f" on {', '.join(share.in_flight)}" if share.in_flight else "")
@@ -289,22 +276,22 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
                          "them") from err
     shard = None
     if pooled is not None:
-        shard = pooled.write_shard([plan.key(share.paths[i]) for i in sorted(share.rows)])
+        shard = pooled.save(f"shard-{pooled.tag}.npz", [plan.key(share.paths[i]) for i in sorted(share.rows)])
     info = share.record(args.out_dir, "complete", pooled_file=shard)
     gathered = ctx.gather(info)  # waits for every rank
     if ctx.rank != 0 or gathered is None:
         return info
     summary = write_index(args, gathered, paths, time.perf_counter() - start, warnings)
-    PooledStore.remove_stale(args.out_dir, ctx.world_size)
-    for name in os.listdir(os.path.join(args.out_dir, "ranks")):
+    pool_dir, ranks_dir = os.path.join(args.out_dir, "pooled"), os.path.join(args.out_dir, "ranks")
+    shards = [f"shard-{r:05d}-of-{ctx.world_size:05d}.npz" for r in range(ctx.world_size)]
+    for name in pool_files(pool_dir, keep=shards):
+        os.remove(os.path.join(pool_dir, name))  # partial files, shards of other runs
+    for name in os.listdir(ranks_dir):
         if not name.endswith(f"-of-{ctx.world_size:05d}.json"):
-            os.remove(os.path.join(args.out_dir, "ranks", name))  # a record of a run with another world size
-    for item in summary["failed"]:
-        print(f"skipped {item['image']}: {item['error']}", file=sys.stderr)
-    for note in summary["notes"]:
-        print(f"warning: {note}", file=sys.stderr)
-    for w in warnings:
-        print(f"WARNING: {w}", file=sys.stderr)
+            os.remove(os.path.join(ranks_dir, name))  # a record of a run with another world size
+    said = [f"skipped {f['image']}: {f['error']}" for f in summary["failed"]]
+    for line in said + [f"warning: {n}" for n in summary["notes"]] + [f"WARNING: {w}" for w in warnings]:
+        print(line, file=sys.stderr)
     print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
           f"{ctx.world_size} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
           f"{len(summary['failed'])} skipped, images read with {summary['reader']}\n"
@@ -314,9 +301,8 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
 
 def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, share: Share,
                   pooled: Optional[PooledStore], done_pooled: Optional[set], show: bool) -> None:
-    """The rank's loop: DataLoader workers decode (or find an image's outputs complete); the
-    main process batches what they decoded as :meth:`FeatureExtractor.batches` does, runs the
-    backbone and writes."""
+    """The rank's loop: DataLoader workers decode (or find an image's outputs complete); the main
+    process batches what they decoded as :meth:`FeatureExtractor.batches` does, runs the backbone, writes."""
     from rich.console import Console
     from rich.progress import track
 
@@ -342,7 +328,6 @@ def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: O
                 share.rows[item["i"]] = plan.write(path, feat, item["shown"])
                 if pooled is not None:
                     pooled.add(plan.key(path), mean_pool(feat))
-                share.new += 1
             share.in_flight = []
         waiting.clear()
 
@@ -366,11 +351,12 @@ def write_index(args: argparse.Namespace, records: List[dict], paths: List[str],
     """Rank 0: ``index.json`` (the summary) and ``index.csv`` of the whole job, from every rank's record."""
     order = {p: i for i, p in enumerate(paths)}
     rows = sorted((r for s in records for r in s["features"]), key=lambda r: (order[r["image"]], r["stage"], r["file"]))
-    new = sum(s["new"] for s in records)
-    summary = dict(images=sum(s["images"] for s in records), new=new, resumed=sum(s["resumed"] for s in records),
-                   failed=sorted((f for s in records for f in s["failed"]), key=lambda f: order[f["image"]]),
-                   notes=[n for s in records for n in s["notes"]], reader=reader_label(args), seconds=round(seconds, 3),
-                   images_per_second=round(new / max(seconds, 1e-9), 3), world_size=len(records),
+    total = {k: sum(s[k] for s in records) for k in ("images", "new", "resumed")}
+    reader = (f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
+              if args.reader == "mmcv" else "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)")
+    summary = dict(**total, failed=sorted((f for s in records for f in s["failed"]), key=lambda f: order[f["image"]]),
+                   notes=[n for s in records for n in s["notes"]], reader=reader, seconds=round(seconds, 3),
+                   images_per_second=round(total["new"] / max(seconds, 1e-9), 3), world_size=len(records),
                    workers=args.workers, batch_size=args.batch_size, warnings=warnings,
                    weights=dict(checkpoint=args.checkpoint, random=bool(args.random_weights),
                                 seed=args.seed if args.random_weights else None),
@@ -388,8 +374,9 @@ def write_index(args: argparse.Namespace, records: List[dict], paths: List[str],
 
 
 # ------------------------------------------------------ what decides the features' values
-def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict:
-    """What decides the features' values: a rerun into the same OUT_DIR must match it."""
+def check_settings(args: argparse.Namespace, ctx: DistContext, channels: Dict[int, int]) -> None:
+    """Refuse an OUT_DIR that holds features made with other settings (what decides their values) unless
+    ``--overwrite``, then (rank 0) record these in ``settings.json``."""
     checkpoint = None
     if args.checkpoint:
         local = args.checkpoint
@@ -401,23 +388,10 @@ def feature_settings(args: argparse.Namespace, channels: Dict[int, int]) -> dict
                  window_size=args.window_size)
     if args.pretrained_window_sizes is not None:  # (absent otherwise: OUT_DIRs written before V2 still match)
         model["pretrained_window_sizes"] = args.pretrained_window_sizes
-    return dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
-                checkpoint=checkpoint, random_weights_seed=args.seed if args.random_weights else None,
-                stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=args.mean,
-                std=args.std, dtype=args.dtype, reader=args.reader)
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 23), b""):  # 8 MiB at a time: checkpoints reach GiBs
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -> None:
-    """Refuse an OUT_DIR that holds features made with other ``settings`` (unless ``--overwrite``),
-    then (rank 0) record these in ``settings.json``."""
+    settings = dict(model=dict(config=os.path.abspath(args.config)) if args.config else model,
+                    checkpoint=checkpoint, random_weights_seed=args.seed if args.random_weights else None,
+                    stages={str(s): c for s, c in channels.items()}, resize=args.resize, mean=args.mean,
+                    std=args.std, dtype=args.dtype, reader=args.reader)
     path = os.path.join(args.out_dir, "settings.json")
     if not args.overwrite and os.path.isfile(path):
         with open(path) as f:
@@ -432,31 +406,35 @@ def check_settings(args: argparse.Namespace, ctx: DistContext, settings: dict) -
         atomic_write(path, json.dumps(settings, indent=1))
 
 
-def preprocessing(args: argparse.Namespace) -> None:
-    """Decoder, loader settings and mean / std: with ``--config``, its test pipeline's
-    ``LoadImageFromFile`` and its data preprocessor's (unless --mean / --std are given)."""
-    args.reader = resolve_reader(args.reader)
-    args.loader = LoaderSettings()
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):  # 8 MiB at a time: checkpoints reach GiBs
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_extractor(args: argparse.Namespace, ctx: DistContext) -> FeatureExtractor:
+    """The rank's extractor; completes ``args``: the decoder, ``--workers``' default and, with
+    ``--config``, its test pipeline's ``LoadImageFromFile`` and its data preprocessor's mean / std."""
+    args.reader, args.loader = resolve_reader(args.reader), LoaderSettings()
+    if args.workers is None:
+        args.workers = default_workers(ctx.local_world_size, args.device)
     if args.config:
         from mmengine.config import Config
 
         cfg = Config.fromfile(args.config)
         args.loader = loader_settings(cfg)
         preprocessor = (cfg.get("model") or {}).get("data_preprocessor") or {}
-        args.mean = args.mean or preprocessor.get("mean")
-        args.std = args.std or preprocessor.get("std")
+        args.mean, args.std = args.mean or preprocessor.get("mean"), args.std or preprocessor.get("std")
     args.mean = [float(v) for v in args.mean or IMAGENET_MEAN]
     args.std = [float(v) for v in args.std or IMAGENET_STD]
-
-
-def reader_label(args: argparse.Namespace) -> str:
-    """How images were decoded, for the summary."""
-    if args.reader == "mmcv":
-        return f"mmcv ({args.loader.imdecode_backend}, color_type={args.loader.color_type!r}, as LoadImageFromFile)"
-    return "Pillow (mmcv not installed: EXIF orientation and conversions as mmcv's)"
-
-
-def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
+    device = args.device
+    if torch.device(device).type == "cuda" and ctx.world_size > 1:  # under torchrun: cuda:LOCAL_RANK
+        if torch.device(device).index is not None:
+            raise SystemExit(f"--device {device}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda")
+        torch.cuda.set_device(ctx.local_rank)
+        device = f"cuda:{ctx.local_rank}"
     common = dict(stages=args.stages, mean=args.mean, std=args.std, resize=args.resize, batch_size=args.batch_size,
                   device=device, dtype=args.dtype, seed=args.seed)
     if args.attention is not None:  # (else the config's, or the preset's default)
@@ -466,16 +444,6 @@ def build_extractor(args: argparse.Namespace, device: str) -> FeatureExtractor:
     return FeatureExtractor.from_arch(args.arch, args.checkpoint, window_size=args.window_size,
                                       embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
                                       pretrained_window_sizes=args.pretrained_window_sizes, **common)
-
-
-def rank_device(args: argparse.Namespace, ctx: DistContext) -> str:
-    """The device this rank runs on: under torchrun with CUDA, cuda:LOCAL_RANK (made current)."""
-    if torch.device(args.device).type != "cuda" or ctx.world_size == 1:
-        return args.device
-    if torch.device(args.device).index is not None:
-        raise SystemExit(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda")
-    torch.cuda.set_device(ctx.local_rank)
-    return f"cuda:{ctx.local_rank}"
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
-"""Images in, feature files out: what ``swin-extract-features`` reads and writes
-(:mod:`swin_backbone.tools.extract_features` runs the job).
+"""Images in, feature files out, for ``swin-extract-features`` (:mod:`.extract_features` runs the job).
 
-:func:`read_rgb` gives the pixels mmdet's / mmseg's backbone sees for a file: with mmcv it *is*
-``LoadImageFromFile`` (``mmcv.imfrombytes`` with the pipeline's ``color_type`` and
-``imdecode_backend``) and the data preprocessor's BGR -> RGB flip; without mmcv, Pillow applies
-the same conversions (EXIF orientation, 16-bit to the high byte, grayscale / palette / CMYK to
-RGB, alpha dropped): docs/robustness.md.
+:func:`read_rgb` gives the pixels mmdet's / mmseg's backbone sees: with mmcv it *is* ``LoadImageFromFile``
+(``mmcv.imfrombytes`` with the pipeline's ``color_type`` and ``imdecode_backend``) and the data preprocessor's
+BGR -> RGB flip; without mmcv, Pillow applies the same conversions (EXIF orientation, 16-bit to the high byte,
+grayscale / palette / CMYK to RGB, alpha dropped): docs/robustness.md.
 """
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ class ImageReadError(ValueError):
 
 @dataclass(frozen=True)
 class LoaderSettings:
-    """A pipeline's ``LoadImageFromFile`` settings and its data preprocessor's BGR -> RGB flip
-    (mmcv's defaults: the shipped configs' values)."""
+    """A pipeline's ``LoadImageFromFile`` settings and its data preprocessor's BGR -> RGB flip (defaults: mmcv's)."""
 
     color_type: str = "color"
     imdecode_backend: str = "cv2"
@@ -46,15 +43,12 @@ class LoaderSettings:
 
 
 def loader_settings(cfg: Any) -> LoaderSettings:
-    """The :class:`LoaderSettings` of an mmengine config: the ``LoadImageFromFile`` of its
-    ``test_pipeline`` (else of ``test_dataloader.dataset.pipeline``) and its model's
-    ``data_preprocessor.bgr_to_rgb``."""
+    """An mmengine config's: its ``test_pipeline``'s (else ``test_dataloader``'s) ``LoadImageFromFile``."""
     pipelines = (cfg.get("test_pipeline"), ((cfg.get("test_dataloader") or {}).get("dataset") or {}).get("pipeline"))
     step = next((s for pipeline in pipelines for s in pipeline or () if isinstance(s, dict)
                  and str(s.get("type", "")).split(".")[-1] == "LoadImageFromFile"), {})
     preprocessor = (cfg.get("model") or {}).get("data_preprocessor") or {}
-    return LoaderSettings(color_type=step.get("color_type", "color"),
-                          imdecode_backend=step.get("imdecode_backend", "cv2"),
+    return LoaderSettings(**{k: step[k] for k in ("color_type", "imdecode_backend") if k in step},
                           bgr_to_rgb=bool(preprocessor.get("bgr_to_rgb", False)) if preprocessor else True)
 
 
@@ -62,16 +56,16 @@ def resolve_reader(reader: str = "auto") -> str:
     """``'mmcv'`` or ``'pil'`` for a :data:`READERS` value; ``'mmcv'`` without mmcv is an error."""
     if reader not in READERS:
         raise ValueError(f"reader: expected one of {READERS}, got {reader!r}")
-    if reader == "pil":
-        return reader
-    try:
-        import mmcv  # noqa: F401
-    except Exception:  # not installed, or built for another torch
-        if reader == "mmcv":
-            raise ValueError("reader: 'mmcv' asked for, but mmcv cannot be imported "
-                             "(pip install 'swin-backbone[mmdet]')") from None
-        return "pil"
-    return "mmcv"
+    if reader != "pil":
+        try:
+            import mmcv  # noqa: F401
+
+            return "mmcv"
+        except Exception:  # not installed, or built for another torch
+            if reader == "mmcv":
+                raise ValueError("reader: 'mmcv' asked for, but mmcv cannot be imported "
+                                 "(pip install 'swin-backbone[mmdet]')") from None
+    return "pil"
 
 
 def decode_pil(data: bytes, source: str = "<bytes>") -> np.ndarray:
@@ -103,14 +97,17 @@ def read_bytes(path: str) -> bytes:
     return data
 
 
-def decode_rgb(data: bytes, reader: str = "auto", settings: LoaderSettings = LoaderSettings(),
-               source: str = "<bytes>") -> np.ndarray:
-    """:func:`read_rgb` of a file's bytes (``source`` names it in errors)."""
+def read_rgb(path: str, reader: str = "auto", settings: LoaderSettings = LoaderSettings(),
+             data: Optional[bytes] = None) -> np.ndarray:
+    """The ``(H, W, 3)`` uint8 RGB pixels mmdet's / mmseg's backbone sees for the file at ``path``
+    (or for its bytes ``data``), before resizing and normalisation, read with ``reader``
+    (:data:`READERS`). A file that cannot be read or decoded is an :class:`ImageReadError`."""
+    data = read_bytes(path) if data is None else data
     if resolve_reader(reader) == "pil":
         if settings.color_type != "color":
             raise ValueError(f"reader 'pil': reads color_type='color' only (the shipped configs'), got "
                              f"{settings.color_type!r}; install mmcv to read as that pipeline does")
-        rgb = decode_pil(data, source=source)
+        rgb = decode_pil(data, source=path)
         return rgb if settings.bgr_to_rgb else np.ascontiguousarray(rgb[:, :, ::-1])
     import mmcv
 
@@ -118,22 +115,15 @@ def decode_rgb(data: bytes, reader: str = "auto", settings: LoaderSettings = Loa
     try:
         image = mmcv.imfrombytes(data, flag=settings.color_type, backend=settings.imdecode_backend)
     except Exception as err:  # OpenCV / Pillow decoder errors
-        raise ImageReadError(f"{source}: {backend} cannot decode it ({type(err).__name__}: {err})") from None
+        raise ImageReadError(f"{path}: {backend} cannot decode it ({type(err).__name__}: {err})") from None
     if image is None:  # OpenCV's answer to anything it cannot decode
-        raise ImageReadError(f"{source}: {backend} cannot decode it: not an image, a format OpenCV does not read, "
+        raise ImageReadError(f"{path}: {backend} cannot decode it: not an image, a format OpenCV does not read, "
                              "or a damaged file")
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:  # another color_type
-        raise ImageReadError(f"{source}: {backend} decoded it to {image.dtype} of shape {image.shape}; expected "
+        raise ImageReadError(f"{path}: {backend} decoded it to {image.dtype} of shape {image.shape}; expected "
                              "3-channel 8-bit pixels (LoadImageFromFile color_type='color')")
     # the data preprocessor's flip, not imfrombytes' channel_order: that one is ignored by some backends
     return np.ascontiguousarray(image[:, :, ::-1]) if settings.bgr_to_rgb else image
-
-
-def read_rgb(path: str, reader: str = "auto", settings: LoaderSettings = LoaderSettings()) -> np.ndarray:
-    """The ``(H, W, 3)`` uint8 RGB pixels mmdet's / mmseg's backbone sees for the file at
-    ``path`` (before resizing and normalisation), read with ``reader`` (``'mmcv'``, ``'pil'`` or
-    ``'auto'``). Raises :class:`ImageReadError` for a file that cannot be decoded."""
-    return decode_rgb(read_bytes(path), reader, settings, source=path)
 
 
 # -------------------------------------------------------------------- the images of INPUT
@@ -146,9 +136,8 @@ def inside(path: str, folder: Optional[str]) -> bool:
 
 
 def find_images(spec: str, exclude: Optional[str] = None) -> Tuple[List[str], str]:
-    """Image paths (sorted) for a file, folder or glob, and the root their output paths are
-    relative to. Nothing under ``exclude`` (OUT_DIR) is an input: a rerun into ``IN/feats``
-    must not read its own ``--png`` visualisations."""
+    """Image paths (sorted) for a file, folder or glob, and the root their outputs are relative to.
+    Nothing under ``exclude`` (OUT_DIR) is an input: a rerun must not read its own ``--png`` files."""
     if os.path.isdir(spec):
         paths = []
         for folder, subdirs, files in os.walk(spec):
@@ -163,9 +152,8 @@ def find_images(spec: str, exclude: Optional[str] = None) -> Tuple[List[str], st
 
 
 def output_names(paths: Sequence[str], root: str) -> Dict[str, str]:
-    """Each image's output name (relative to OUT_DIR, no suffix): its relative path without the
-    extension, or with it where two images would share a name (``x0.jpg`` and ``x0.png``).
-    Names compare case-insensitively (macOS and Windows folders); a clash left is a ``ValueError``."""
+    """Each image's output name: its relative path without the extension, or with it where two would share
+    one (``x0.jpg``, ``x0.png``), compared case-insensitively (macOS, Windows); a clash left is a ``ValueError``."""
     rel = {p: os.path.relpath(p, root) for p in paths}
     stems = {p: os.path.splitext(r)[0] for p, r in rel.items()}
     count = Counter(stem.lower() for stem in stems.values())
@@ -181,16 +169,14 @@ def output_names(paths: Sequence[str], root: str) -> Dict[str, str]:
 
 # --------------------------------------------------------- decoding in DataLoader workers
 def as_is(item: Any) -> Any:
-    """DataLoader ``collate_fn`` for ``batch_size=None``: the item unchanged (the default one
-    would turn its numpy arrays into tensors)."""
+    """DataLoader ``collate_fn``: the item as it is (the default one turns numpy arrays into tensors)."""
     return item
 
 
 class ImageJobs(Dataset):
-    """One rank's images, for DataLoader workers: each item is ``done`` (outputs already
-    complete, with their index ``rows``), ``failed`` (unreadable, with the ``error``) or ``ok``
-    with the decoded ``(3, H, W)`` ``image`` (uint8; float32 if resized), the RGB image
-    ``shown`` in PNGs and a ``note`` (or ``None``)."""
+    """One rank's images, for DataLoader workers: each item is ``done`` (outputs complete: their index
+    ``rows``), ``failed`` (its ``error``) or ``ok``: the decoded ``(3, H, W)`` ``image`` (uint8; float32 if
+    resized), the ``(H, W, 3)`` RGB image ``shown`` in PNGs (or ``None``) and a ``note`` (or ``None``)."""
 
     def __init__(self, paths: Sequence[str], plan: OutputPlan, resize: Optional[Tuple[int, int]],
                  skip_complete: bool, pooled: Optional[Set[str]], reader: str = "auto",
@@ -210,7 +196,7 @@ class ImageJobs(Dataset):
                 return dict(i=i, status="done", rows=rows)
         try:
             data = read_bytes(path)
-            rgb = decode_rgb(data, self.reader, self.loader, source=path)
+            rgb = read_rgb(path, self.reader, self.loader, data)
         except Exception as err:  # not an image, damaged, refused by mmcv: reported and skipped
             error = str(err) if isinstance(err, ImageReadError) else f"{path}: {type(err).__name__}: {err}"
             return dict(i=i, status="failed", error=error)
@@ -228,9 +214,8 @@ class ImageJobs(Dataset):
 
 
 def default_workers(local_world_size: int = 1, device: str = "cuda") -> int:
-    """Decoding workers per rank. CUDA: the rank's share of the node's cores minus one for the
-    rank itself, 1..8. CPU: the forward uses every core and a decoding process stalls it, so 1
-    worker from 4 cores per rank on, else 0 (decode in the main process)."""
+    """Decoding workers per rank. CUDA: the rank's share of the cores minus its own, 1..8. CPU: the forward
+    uses every core and a decoding process stalls it: 1 from 4 cores per rank on, else 0 (the main process)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = cores // max(1, local_world_size)
     if torch.device(device).type == "cuda":
@@ -252,7 +237,7 @@ class OutputPlan:
     names: Dict[str, str] = field(default_factory=dict)  # path -> output name (output_names)
 
     def key(self, path: str) -> str:
-        """The image's path relative to the input root, ``/``-separated (its identity on disk)."""
+        """Its path relative to the input root, ``/``-separated (its name in pooled files)."""
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def base(self, path: str) -> str:
@@ -292,8 +277,8 @@ class OutputPlan:
     def stored(self, file: str, stages: List[int]) -> Dict[int, Tuple[Tuple[int, ...], Any]]:
         """``{stage: (shape, dtype)}`` of a written file, from its headers; an error if it is cut off."""
         if self.fmt == "pt":
-            t = torch.load(file, map_location="cpu", weights_only=True, **({"mmap": True} if load_supports_mmap()
-                                                                          else {}))
+            mmap = {"mmap": True} if load_supports_mmap() else {}
+            t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
             return {stages[0]: (tuple(t.shape), t.dtype)}
         if self.fmt == "npy":
             a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
@@ -312,9 +297,8 @@ class OutputPlan:
         return out
 
     def complete_rows(self, path: str) -> Optional[List[dict]]:
-        """The index rows of ``path``'s outputs if every one of them is on disk and complete
-        (right stages, channels and dtype, as long as its header says, PNGs verified); ``None``
-        if anything is missing, cut off or different."""
+        """The index rows of ``path``'s outputs if all are complete (stages, channels, dtype, as long as their
+        headers say, PNGs verified); ``None`` if anything is missing, cut off or different."""
         rows = []
         try:
             for file, stages in self.files(path).items():
@@ -332,13 +316,9 @@ class OutputPlan:
 
 # ----------------------------------------------------------------------------- --pool avg
 class PooledStore:
-    """Mean-pooled vectors of one rank: ``pooled/shard-RRRRR-of-WWWWW.npz`` with ``images``
-    (paths relative to INPUT) and ``stage{i}`` ``(N, C_i)`` float32 arrays, one row per image.
-
-    Every :attr:`FLUSH` new vectors also go to a ``partial-...npz`` file, so that an interrupted
-    run keeps them; a rerun reads every such file it finds there (of any world size), and rank 0
-    deletes all but the current shards once every rank is done.
-    """
+    """One rank's mean-pooled vectors: ``pooled/shard-RRRRR-of-WWWWW.npz`` with ``images`` (:meth:`OutputPlan.key`)
+    and ``stage{i}`` ``(N, C_i)`` float32 arrays. Every :attr:`FLUSH` new vectors, and when the rank stops, also
+    go to a ``partial-*.npz``: a rerun reads every pooled file there (of any world size)."""
 
     FLUSH = 1024
 
@@ -370,7 +350,7 @@ class PooledStore:
         if len(self.unflushed) >= self.FLUSH:
             self.flush(f".{len(self.vectors)}")
 
-    def flush(self, suffix: str) -> None:
+    def flush(self, suffix: str = ".end") -> None:
         """Write the vectors not yet in a file to ``partial-<tag>-<run><suffix>.npz``."""
         if self.unflushed:
             self.save(f"partial-{self.tag}-{self.run_id}{suffix}.npz", self.unflushed)
@@ -385,19 +365,8 @@ class PooledStore:
         atomic_write(os.path.join(self.dir, name), buf.getvalue())
         return f"pooled/{name}"
 
-    def write_shard(self, images: Sequence[str]) -> str:
-        """The rank's shard: the vectors of ``images`` (the done ones, in the rank's order)."""
-        return self.save(f"shard-{self.tag}.npz", images)
 
-    @staticmethod
-    def remove_stale(out_dir: str, world_size: int) -> None:
-        """Rank 0, after every rank wrote its shard: delete partial files and other runs' shards."""
-        current = {f"shard-{r:05d}-of-{world_size:05d}.npz" for r in range(world_size)}
-        for name in set(pool_files(os.path.join(out_dir, "pooled"))) - current:
-            os.remove(os.path.join(out_dir, "pooled", name))
-
-
-def pool_files(pool_dir: str) -> List[str]:
-    """The names of the pooled files (shards and partial files) in ``pool_dir``, sorted."""
+def pool_files(pool_dir: str, keep: Sequence[str] = ()) -> List[str]:
+    """The names of the pooled files (shards, partial files) in ``pool_dir`` but ``keep``, sorted."""
     names = sorted(os.listdir(pool_dir)) if os.path.isdir(pool_dir) else []
-    return [n for n in names if n.startswith(("shard-", "partial-")) and n.endswith(".npz")]
+    return [n for n in names if n.startswith(("shard-", "partial-")) and n.endswith(".npz") and n not in keep]
