@@ -17,6 +17,7 @@ from . import formats  # noqa: F401  (registers the Swin V1 layouts)
 from .base import FORMAT_NAMES, CheckpointError, StateDict, describe_keys, prefixed
 from .formats_hf import hf_root
 from .formats_v2 import infer_v2_arch, is_v2, v2_format
+from .records import brief
 
 #: Every format name: the V1 layouts (:mod:`.formats`), their Swin V2 variants
 #: (:mod:`.formats_v2`), then Hugging Face transformers' (:mod:`.formats_hf`).
@@ -61,7 +62,7 @@ def unwrap_state_dict(obj: object, source: str = "", prefix: Optional[str] = Non
         state = OrderedDict((k, v) for k, v in obj.items() if isinstance(v, torch.Tensor))
     if prefix is not None:
         return _take_prefix(state, prefix, where, steps)
-    if all(str(k).startswith("module.") for k in state):
+    if all(isinstance(k, str) and k.startswith("module.") for k in state):
         state = OrderedDict((k[len("module."):], v) for k, v in state.items())
         steps.append("stripped 'module.'")
     if hf_root(state) is None:
@@ -81,7 +82,7 @@ def _take_prefix(state: StateDict, prefix: str, where: str, steps: List[str]) ->
                               f"'backbone.', got {prefix!r}")
     prefix = prefix if prefix.endswith(".") else prefix + "."
     for strip in ("", "module."):
-        if strip and not all(str(k).startswith(strip) for k in state):
+        if strip and not all(isinstance(k, str) and k.startswith(strip) for k in state):
             continue
         inner = prefixed(state, strip + prefix)
         if inner:
@@ -104,15 +105,15 @@ def _nested_tensor_dict(obj: Mapping, where: str, depth: int = 3) -> Tuple[List[
 
     def walk(node: Mapping, path: List[str], level: int) -> None:
         for key, value in node.items():
-            if not isinstance(value, Mapping) or str(key) in NOT_WEIGHTS:
+            if not isinstance(value, Mapping) or key in NOT_WEIGHTS or not isinstance(key, str):
                 continue
             if any(isinstance(v, torch.Tensor) for v in value.values()):
-                found.append((path + [str(key)], value))
+                found.append((path + [key], value))
             elif level < depth:
-                walk(value, path + [str(key)], level + 1)
+                walk(value, path + [key], level + 1)
 
     walk(obj, [], 1)
-    keys = ", ".join(map(repr, list(obj)[:8]))
+    keys = ", ".join(brief(k) for k in list(obj)[:8])
     if not found:
         raise CheckpointError(
             f"{where}: expected a dict of tensors (a state dict, maybe under 'state_dict' or 'model'); "

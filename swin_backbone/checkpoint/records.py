@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import enum
 import math
 import re
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -56,6 +57,8 @@ BYTES_PER_FILE_BYTE = 4
 MAX_KEY_INT = (1 << 61) - 2
 #: A size (a tensor's, an array's) lies below this bound.
 MAX_SIZE = 1 << 63
+#: A tuple key has at most this many parts; a string or bytes key part at most this many characters.
+MAX_KEY_PARTS, MAX_KEY_CHARS = 8, 4096
 
 
 #: What the message of a file that names or calls code says first (tests and callers match it).
@@ -229,15 +232,52 @@ def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...]
             check_plain(item, what, depth + 1, records, seen, dunder_keys)
 
 
+#: What a dict key or set item may be (a tuple key's parts: strings, bytes and ints >= 0 only).
+_KEY_LEAVES = (str, bytes, bool, type(None), int, float, torch.dtype, torch.device)
+
+
+def check_trusted_state(value: Any, trusted: Tuple[type, ...], what: str, depth: int = 0,
+                        seen: Optional[set] = None) -> None:
+    """Refuse ``value`` unless it is what a load's own (trusted) classes hold: plain data, tensors,
+    torch layouts and memory formats, instances of ``trusted`` and the process group, nested at
+    most :data:`MAX_DEPTH` deep, keys checked, no ``__x__`` key. (Trusted instances are checked
+    when given their state and again by :func:`materialize`, through their attributes.)"""
+    kind = type(value)
+    if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.layout, torch.memory_format) \
+            or isinstance(value, trusted) or kind.__name__ == "ProcessGroup" and kind.__module__.startswith("torch"):
+        return
+    if kind not in (list, tuple, dict, collections.OrderedDict):
+        raise refuse(f"{what}: expected data of the load's own classes, found {describe(value)}")
+    if depth >= MAX_DEPTH:
+        raise refuse(f"{what}: data nested deeper than {MAX_DEPTH} levels")
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        if isinstance(value, dict):
+            check_key(key, what)
+            if type(key) is str and key.startswith("__") and key.endswith("__"):
+                raise refuse(f"{what}: the key {brief(key)} names an attribute protocol, not data")
+        check_trusted_state(item, trusted, what, depth + 1, seen)
+
+
 def check_key(key: Any, what: str) -> None:
-    """A dict key or set item, before anything hashes it: a leaf, or a tuple of leaves (a nested
-    tuple's hash recurses without a limit: a deep one crashes the process); no int of
-    :data:`MAX_KEY_INT` or more, and no complex number (keys chosen to share a hash)."""
-    for part in key if type(key) is tuple else (key,):
-        kind = type(part)
-        if kind not in PLAIN_LEAVES or kind is complex or (kind is int and abs(part) > MAX_KEY_INT):
-            raise refuse(f"{what}: a dict key or set item must be a number (an int below 2**61, not complex), a "
-                         f"string, bytes or a tuple of those, found {brief(key)}")
+    """A dict key or set item, before anything hashes it: a string, bytes, a number or None, or a
+    short tuple of strings, bytes and ints >= 0 (a nested tuple's hash recurses without a limit: a
+    deep one crashes the process). Keys cannot be chosen to share one hash (quadratic inserts): an
+    int lies within :data:`MAX_KEY_INT` (below it an int is its own hash), no complex number, no
+    tuple part that hashes as another (-1 and -2, True and 1), and a key is short
+    (:data:`MAX_KEY_CHARS`: messages and key checks copy keys)."""
+    if type(key) is tuple:
+        ok = len(key) <= MAX_KEY_PARTS and all(type(p) in (str, bytes) or (type(p) is int and 0 <= p <= MAX_KEY_INT)
+                                               for p in key)
+    else:
+        ok = type(key) in _KEY_LEAVES and not (type(key) is int and abs(key) > MAX_KEY_INT)
+    if not ok or any(type(p) in (str, bytes) and len(p) > MAX_KEY_CHARS for p in (key if type(key) is tuple else (key,))):
+        raise refuse(f"{what}: a dict key or set item must be a string or bytes (at most {MAX_KEY_CHARS} long), a "
+                     f"number (an int within 2**61), None, or a tuple of at most {MAX_KEY_PARTS} strings and ints "
+                     f">= 0, found {brief(key)}")
 
 
 def _complete(record: Record) -> bool:
@@ -382,7 +422,7 @@ def build_history_buffer(record: HistoryBufferRecord, state: Any) -> None:
     if record.log is not None or type(state) is not dict or not set(state) <= known \
             or not {"_log_history", "_count_history"} <= set(state):
         raise refuse(f"HistoryBuffer: expected its state {{max_length, _log_history, _count_history}}, found "
-                     f"{sorted(map(str, state))[:8] if type(state) is dict else describe(state)}")
+                     f"{brief(list(state)) if type(state) is dict else describe(state)}")
     for key in ("statistics_methods", "_statistics_methods"):
         methods = state.get(key, {})
         if type(methods) is not dict or not all(type(k) is str and type(v) is MethodName and v.name == k
@@ -403,7 +443,7 @@ def build_message_hub(record: MessageHubRecord, state: Any) -> None:
     known = {"_instance_name", "_log_scalars", "_runtime_info", "_resumed_keys"}
     if record.state is not None or type(state) is not dict or not set(state) <= known:
         raise refuse(f"MessageHub: expected its state {sorted(known)}, found "
-                     f"{sorted(map(str, state))[:8] if type(state) is dict else describe(state)}")
+                     f"{brief(list(state)) if type(state) is dict else describe(state)}")
     check_plain(state, "MessageHub state")
     scalars = state.get("_log_scalars", {})
     if not isinstance(scalars, dict) or not all(type(v) is HistoryBufferRecord for v in scalars.values()):
@@ -721,31 +761,41 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
     what is not plain data (an :class:`Entry`, a :class:`MethodName` outside a HistoryBuffer),
     nesting deeper than :data:`MAX_DEPTH` and cycles. Instances of ``trusted`` classes (a load's
     own, :func:`~.unpickler.read_torch_checkpoint`) are kept as they are."""
-    done: Dict[int, Tuple[Any, int, int]] = {}  # id -> (what it became, height, expanded size)
+    done: Dict[int, Tuple[Any, int, int, int]] = {}  # id -> (what it became, height, expanded size, tensor bytes)
     active: set = set()
     deep = refuse(f"data nested deeper than {MAX_DEPTH} levels")
 
-    def walk(value: Any, depth: int) -> Tuple[Any, int, int]:
+    def walk(value: Any, depth: int) -> Tuple[Any, int, int, int]:
         kind = type(value)
-        if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.storage.TypedStorage, torch.UntypedStorage) \
-                or (trusted and isinstance(value, trusted)):
-            return value, 0, 1
+        if is_tensor(value):  # (what a consumer that copies it makes, at every place it hangs: views of one
+            nbytes = value.numel() * value.element_size()  # storage, one tensor named many times)
+            spend(nbytes, "tensor")
+            return value, 0, 1, nbytes
+        if kind in PLAIN_LEAVES or kind in (torch.storage.TypedStorage, torch.UntypedStorage):
+            return value, 0, 1, 0
+        if trusted and isinstance(value, trusted):  # (their attributes again: the memo can fill them after BUILD)
+            if not isinstance(value, enum.Enum):
+                check_trusted_state(dict(vars(value)) if hasattr(value, "__dict__") else {}, trusted,
+                                    describe(value))
+            return value, 0, 1, 0
         key = id(value)
-        if key in done:  # shared: made once; its height and size count wherever it hangs
-            out, height, size = done[key]
+        if key in done:  # shared: made once; its height, size and tensors count wherever it hangs
+            out, height, size, nbytes = done[key]
             if depth + height > MAX_DEPTH:
                 raise deep
-            return out, height, size
+            spend(nbytes, "tensors")
+            return out, height, size, nbytes
         if key in active:
             raise refuse("the data refers to itself (a cycle)")
         if depth >= MAX_DEPTH:
             raise deep
-        height, size = [0], [1]
+        height, size, nbytes = [0], [1], [0]
 
         def child(v: Any) -> Any:
-            out, h, n = walk(v, depth + 1)
+            out, h, n, b = walk(v, depth + 1)
             height[0] = max(height[0], h + 1)
             size[0] += n
+            nbytes[0] += b
             if size[0] > MAX_EXPANDED:  # (before a ConfigDict copies it along every path)
                 raise refuse(f"the data holds more than {MAX_EXPANDED} objects counted along every path (shared "
                              "parts multiply)")
@@ -756,7 +806,7 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
             out = _made(value, child)
         finally:
             active.discard(key)
-        done[key] = (out, height[0], size[0])
+        done[key] = (out, height[0], size[0], nbytes[0])
         return done[key]
 
     return walk(value, 0)[0]
@@ -791,6 +841,7 @@ def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
             raise refuse("a HistoryBuffer without its state")
         from mmengine.logging import HistoryBuffer
 
+        spend(len(value.log.data) + len(value.count.data), "HistoryBuffer")  # (it copies its histories)
         return HistoryBuffer(walk(value.log), walk(value.count), value.max_length)
     if kind is MessageHubRecord:
         if value.state is None:
@@ -817,7 +868,7 @@ def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
         out = value
         if not all(a is b for (_, a), b in zip(items, value.values())):
             out = (collections.defaultdict(value.default_factory, items) if kind is collections.defaultdict
-                   else kind(items))
+                   else kind(dict(items)) if kind is collections.Counter else kind(items))
         if hasattr(value, "_metadata"):
             out._metadata = module_versions(value._metadata)  # type: ignore[union-attr]
         return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import io
 import os
 import pickle
@@ -33,7 +34,7 @@ import torch
 
 from ..torch_compat import load, zip_record_names
 from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, byte_budget, call,
-                      check_key, describe, materialize, new, refuse)
+                      check_key, check_trusted_state, describe, materialize, new, refuse)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
@@ -114,6 +115,24 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _is_trusted(self, obj: Any) -> bool:
         return bool(self.trusted) and any(obj is value for value in self.trusted.values())
 
+    # A load's own classes (trusted) are made only as their writer pickles them: functions (the
+    # caller's checked rebuilds) called, an Enum called with one of its values, a class created
+    # without arguments and given its state once, the state checked (check_trusted_state).
+    def _call_trusted(self, func: Any, args: Any) -> Any:
+        if isinstance(func, type):
+            if not (issubclass(func, enum.Enum) and type(args) is tuple and len(args) == 1
+                    and type(args[0]) in (int, str) and args[0] in {m.value for m in func}):
+                raise refuse(f"{describe(func)}: called with {brief(args)}; only an Enum with one of its values")
+            return func(args[0])
+        return func(*args)
+
+    def _new_trusted(self, cls: Any, args: Any, kwargs: Any = None) -> Any:
+        if not isinstance(cls, type) or issubclass(cls, enum.Enum) or args != () or kwargs not in (None, {}):
+            raise refuse(f"{describe(cls)}: created with {brief(args)}; expected no arguments")
+        obj = cls.__new__(cls)
+        self._unbuilt[id(obj)] = obj
+        return obj
+
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3 and self.fix_imports:  # protocol 2 writes Python 2 names (__builtin__.getattr)
             import _compat_pickle
@@ -136,6 +155,8 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         allowed opcodes and at most :data:`MAX_OPCODES` of them."""
         if not hasattr(self, "_file_read"):
             raise pickle.UnpicklingError("Unpickler.__init__() was not called")
+        self._unbuilt: Dict[int, Any] = {}  # trusted instances made by NEWOBJ, not yet given their state
+        self._trusted_types = tuple(v for v in self.trusted.values() if isinstance(v, type))
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)  # type: ignore[attr-defined]
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
@@ -172,21 +193,25 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
-        self.stack[-1] = func(*args) if self._is_trusted(func) else call(func, args)
+        self.stack[-1] = self._call_trusted(func, args) if self._is_trusted(func) else call(func, args)
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls.__new__(cls, *args) if self._is_trusted(cls) else new(cls, args))
+        self.append(self._new_trusted(cls, args) if self._is_trusted(cls) else new(cls, args))
 
     def load_newobj_ex(self) -> None:
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls.__new__(cls, *args, **kwargs) if self._is_trusted(cls) else new(cls, args, kwargs))
+        self.append(self._new_trusted(cls, args, kwargs) if self._is_trusted(cls) else new(cls, args, kwargs))
 
     def load_build(self) -> None:
-        if self._is_trusted(type(self.stack[-2])):
+        if self.trusted and self._is_trusted(type(self.stack[-2])):
+            inst = self.stack[-2]
+            if self._unbuilt.pop(id(inst), None) is not inst:  # (an Enum member, or one given its state already)
+                raise refuse(f"the file asks to set the state of {describe(inst)} again, or of one it did not create")
+            check_trusted_state(self.stack[-1], self._trusted_types, f"the state of {describe(inst)}")
             super().load_build()
             return
         state = self.stack.pop()
@@ -253,13 +278,14 @@ _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opc
 
 #: Python's data opcodes, as Python's unpickler runs them: they push numbers, strings, bytes,
 #: containers and memo references, and call nothing. (Not BYTEARRAY8: Python's unpickler
-#: allocates the length it declares before reading; torch.save never writes it.)
+#: allocates the length it declares before reading; nor the text PUT / GET, whose memo index is
+#: any int, so that indices can share a hash: torch.save writes neither.)
 _DATA_OPCODES = ("PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE", "INT",
                  "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING",
                  "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "UNICODE",
                  "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-                 "EMPTY_LIST", "LIST", "EMPTY_DICT", "EMPTY_SET", "GET", "BINGET", "LONG_BINGET",
-                 "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
+                 "EMPTY_LIST", "LIST", "EMPTY_DICT", "EMPTY_SET", "BINGET", "LONG_BINGET",
+                 "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
 _OURS = {"REDUCE": InertUnpickler.load_reduce, "NEWOBJ": InertUnpickler.load_newobj,
          "NEWOBJ_EX": InertUnpickler.load_newobj_ex, "BUILD": InertUnpickler.load_build,
          "BINPERSID": InertUnpickler.load_binpersid, "APPEND": InertUnpickler.load_append,
@@ -361,10 +387,10 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
             except RuntimeError as err:
                 if "explicit pickle_module" not in str(err):
                     raise
-                # TORCH_FORCE_WEIGHTS_ONLY_LOAD: the user asks for torch's own weights-only unpickler
-                if legacy:
-                    source.seek(0)
-                return load(source, map_location)
+                # (torch's own unpickler has none of this loader's bounds: a crafted file crashes it)
+                raise refuse("TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, so torch reads only through its own "
+                             "unpickler, without this loader's checks and bounds; unset it for this process (this "
+                             "loader reads weights only, on every torch)") from None
         storages.check_filled()
         if isinstance(obj, torch.jit.ScriptModule):  # (never: the archive checks above refuse TorchScript)
             ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")

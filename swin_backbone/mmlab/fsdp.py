@@ -84,9 +84,11 @@ def _rebuild_sharded_tensor(func: object, new_type: object, args: object, state:
     (:func:`~swin_backbone.checkpoint.records.rebuild_from_type_v2`: tensors and parameters)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    from ..checkpoint.records import rebuild_from_type_v2
+    from ..checkpoint.records import check_trusted_state, rebuild_from_type_v2
 
     if func is _rebuild_sharded_wrapper and new_type is ShardedTensor:
+        types = tuple(v for v in sharded_classes().values() if isinstance(v, type))
+        check_trusted_state((args[1:] if type(args) is tuple else args, state), types, "a ShardedTensor")
         return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
     return rebuild_from_type_v2(func, new_type, args, state)
 
@@ -103,6 +105,20 @@ def _rebuild_sharded_wrapper(cls: object, *args: object) -> object:
     return torch._utils._rebuild_wrapper_subclass(cls, *args)
 
 
+#: The layouts a shard's tensor properties name (``torch.serialization._get_layout``'s argument).
+LAYOUTS = ("torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr",
+           "torch.sparse_bsc", "torch._mkldnn", "torch.jagged")
+
+
+def _get_layout(name: object) -> object:
+    """``torch.serialization._get_layout`` for one of :data:`LAYOUTS` only."""
+    from ..checkpoint.records import brief, refuse
+
+    if type(name) is not str or name not in LAYOUTS:
+        raise refuse(f"torch.serialization._get_layout({brief(name)}): expected one of {', '.join(LAYOUTS)}")
+    return torch.serialization._get_layout(name)
+
+
 def sharded_classes() -> Dict[str, object]:
     """What a ``state_dict_cfg='local'`` shard holds beyond the package's table: ``ShardedTensor``
     and its metadata classes, by the name its pickle uses, for the shard loads of
@@ -116,12 +132,13 @@ def sharded_classes() -> Dict[str, object]:
 
     objects = [sharded.ShardedTensor, sharded.ShardedTensor.ProcessGroupState, sharded.ShardedTensorMetadata, sharded.TensorProperties, sharded.Shard,
                sharded.metadata.MEM_FORMAT_ENCODING, shard_metadata.ShardMetadata, chunk_spec.ChunkShardingSpec,
-               remote_device._remote_device, torch.serialization._get_layout]
+               remote_device._remote_device]
     named = {f"{o.__module__}.{o.__qualname__}": o for o in objects}
     named.update({"torch.distributed._shard.sharded_tensor.api.ShardedTensor": sharded.ShardedTensor,
                   "builtins.getattr": _process_group_state,
                   "torch._utils._rebuild_wrapper_subclass": _rebuild_sharded_wrapper,
-                  "torch._tensor._rebuild_from_type_v2": _rebuild_sharded_tensor})
+                  "torch._tensor._rebuild_from_type_v2": _rebuild_sharded_tensor,
+                  "torch.serialization._get_layout": _get_layout})
     return named
 
 

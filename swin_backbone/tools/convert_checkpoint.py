@@ -43,6 +43,25 @@ def check_paths(src: str, dst: str) -> None:
         raise CheckpointError(f"dst {dst!r}: is the source file; write the converted checkpoint to another path")
 
 
+def stored_bytes(checkpoint: object) -> int:
+    """Bytes of the distinct storages of the tensors in ``checkpoint`` (its dicts, lists and tuples)."""
+    import torch
+
+    seen, total, stack = set(), 0, [checkpoint]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            storage = node.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
 def convert_file(
     src: str,
     dst: str,
@@ -67,6 +86,8 @@ def convert_file(
             incomplete load with ``strict``).
         ValueError: ``to`` is not a layout of the checkpoint's Swin version.
     """
+    import torch
+
     from ..checkpoint.files import write_checkpoint
     from ..checkpoint.loading import load_checkpoint, read_checkpoint
     from ..model.backbone import SwinBackbone
@@ -87,7 +108,14 @@ def convert_file(
         kwargs["arch"] = arch
     if window_size is not None:
         kwargs["window_size"] = window_size
-    model = (SwinV2Backbone if v2 else SwinBackbone)(**kwargs, drop_path_rate=0.0)
+    cls = SwinV2Backbone if v2 else SwinBackbone
+    with torch.device("meta"):  # (sized before it is allocated: the file's keys and shapes name the model)
+        numel = sum(p.numel() for p in cls(**kwargs, drop_path_rate=0.0).parameters())
+    held = stored_bytes(checkpoint)
+    if numel * 4 > 16 * held + 2**28:
+        raise CheckpointError(f"checkpoint {src}: its keys and shapes describe a model of {numel} parameters "
+                              f"({numel * 4 / 2**30:.1f} GiB in fp32), far more than its {held} bytes of tensors hold")
+    model = cls(**kwargs, drop_path_rate=0.0)
     report = load_checkpoint(model, checkpoint, strict=strict, logger=None)
     report.source = src
     loaded = set(report.loaded)

@@ -437,18 +437,19 @@ def test_fuzzed_checkpoints_load_or_are_refused(runner_checkpoint, timm_checkpoi
     assert outcomes["refused"] > 0 and sum(outcomes.values()) == 80, outcomes
 
 
-def test_torch_force_weights_only_load_falls_back_to_torchs_own_unpickler(tmp_path, monkeypatch, runner_checkpoint):
-    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` makes torch refuse any unpickler but its own: a plain
-    state dict still loads (through torch's), a Runner checkpoint is a CheckpointError, code is
-    refused either way."""
+def test_torch_force_weights_only_load_is_a_clear_error(tmp_path, monkeypatch):
+    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` makes torch refuse any unpickler but its own, which has
+    none of this loader's bounds (a crafted key crashes it): a load says so, naming the variable,
+    on a plain state dict too; code never runs. Older torch has no such variable: read as always."""
     torch.save({"state_dict": OrderedDict(w=torch.arange(3.0))}, tmp_path / "plain.pth")
-    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
-    torch.testing.assert_close(read_checkpoint(str(tmp_path / "plain.pth"))["state_dict"]["w"], torch.arange(3.0))
     marker = tmp_path / "ran"
     torch.save({"x": _Call(os.system, f"touch {marker}")}, tmp_path / "evil.pth")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    if torch_compat.torch_version() >= (2, 4):
+        with pytest.raises(CheckpointError, match="TORCH_FORCE_WEIGHTS_ONLY_LOAD is set.*unset it"):
+            read_checkpoint(str(tmp_path / "plain.pth"))
+    else:
+        torch.testing.assert_close(read_checkpoint(str(tmp_path / "plain.pth"))["state_dict"]["w"], torch.arange(3.0))
     with pytest.raises(CheckpointError):
         read_checkpoint(str(tmp_path / "evil.pth"))
     assert not marker.exists()
-    if torch_compat.torch_version() >= (2, 4):  # (older torch has no such variable: the package's reader as always)
-        with pytest.raises(CheckpointError):
-            read_checkpoint(str(runner_checkpoint))

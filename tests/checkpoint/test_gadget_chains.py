@@ -138,7 +138,15 @@ CHAINS = {
     "key-in-a-dict-opcode": (pickle.MARK + t(t(i(1))) + NONE + pickle.DICT, "DICT: a dict key"),
     "item-of-a-frozenset-opcode": (pickle.MARK + t(t(i(1))) + pickle.FROZENSET, "FROZENSET: a dict key"),
     "key-of-an-ordereddict-pair": (call(g("collections.OrderedDict"), l(t(t(t(i(1))), NONE))), "a dict key"),
-    "keys-sharing-one-hash": (d(*[(i(k * (2 ** 61 - 1)), NONE) for k in (1, 2, 3)]), "an int below 2**61"),
+    "keys-sharing-one-hash": (d(*[(i(k * (2 ** 61 - 1)), NONE) for k in (1, 2, 3)]), "an int within 2**61"),
+    # parts that hash as one another, multiplied by a tuple (-1 and -2; True and 1)
+    "tuple-keys-of-minus-one-and-two": (d((t(i(-1), i(-2)), NONE), (t(i(-2), i(-1)), NONE)), "a dict key"),
+    "tuple-key-of-a-bool": (d((t(TRUE, i(1)), NONE)), "a dict key"),
+    "tuple-key-too-long": (d((t(*[i(0)] * 9), NONE)), "a dict key"),
+    "key-too-long": (d((s("k" * 5000), NONE)), "a dict key"),
+    # text memo indices are any int: k * (2**61 - 1) all share a hash
+    "text-put": (NONE + b"p2305843009213693951\n", "(PUT) is not read"),
+    "text-get": (b"g1\n", "(GET) is not read"),
     "size-of-a-huge-int": (np_array((2 ** 80,) * 2, np_dtype("f8"), b(b"")), "expected an int in [0, "),
 }
 
@@ -240,6 +248,11 @@ def test_a_state_dicts_metadata_keeps_module_versions_only(tmp_path):
         assert model.weight.dtype == torch.float64
 
 
+def test_a_counter_is_read_as_its_counts():
+    got = _read(call(g("collections.Counter"), d((s("a"), i(2)), (s("b"), i(1)))))
+    assert got == {"a": 2, "b": 1} and type(got).__name__ == "Counter"
+
+
 def test_an_fsdp_shard_rebuilds_only_sharded_tensors(tmp_path):
     """The shard loads' own classes (swin_backbone.mmlab.fsdp.sharded_classes): torch's
     ``_rebuild_from_type_v2`` calls whatever the stack holds; a shard's only calls its wrapper
@@ -252,8 +265,18 @@ def test_an_fsdp_shard_rebuilds_only_sharded_tensors(tmp_path):
     wrapper = call(g(R2), g("torch._utils._rebuild_wrapper_subclass"),
                    g("torch.distributed._shard.sharded_tensor.api.ShardedTensor"),
                    t(g("torch.Tensor"), g("torch.float32"), t(i(4)), t(i(1)), i(0), NONE, NONE, FALSE), d())
+    deep = pickle.EMPTY_TUPLE + pickle.TUPLE1 * 10 ** 5
+    meta = "torch.distributed._shard.sharded_tensor.metadata."
+    enum_state = (call(g(meta + "MEM_FORMAT_ENCODING"), i(0)) + d((s("_value_"), s("pwned"))) + pickle.BUILD)
     for name, body, says in (("untyped", untyped, "calls only torch's tensor rebuilds"),
-                             ("wrapper", wrapper, "makes only a ShardedTensor")):
+                             ("wrapper", wrapper, "makes only a ShardedTensor"),
+                             ("layout", call(g("torch.serialization._get_layout"), deep), "expected one of torch.strided"),
+                             ("enum", call(g(meta + "MEM_FORMAT_ENCODING"), deep), "only an Enum with one of its"),
+                             ("enum-state", enum_state, "set the state of"),
+                             ("new-with-arguments", new(g(meta + "TensorProperties"), i(1)), "expected no arguments"),
+                             ("state-of-a-class", build(new(g(meta + "TensorProperties")),
+                                                        d((s("dtype"), g("torch.UntypedStorage")))),
+                              "expected data of the load's own classes")):
         path = in_zip(tmp_path / f"{name}.pth", program(d((s("x"), body))))
         with pytest.raises(CheckpointError, match=says):
             read_torch_file(path, "torch-zip", trusted=sharded_classes())
@@ -408,6 +431,14 @@ def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
         "encode-amplified.pth": in_zip(tmp_path / "encode-amplified.pth", program(
             g("_codecs.encode") + put(0) + s("A" * 2 ** 20) + s("latin1") + pickle.TUPLE2 + put(1) + pickle.POP
             + pickle.POP + pickle.MARK + (get(0) + get(1) + pickle.REDUCE) * 1500 + pickle.LIST)),
+        # one history shared by 1500 HistoryBuffers (each copies it), one tensor named 1500 times
+        "histories-amplified.pth": in_zip(tmp_path / "histories-amplified.pth", program(
+            b(b"\0" * 2 ** 20) + put(2) + pickle.POP + np_dtype("f8") + put(3) + pickle.POP
+            + np_array((2 ** 17,), get(3), get(2)) + put(4) + pickle.POP + pickle.MARK
+            + build(new(g(HB)), _history_state(log=get(4), count=get(4))) * 1500 + pickle.LIST)),
+        "tensor-named-many-times.pth": in_zip(tmp_path / "tensor-named-many-times.pth", program(
+            tensor(numel=2 ** 16, size=(2 ** 16,)) + put(5) + pickle.POP + pickle.MARK + get(5) * 1500
+            + pickle.LIST), torch.ones(2 ** 16)),
         "arrays-amplified.pth": in_zip(tmp_path / "arrays-amplified.pth", program(
             b(b"\0" * 2 ** 20) + put(2) + pickle.POP + np_dtype("f8") + put(3) + pickle.POP + pickle.MARK
             + np_array((2 ** 17,), get(3), get(2)) * 1500 + pickle.LIST)),

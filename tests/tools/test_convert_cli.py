@@ -107,3 +107,25 @@ def test_partial_checkpoint_converts_what_it_has(tmp_path, swin_file):
     written = torch.load(dst, weights_only=True)["state_dict"]
     assert "stages.1.blocks.0.mlp.fc1.weight" not in written
     assert len(written) == len(model.state_dict()) - 1
+
+
+def test_a_model_larger_than_the_file_holds_is_refused_before_it_is_built(tmp_path):
+    """The architecture comes from the file's keys and shapes: stride-0 views let a few KB name
+    a 5.5e9-parameter model (22 GB). Refused, sized on the meta device, before any allocation."""
+    from swin_backbone.checkpoint import CheckpointError
+    from swin_backbone.tools.convert_checkpoint import convert_file
+
+    base = torch.zeros(1024)
+
+    def view(*shape):
+        return base.as_strided(shape, (0,) * len(shape))
+
+    c, depths = 1024, (2, 2, 18, 2)
+    state = {"patch_embed.proj.weight": view(c, 3, 4, 4)}
+    for i, (depth, heads) in enumerate(zip(depths, (c // 32, c // 16, c // 8, c // 4))):
+        state[f"stages.{i}.blocks.0.attn.relative_position_bias_table"] = view(169, heads)
+        state[f"stages.{i}.blocks.{depth - 1}.attn.qkv.weight"] = base[:1]
+    torch.save(state, tmp_path / "huge.pth")
+    with pytest.raises(CheckpointError, match=r"a model of \d+ parameters .* far more than its 4096 bytes"):
+        convert_file(str(tmp_path / "huge.pth"), str(tmp_path / "out.pth"))
+    assert not (tmp_path / "out.pth").exists()
