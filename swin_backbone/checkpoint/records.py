@@ -201,20 +201,24 @@ def is_tensor(value: Any) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 
 
+#: What :func:`check_plain` says it expected, by default.
+PLAIN_EXPECTED = "plain data (numbers, strings, bytes, tensors, lists / tuples / dicts of those)"
+
+
 def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...] = DATA_RECORDS,
-                seen: Optional[set] = None, dunder_keys: bool = True) -> None:
-    """Refuse ``value`` unless it is plain data (module docstring), ``records`` allowed in it,
-    nested at most :data:`MAX_DEPTH` deep. Keys of dicts: leaves only (no ``__x__`` string
-    unless ``dunder_keys``). Each container is looked at once (``seen``): shared parts cost
-    nothing more."""
+                seen: Optional[set] = None, dunder_keys: bool = True, containers: Tuple[type, ...] = CONTAINERS,
+                expected: str = PLAIN_EXPECTED) -> None:
+    """Refuse ``value`` unless it is plain data (module docstring), ``records`` (exact types)
+    allowed in it, in ``containers``, nested at most :data:`MAX_DEPTH` deep. Keys of dicts:
+    :func:`check_key` (no ``__x__`` string unless ``dunder_keys``). Each container is looked at
+    once (``seen``): shared parts cost nothing more."""
     kind = type(value)
     if kind in PLAIN_LEAVES or is_tensor(value) or kind in records:
         if kind in (ArrayRecord, DtypeRecord) and not _complete(value):
             raise refuse(f"{what}: a numpy {'array' if kind is ArrayRecord else 'dtype'} without its state")
         return
-    if kind not in CONTAINERS:
-        raise refuse(f"{what}: expected plain data (numbers, strings, bytes, tensors, lists / tuples / dicts of "
-                     f"those), found {describe(value)}")
+    if kind not in containers:
+        raise refuse(f"{what}: expected {expected}, found {describe(value)}")
     if depth >= MAX_DEPTH:
         raise refuse(f"{what}: data nested deeper than {MAX_DEPTH} levels")
     seen = set() if seen is None else seen
@@ -226,40 +230,32 @@ def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...]
             check_key(key, what)
             if not dunder_keys and type(key) is str and key.startswith("__") and key.endswith("__"):
                 raise refuse(f"{what}: the key {brief(key)} names an attribute protocol, not data")
-            check_plain(item, what, depth + 1, records, seen, dunder_keys)
+            check_plain(item, what, depth + 1, records, seen, dunder_keys, containers, expected)
     else:
         for item in value:
-            check_plain(item, what, depth + 1, records, seen, dunder_keys)
+            check_plain(item, what, depth + 1, records, seen, dunder_keys, containers, expected)
 
 
 #: What a dict key or set item may be (a tuple key's parts: strings, bytes and ints >= 0 only).
 _KEY_LEAVES = (str, bytes, bool, type(None), int, float, torch.dtype, torch.device)
 
 
-def check_trusted_state(value: Any, trusted: Tuple[type, ...], what: str, depth: int = 0,
-                        seen: Optional[set] = None) -> None:
-    """Refuse ``value`` unless it is what a load's own (trusted) classes hold: plain data, tensors,
-    torch layouts and memory formats, instances of ``trusted`` and the process group, nested at
-    most :data:`MAX_DEPTH` deep, keys checked, no ``__x__`` key. (Trusted instances are checked
-    when given their state and again by :func:`materialize`, through their attributes.)"""
-    kind = type(value)
-    if kind in PLAIN_LEAVES or is_tensor(value) or kind in (torch.layout, torch.memory_format) \
-            or isinstance(value, trusted) or kind.__name__ == "ProcessGroup" and kind.__module__.startswith("torch"):
-        return
-    if kind not in (list, tuple, dict, collections.OrderedDict):
-        raise refuse(f"{what}: expected data of the load's own classes, found {describe(value)}")
-    if depth >= MAX_DEPTH:
-        raise refuse(f"{what}: data nested deeper than {MAX_DEPTH} levels")
-    seen = set() if seen is None else seen
-    if id(value) in seen:
-        return
-    seen.add(id(value))
-    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-        if isinstance(value, dict):
-            check_key(key, what)
-            if type(key) is str and key.startswith("__") and key.endswith("__"):
-                raise refuse(f"{what}: the key {brief(key)} names an attribute protocol, not data")
-        check_trusted_state(item, trusted, what, depth + 1, seen)
+def trusted_types(trusted: Optional[Dict[str, Any]]) -> Tuple[type, ...]:
+    """The classes among a load's own objects (``trusted``: name -> object)."""
+    return tuple(v for v in (trusted or {}).values() if isinstance(v, type))
+
+
+def check_trusted_state(value: Any, trusted: Tuple[type, ...], what: str) -> None:
+    """Refuse ``value`` unless it is what a load's own (trusted) classes hold (:func:`check_plain`
+    with other leaves): plain data, tensors, torch layouts and memory formats, instances of
+    ``trusted`` and the process group, in lists, tuples and dicts, no ``__x__`` key. (Trusted
+    instances are checked when given their state and again by :func:`materialize`, through their
+    attributes.)"""
+    import torch.distributed as dist
+
+    leaves = (*trusted, torch.layout, torch.memory_format, *((dist.ProcessGroup,) if dist.is_available() else ()))
+    check_plain(value, what, records=leaves, dunder_keys=False, containers=(list, tuple, dict, collections.OrderedDict),
+                expected="data of the load's own classes")
 
 
 def check_key(key: Any, what: str) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from ..torch_compat import load, zip_record_names
 from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, byte_budget, call,
-                      check_key, check_trusted_state, describe, materialize, new, refuse)
+                      check_key, check_trusted_state, describe, materialize, new, refuse, trusted_types)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
@@ -156,7 +156,7 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not hasattr(self, "_file_read"):
             raise pickle.UnpicklingError("Unpickler.__init__() was not called")
         self._unbuilt: Dict[int, Any] = {}  # trusted instances made by NEWOBJ, not yet given their state
-        self._trusted_types = tuple(v for v in self.trusted.values() if isinstance(v, type))
+        self._trusted_types = trusted_types(self.trusted)
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)  # type: ignore[attr-defined]
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
@@ -207,7 +207,7 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.append(self._new_trusted(cls, args, kwargs) if self._is_trusted(cls) else new(cls, args, kwargs))
 
     def load_build(self) -> None:
-        if self.trusted and self._is_trusted(type(self.stack[-2])):
+        if self._is_trusted(type(self.stack[-2])):
             inst = self.stack[-2]
             if self._unbuilt.pop(id(inst), None) is not inst:  # (an Enum member, or one given its state already)
                 raise refuse(f"the file asks to set the state of {describe(inst)} again, or of one it did not create")
@@ -396,6 +396,6 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
             ran = RefusedError("a TorchScript archive: torch.load handed it to torch.jit.load, which ran its code")
             ran.ran_nothing = False
             raise ran
-        return materialize(obj, tuple(v for v in (trusted or {}).values() if isinstance(v, type)))
+        return materialize(obj, trusted_types(trusted))
 
 __all__ = ["ASKS_FOR_CODE", "InertUnpickler", "MAX_OPCODES", "OPT_IN", "RefusedError", "read_torch_checkpoint"]

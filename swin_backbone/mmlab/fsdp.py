@@ -87,8 +87,7 @@ def _rebuild_sharded_tensor(func: object, new_type: object, args: object, state:
     from ..checkpoint.records import check_trusted_state, rebuild_from_type_v2
 
     if func is _rebuild_sharded_wrapper and new_type is ShardedTensor:
-        types = tuple(v for v in sharded_classes().values() if isinstance(v, type))
-        check_trusted_state((args[1:] if type(args) is tuple else args, state), types, "a ShardedTensor")
+        check_trusted_state((args[1:] if type(args) is tuple else args, state), _sharded_types(), "a ShardedTensor")
         return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
     return rebuild_from_type_v2(func, new_type, args, state)
 
@@ -140,6 +139,14 @@ def sharded_classes() -> Dict[str, object]:
                   "torch._tensor._rebuild_from_type_v2": _rebuild_sharded_tensor,
                   "torch.serialization._get_layout": _get_layout})
     return named
+
+
+@functools.lru_cache(maxsize=1)
+def _sharded_types() -> Tuple[type, ...]:
+    """The classes of :func:`sharded_classes` (once: a shard rebuilds many tensors)."""
+    from ..checkpoint.records import trusted_types
+
+    return trusted_types(sharded_classes())
 
 
 def shard_count(folder: str) -> int:
