@@ -36,43 +36,6 @@ class PatchEmbed(nn.Module):
         return self.norm(x.permute(0, 2, 3, 1))
 
 
-class DropPath(nn.Module):
-    """Stochastic depth: in training, zero a sample's branch with probability ``drop_prob`` and
-    scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; per sample, as timm's and
-    torchvision's ``mode='row'``; drawn as mmcv's ``drop_path``). A packed layout's ``(1, T, C)``
-    tokens are dropped image by image (:attr:`~swin_backbone.ops.WindowLayout.image_tokens`),
-    each image a sample as it is alone."""
-
-    def __init__(self, drop_prob: float = 0.0) -> None:
-        super().__init__()
-        self.drop_prob = drop_prob
-
-    def forward(self, x: torch.Tensor, layout: Optional[ops.WindowLayout] = None) -> torch.Tensor:
-        """``(B, ..., C)`` -> the same, each sample kept (and scaled) or zeroed."""
-        # The rate read through __dict__: torch.compile then guards rate 0 apart from the others
-        # and keeps the non-zero rates symbolic, one graph for them all (read as an attribute
-        # after a rate-0 block, it guards each rate on its value: one graph per rate).
-        if not self.training or self.__dict__["drop_prob"] == 0.0:
-            return x
-        if layout is not None and layout.image_tokens is not None:
-            return torch.cat([drop_samples(image, self.drop_prob) for image in x.split(layout.image_tokens, 1)], 1)
-        return drop_samples(x, self.drop_prob)
-
-    def extra_repr(self) -> str:
-        return f"drop_prob={self.drop_prob}"
-
-
-def drop_samples(x: torch.Tensor, drop_prob: float) -> torch.Tensor:
-    """``x`` with each sample (dim 0) zeroed with probability ``drop_prob``, the rest scaled."""
-    keep = 1.0 - drop_prob
-    # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
-    # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
-    # symbolic: the blocks of a stage share one graph whatever their rates. Drawn in fp32
-    # (a bf16 U keeps 0.8986 of the samples at keep = 0.9), then cast.
-    noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device)
-    return x * noise.add_(keep).floor_().div_(keep).to(x.dtype)
-
-
 class Mlp(nn.Sequential):
     """Two-layer feed-forward network: ``fc1 -> GELU -> drop1 -> fc2 -> drop2``, ``(..., C)`` ->
     ``(..., C)`` (a sequence of modules, as torchvision's ``MLP``; the dropouts named as timm's)."""
@@ -143,7 +106,7 @@ class SwinBlock(nn.Module):
         self.shift = shift
         self.norm1 = nn.LayerNorm(embed_dims)
         self.attn = WindowAttention(embed_dims, num_heads, window_size, qkv_bias, qk_scale, attn_drop_rate, drop_rate)
-        self.drop_path = DropPath(drop_path_rate)
+        self.drop_path = ops.DropPath(drop_path_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
 
@@ -249,4 +212,4 @@ class SwinStage(nn.Module):
         return regular.unpack(tokens, x.shape)
 
 
-ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))
+ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, ops.DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))

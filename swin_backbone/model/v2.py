@@ -24,7 +24,7 @@ from torch import nn
 from .. import ops
 from ..validation import check_int, check_per_stage, fail
 from .backbone import SwinBackbone
-from .blocks import DropPath, Mlp, merge_2x2
+from .blocks import Mlp, merge_2x2
 from .presets import DEFAULT_WINDOW, resolve_arch
 
 #: Hidden width of the continuous-position-bias MLP (official, timm, torchvision, mmpretrain).
@@ -114,7 +114,7 @@ class SwinBlockV2(nn.Module):
             embed_dims, num_heads, window_size, pretrained_window_size, qkv_bias, attn_drop_rate, drop_rate
         )
         self.norm1 = nn.LayerNorm(embed_dims)
-        self.drop_path = DropPath(drop_path_rate)
+        self.drop_path = ops.DropPath(drop_path_rate)
         self.mlp = Mlp(embed_dims, int(embed_dims * mlp_ratio), drop_rate)
         self.norm2 = nn.LayerNorm(embed_dims)
         self.norm3 = nn.LayerNorm(embed_dims) if extra_norm else None

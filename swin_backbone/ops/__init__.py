@@ -2,7 +2,7 @@
 running what the :class:`~swin_backbone.ops.plan.Plan` of the forward names (docs/design.md).
 The model reaches the ops only through these names.
 """
-from .attention import KERNELS, LEAN_SAVES, window_attention, window_partition
+from .attention import KERNELS, LEAN_SAVES, DropPath, window_attention, window_partition
 from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for the same kernels
 from .image_sizes import mask_input, stage_sizes, stage_valid_sizes
 from .layouts import WindowLayout, clear_caches, output_nchw, row_chunks, sizes_tensor, valid_map
@@ -10,7 +10,7 @@ from .plan import Plan, Sizes
 from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_forward, plan_stages, resolve_attention, stage_layouts
 
 __all__ = [
-    "KERNELS", "LEAN_SAVES", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "clear_caches", "continuous_position_bias",
+    "DropPath", "KERNELS", "LEAN_SAVES", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "clear_caches", "continuous_position_bias",
     "cosine_qkv", "mask_input", "output_nchw", "override", "plan_for", "plan_forward", "plan_stages",
     "resolve_attention", "row_chunks", "sizes_tensor", "stage_layouts", "stage_sizes", "stage_valid_sizes",
     "valid_map", "window_attention", "window_partition",

@@ -11,8 +11,12 @@ back to row-major order (the window reverse, its inverse), attending with the pl
 * ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
 
-In training, :data:`LEAN_SAVES` keeps the activations around it lean: no LayerNorm, GELU or
-window-gather output is kept for backward where it can be rebuilt from what autograd keeps anyway.
+Around them a block runs two more things of its own, here beside the ops they wrap (as
+torchvision keeps its ``StochasticDepth`` module in ``torchvision.ops``): :class:`DropPath`, the
+stochastic depth of each residual branch, which reads the layout to drop a packed stage's images
+one by one; and, in training, :data:`LEAN_SAVES`, which keeps the activations around the
+attention lean: no LayerNorm, GELU or window-gather output is kept for backward where it can be
+rebuilt from what autograd keeps anyway.
 """
 from __future__ import annotations
 
@@ -294,6 +298,44 @@ def attention_backward(
 #: (``recompute``: SDPA, in :class:`_RecomputedAttention`).
 KERNELS: Dict[str, Attend] = {"sdpa": scaled_dot_product_attention, "plain": _plain,
                               "recompute": scaled_dot_product_attention}
+
+
+# ------------------------------------------------------------------------------ stochastic depth of a branch
+class DropPath(nn.Module):
+    """Stochastic depth: in training, zero a sample's branch with probability ``drop_prob`` and
+    scale the rest by ``1 / (1 - drop_prob)`` (Huang et al. 2016; per sample, as timm's and
+    torchvision's ``mode='row'``; drawn as mmcv's ``drop_path``). A packed layout's ``(1, T, C)``
+    tokens are dropped image by image (:attr:`WindowLayout.image_tokens <.layouts.WindowLayout.image_tokens>`),
+    each image a sample as it is alone."""
+
+    def __init__(self, drop_prob: float = 0.0) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor, layout: Optional[WindowLayout] = None) -> torch.Tensor:
+        """``(B, ..., C)`` -> the same, each sample kept (and scaled) or zeroed."""
+        # The rate read through __dict__: torch.compile then guards rate 0 apart from the others
+        # and keeps the non-zero rates symbolic, one graph for them all (read as an attribute
+        # after a rate-0 block, it guards each rate on its value: one graph per rate).
+        if not self.training or self.__dict__["drop_prob"] == 0.0:
+            return x
+        if layout is not None and layout.image_tokens is not None:
+            return torch.cat([drop_samples(image, self.drop_prob) for image in x.split(layout.image_tokens, 1)], 1)
+        return drop_samples(x, self.drop_prob)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob}"
+
+
+def drop_samples(x: torch.Tensor, drop_prob: float) -> torch.Tensor:
+    """``x`` with each sample (dim 0) zeroed with probability ``drop_prob``, the rest scaled."""
+    keep = 1.0 - drop_prob
+    # mmcv's draw, floor(keep + U): mmdet's and mmseg's Swins drop the same samples from one
+    # seed. Float arithmetic on the rate (not bernoulli_(p)) lets torch.compile keep it
+    # symbolic: the blocks of a stage share one graph whatever their rates. Drawn in fp32
+    # (a bf16 U keeps 0.8986 of the samples at keep = 0.9), then cast.
+    noise = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device)
+    return x * noise.add_(keep).floor_().div_(keep).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------ activations kept for backward

@@ -203,7 +203,7 @@ def test_stochastic_depth_draws_as_the_reference(lib):
 def test_drop_path_keeps_its_rate_in_every_dtype(dtype):
     # 2M samples (a keep share's spread is 2e-4): the share kept is 1 - rate in every dtype (a
     # draw in bf16 keeps 0.8986 at rate 0.1), the survivors scaled by 1 / keep, in x's dtype.
-    from swin_backbone.model.blocks import DropPath
+    from swin_backbone.ops import DropPath
 
     torch.manual_seed(0)
     out = DropPath(0.1).train()(torch.ones(2_000_000, 1, 1, dtype=dtype))

@@ -19,7 +19,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swin_backbone import SwinBackbone, SwinV2Backbone, ops
-from swin_backbone.model.blocks import DropPath, SwinBlock
+from swin_backbone.model.blocks import SwinBlock
+from swin_backbone.ops import DropPath
 from swin_backbone.model.v2 import SwinBlockV2
 from swin_backbone.ops import attention as regions  # (lean saves live beside the gathers they rebuild)
 from swin_backbone.ops import layouts

@@ -15,7 +15,7 @@ from swin_backbone import SwinBackbone, ops
 from swin_backbone.ops import planner
 from swin_backbone.ops import layouts as L, windows as W
 
-from swin_backbone.model.blocks import DropPath
+from swin_backbone.ops import DropPath
 
 from ..helpers import small_arch
 
