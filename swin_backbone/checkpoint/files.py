@@ -49,6 +49,9 @@ ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTOCOLS = tuple(bytes([0x80, p]) for p in range(2, 6))
 #: A safetensors header longer than this is not believed (the format itself caps it at 100 MB).
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+#: A safetensors file naming more tensors than this is not believed (a Swin-G checkpoint names
+#: about 2000; each entry costs about a kilobyte of Python objects to read).
+MAX_SAFETENSORS_TENSORS = 1 << 16
 
 EXPECTED_ANY = "a torch checkpoint (torch.save: zip or legacy pickle) or a safetensors file"
 EXPECTED_SAFETENSORS = "a safetensors file (by its .safetensors name)"
@@ -202,6 +205,13 @@ def _check_safetensors_header(path: str) -> None:
             f"checkpoint {path!r}: expected a complete safetensors file; its header says {length} header "
             f"bytes but the file has {size} bytes in all (truncated)"
         )
+    # JSON makes up to ~60 bytes of Python objects per byte it reads (``[[],[],...]``): counted by
+    # the bytes that open a container or an item, which no string escape can make, before parsing.
+    containers, items = raw.count(b"{") + raw.count(b"["), raw.count(b",")
+    if containers > 4 * MAX_SAFETENSORS_TENSORS or items > 48 * MAX_SAFETENSORS_TENSORS:
+        raise CheckpointError(
+            f"checkpoint {path!r}: expected a safetensors file; its header holds {containers} JSON objects and "
+            f"lists and {items} items, more than a checkpoint of {MAX_SAFETENSORS_TENSORS} tensors may hold")
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -224,6 +234,8 @@ def _header_problem(header: object) -> str:
     """What is wrong with a parsed safetensors header, or ''."""
     if not isinstance(header, dict):
         return f"expected a JSON object, found {type(header).__name__}"
+    if len(header) > MAX_SAFETENSORS_TENSORS + 1:
+        return f"it names {len(header)} tensors, more than the {MAX_SAFETENSORS_TENSORS} a checkpoint may hold"
     for key, entry in header.items():
         if key == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):

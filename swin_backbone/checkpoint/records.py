@@ -49,6 +49,9 @@ MAX_VIEW_RATIO = 64
 #: what a consumer that copies without a memo walks (mmengine's ``ConfigDict``, torch's optimizer
 #: ``_cast``). A Runner checkpoint holds a few thousand.
 MAX_EXPANDED = 1 << 20
+#: The same count for a ``ConfigDict``'s items, which it copies into a ConfigDict per dict along
+#: every path (hundreds of bytes each): a config holds hundreds of objects.
+MAX_CONFIG_EXPANDED = 1 << 16
 #: Bytes the records of one load may make (bytes from strings, numpy arrays' copies), per byte
 #: of the file: what a file writes once it cannot have made many times over.
 BYTES_PER_FILE_BYTE = 4
@@ -786,14 +789,15 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
         if depth >= MAX_DEPTH:
             raise deep
         height, size, nbytes = [0], [1], [0]
+        limit, what = (MAX_CONFIG_EXPANDED, "a ConfigDict") if kind is ConfigDictRecord else (MAX_EXPANDED, "the data")
 
         def child(v: Any) -> Any:
             out, h, n, b = walk(v, depth + 1)
             height[0] = max(height[0], h + 1)
             size[0] += n
             nbytes[0] += b
-            if size[0] > MAX_EXPANDED:  # (before a ConfigDict copies it along every path)
-                raise refuse(f"the data holds more than {MAX_EXPANDED} objects counted along every path (shared "
+            if size[0] > limit:  # (before a ConfigDict copies it along every path)
+                raise refuse(f"{what} holds more than {limit} objects counted along every path (shared "
                              "parts multiply)")
             return out
 

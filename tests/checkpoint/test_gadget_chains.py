@@ -557,6 +557,55 @@ def test_a_configdict_over_shared_lists_is_refused_before_it_copies_them(tmp_pat
     assert "counted along every path" in out["cfgdag.pth"] and out["maxrss_mb"] < 200, out
 
 
+def _shared_dicts(levels: int) -> bytes:
+    """A dict ``{'a': d, 'b': d}`` over ``levels`` levels of the same (memo) dict: ``2 ** levels`` paths."""
+    body = pickle.EMPTY_DICT + put(0) + pickle.POP
+    for _ in range(levels):
+        body += pickle.EMPTY_DICT + s("a") + get(0) + pickle.SETITEM + s("b") + get(0) + pickle.SETITEM + put(0) \
+            + pickle.POP
+    return body + get(0)
+
+
+def test_a_configdict_copies_only_a_config_sized_dag(tmp_path):
+    """2 ** 18 paths through shared dicts: under :data:`MAX_EXPANDED`, so plain data keeps them
+    (shared, small); a ConfigDict would copy a ConfigDict per path (about 100 MB), so it is refused."""
+    plain = in_zip(tmp_path / "plain-dag.pth", program(d((s("meta"), _shared_dicts(18)))))
+    config = in_zip(tmp_path / "config-dag.pth", program(d((s("meta"), call(g(CD), _shared_dicts(18))))))
+    done = subprocess.run([sys.executable, "-c", _CHILD, plain, config], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["plain-dag.pth"] == "loaded", out
+    assert "a ConfigDict holds more than 65536 objects counted along every path" in out["config-dag.pth"], out
+    assert out["maxrss_mb"] < 60, out
+
+
+def _safetensors(path, header: bytes) -> str:
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    return str(path)
+
+
+def test_a_safetensors_header_is_parsed_only_at_a_checkpoint_size(tmp_path):
+    """JSON makes tens of bytes of Python objects per byte of header: 300k empty tensors, 80k
+    tensors, 3M empty lists are each refused before (or as soon as) the header is parsed; 2000
+    tensors (a Swin-G) load."""
+    def entries(n):
+        return b"{" + b",".join(b'"t%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % k for k in range(n)) + b"}"
+
+    files = [_safetensors(tmp_path / "many.safetensors", entries(300_000)),
+             _safetensors(tmp_path / "more.safetensors", entries(80_000)),
+             _safetensors(tmp_path / "lists.safetensors",
+                          b'{"t":{"dtype":"F32","shape":[' + b",".join([b"[]"] * 3_000_000) + b'],"data_offsets":[0,0]}}'),
+             _safetensors(tmp_path / "swin-g.safetensors", entries(2000))]
+    done = subprocess.run([sys.executable, "-c", _CHILD, *files], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "more than a checkpoint of 65536 tensors may hold" in out["many.safetensors"], out
+    assert "it names 80000 tensors, more than the 65536" in out["more.safetensors"], out
+    assert "more than a checkpoint of 65536 tensors may hold" in out["lists.safetensors"], out
+    assert out["swin-g.safetensors"] == "loaded", out
+    assert out["maxrss_mb"] < 200, out
+
+
 def test_a_legacy_storage_its_data_never_fills_is_refused(tmp_path):
     """torch allocates a legacy file's storages uninitialised and fills those the keys after the
     pickle name: one it never fills would hand back process memory."""
