@@ -148,8 +148,8 @@ VALID = [(32, 32), (32, 20), (20, 32), (24, 24)]  # per-image sizes of a padded 
 def test_every_drop_path_of_a_training_backbone_drops_whole_images(cls, valid_sizes):
     # Stochastic depth drops an image's branch, never some of its tokens, at both residual branches
     # of every block (4 images, rate 0.5): a batch's DropPath sees (B, L, C) once per branch; with
-    # per-image valid sizes (the images' tokens packed, padding not computed) it sees each image
-    # alone, (1, h_b * w_b, C), so images are dropped independently there too.
+    # per-image valid sizes (the images' tokens packed, padding not computed) it sees the packed
+    # (1, T, C) and the layout, and drops each image's (1, h_b * w_b, C) independently there too.
     model = cls(**small_arch(drop_path_rate=0.5, pad_small_map=True)).train()
     calls = []
 
