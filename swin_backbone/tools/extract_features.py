@@ -17,27 +17,30 @@ import argparse
 import csv
 import glob
 import hashlib
-import io
 import json
+import mmap
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from rich.console import Console
+from rich.progress import track
 from torch.utils.data import DataLoader
 
-from ..checkpoint.files import atomic_write
+from ..checkpoint.files import atomic_path, atomic_write
 from ..checkpoint.remote import fetch, is_reference, resolve
 from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, check_device, check_stages,
                         default_window_size, mean_pool, split_arch)
 from ..validation import MAX_WINDOW_SIZE, check_int, check_number
 from .common import one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
-                         default_workers, find_images, inside, loader_settings, output_names, pool_files,
-                         resolve_reader)
+                         default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
 from .job import DistContext, in_job, init_distributed, leave_job
 
 PROG = "swin-extract-features"
@@ -46,13 +49,14 @@ RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-w
 
 
 # ------------------------------------------------------------------- the command line
-def arg_type(kind: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)``, then a :mod:`swin_backbone.validation` check, whose
-    "expected ..., got ..." argparse prints after the option's name."""
+def arg_type(kind: Callable[[str], Any], check: Callable[..., Any], *bounds: Any,
+             **options: Any) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)``, then ``check(value, *bounds, **options)`` (a
+    :mod:`swin_backbone.validation` check), whose "expected ..., got ..." argparse prints after the option's name."""
     def parse(text: str) -> Any:
         value = kind(text)  # a ValueError here: argparse's own "invalid int value: 'x'"
         try:
-            check(value)
+            check(value, *bounds, **options)
         except ValueError as err:  # "name: expected ..., got ...": argparse names the option instead
             raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
         return value
@@ -61,23 +65,17 @@ def arg_type(kind: Callable[[str], Any], check: Callable[[Any], Any]) -> Callabl
     return parse
 
 
-def int_arg(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
-    return arg_type(int, lambda value: check_int("", value, minimum, maximum))
-
-
-def float_arg(positive: bool = False) -> Callable[[str], float]:
-    return arg_type(float, lambda value: check_number("", value, positive=positive))
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line, checked as far as it can be before any model or image is loaded (errors: status 2)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints, numbers = partial(arg_type, int, partial(check_int, "")), partial(arg_type, float, partial(check_number, ""))
     p.add_argument("input", help="image file, folder or glob")
     p.add_argument("out_dir")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
     model.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
     for name, nargs in (("embed-dims", None), ("depths", "+"), ("num-heads", "+")):
-        p.add_argument(f"--{name}", type=int_arg(1), nargs=nargs,
+        p.add_argument(f"--{name}", type=ints(1), nargs=nargs,
                        help=f"override the preset's {name.replace('-', '_')} (with --arch)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", help="weights in any Swin format, or a detector/segmentor checkpoint: a file, "
@@ -85,22 +83,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     weights.add_argument("--random-weights", action="store_true",
                          help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
-    p.add_argument("--window-size", type=int_arg(1, MAX_WINDOW_SIZE), help="attention window (with --arch; "
+    p.add_argument("--window-size", type=ints(1, MAX_WINDOW_SIZE), help="attention window (with --arch; "
                    "default: 7 for Swin V1, 8 for a V2 preset, a published V2 model's own)")
-    p.add_argument("--pretrained-window-sizes", type=int_arg(0), nargs="+", metavar="W",
+    p.add_argument("--pretrained-window-sizes", type=ints(0), nargs="+", metavar="W",
                    help="Swin V2: the window(s) the checkpoint was pre-trained with (one, or one per stage), "
                    "for a larger --window-size (default: a published model's, else the window itself)")
     p.add_argument("--stages", type=int, nargs="+", help="output stages to keep (default: all)")
-    p.add_argument("--resize", type=int_arg(1), nargs=2, metavar=("H", "W"), help="resize every image (default: keep)")
-    p.add_argument("--mean", type=float_arg(), nargs=3, metavar=("R", "G", "B"), help="normalisation mean, 0..255 "
+    p.add_argument("--resize", type=ints(1), nargs=2, metavar=("H", "W"), help="resize every image (default: keep)")
+    p.add_argument("--mean", type=numbers(), nargs=3, metavar=("R", "G", "B"), help="normalisation mean, 0..255 "
                    "scale (default: the --config's data preprocessor's, else ImageNet's)")
-    p.add_argument("--std", type=float_arg(positive=True), nargs=3, metavar=("R", "G", "B"),
+    p.add_argument("--std", type=numbers(positive=True), nargs=3, metavar=("R", "G", "B"),
                    help="normalisation std, 0..255 scale (default: as --mean)")
     p.add_argument("--reader", choices=READERS, default="auto", help="image decoding: mmcv (as LoadImageFromFile: "
                    "EXIF orientation, 16-bit, palette, CMYK...), pil (the same with Pillow), auto (mmcv if installed)")
-    p.add_argument("--batch-size", type=int_arg(1), default=4,
+    p.add_argument("--batch-size", type=ints(1), default=4,
                    help="images per forward: of one input size on the CPU, of mixed sizes on GPUs (default: 4)")
-    p.add_argument("--workers", type=int_arg(0), help="decoding processes per rank (default: CUDA: the rank's share "
+    p.add_argument("--workers", type=ints(0), help="decoding processes per rank (default: CUDA: the rank's share "
                    "of the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", type=arg_type(str, check_device), default="cpu",
                    help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
@@ -113,16 +111,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "pooled/shard-RRRRR-of-WWWWW.npz (one file per rank, with its image list)")
     p.add_argument("--no-maps", action="store_true", help="write no per-image feature maps (with --pool or --png)")
     p.add_argument("--overwrite", action="store_true", help="redo every image (default: skip complete outputs)")
-    p.add_argument("--dist-timeout", type=float_arg(positive=True), default=720.0, metavar="MIN",
+    p.add_argument("--dist-timeout", type=numbers(positive=True), default=720.0, metavar="MIN",
                    help="how long ranks wait for each other under torchrun, in minutes (default: 720)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    check_args(p, args)
-    return args
 
-
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What argparse cannot check alone, still before any model or image is loaded (status 2)."""
+    # what argparse cannot check alone
     if not (os.path.exists(args.input) or glob.has_magic(args.input)):
         p.error(f"input: no such file or folder {args.input!r} (expected an image file, a folder or a glob)")
     existing = os.path.abspath(args.out_dir)  # OUT_DIR, or the folder it would be created in
@@ -149,20 +143,19 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             check_stages(args.stages, None if args.config else len(args.depths) if args.depths else 4)
         except ValueError as err:
             p.error(f"--{err}")
-    arch_only = [k for k in ("embed_dims", "depths", "num_heads", "window_size", "pretrained_window_sizes")
-                 if getattr(args, k) is not None]
+    arch_only = ["--" + k.replace("_", "-") for k in ("embed_dims", "depths", "num_heads", "window_size",
+                                                       "pretrained_window_sizes") if getattr(args, k) is not None]
     if args.config and arch_only:
-        p.error(f"{'/'.join('--' + k.replace('_', '-') for k in arch_only)}: only with --arch, not --config (the "
-                "config sets them)")
+        p.error(f"{'/'.join(arch_only)}: only with --arch, not --config (the config sets them)")
     if not args.config:
         if args.pretrained_window_sizes is not None and split_arch(args.arch)[0] != 2:
             p.error(f"--pretrained-window-sizes: only for Swin V2 presets (v2-tiny, ...), got --arch {args.arch}")
         if args.pretrained_window_sizes is not None and len(args.pretrained_window_sizes) == 1:
             args.pretrained_window_sizes = args.pretrained_window_sizes[0]
-        if args.window_size is None:
-            args.window_size = default_window_size(args.arch)
+        args.window_size = args.window_size or default_window_size(args.arch)
     if args.no_maps and not (args.pool or args.png):
         p.error("--no-maps: nothing would be written; add --pool avg (or --png)")
+    return args
 
 
 def extract(argv: Optional[Sequence[str]] = None) -> dict:
@@ -214,34 +207,10 @@ class RankFailed(RuntimeError):
     """A rank stopped on an error; the message says which, why, and how to finish."""
 
 
-@dataclass
-class Share:
-    """One rank's images and what became of them (its record: ``ranks/rank-RRRRR-of-WWWWW.json``)."""
-
-    rank: int
-    world_size: int
-    paths: List[str]
-    rows: Dict[int, List[dict]] = field(default_factory=dict)  # image index -> its index rows
-    failed: Dict[int, str] = field(default_factory=dict)  # image index -> error
-    notes: List[str] = field(default_factory=list)  # images read, but with a remark (a cut-off JPEG)
-    in_flight: List[str] = field(default_factory=list)
-    resumed: int = 0
-
-    def record(self, out_dir: str, status: str, error: Optional[str] = None, **extra: object) -> dict:
-        """Write and return the rank's record."""
-        failed = [dict(image=self.paths[i], error=e) for i, e in sorted(self.failed.items())]
-        info = dict(rank=self.rank, world_size=self.world_size, status=status, error=error, assigned=len(self.paths),
-                    images=len(self.rows), new=len(self.rows) - self.resumed, resumed=self.resumed,
-                    in_flight=self.in_flight, failed=failed,
-                    pending=[p for i, p in enumerate(self.paths) if i not in self.rows and i not in self.failed],
-                    notes=self.notes, features=[r for i in sorted(self.rows) for r in self.rows[i]], **extra)
-        name = f"rank-{self.rank:05d}-of-{self.world_size:05d}.json"
-        atomic_write(os.path.join(out_dir, "ranks", name), json.dumps(info, indent=1))
-        return info
-
-
 def run(args: argparse.Namespace, ctx: DistContext) -> dict:
-    """Extract this rank's share; rank 0 returns the job's summary, other ranks their record."""
+    """Extract this rank's share: DataLoader workers decode (or find an image's outputs complete); the main
+    process batches what they decoded as :meth:`FeatureExtractor.batches` does, runs the backbone, writes.
+    Rank 0 returns the job's summary, other ranks their record (``ranks/rank-RRRRR-of-WWWWW.json``)."""
     start = time.perf_counter()
     paths, root = find_images(args.input, exclude=args.out_dir)
     if not paths:
@@ -255,100 +224,82 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
     warnings = [RANDOM_WEIGHTS_WARNING] if args.random_weights else []
     for w in warnings if ctx.rank == 0 else ():
         print(f"WARNING: {w}", file=sys.stderr, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
     check_settings(args, ctx, channels)
 
-    share = Share(ctx.rank, ctx.world_size, paths[ctx.rank :: ctx.world_size])
+    mine = paths[ctx.rank :: ctx.world_size]
     pooled = PooledStore(args.out_dir, ctx.rank, ctx.world_size, channels) if args.pool else None
     # (with --overwrite no image is skipped, whatever the old pooled files hold)
-    done_pooled = pooled.load_existing({plan.key(p) for p in share.paths}) if pooled and not args.overwrite else None
+    done_pooled = pooled.load_existing({plan.key(p) for p in mine}) if pooled and not args.overwrite else None
     ctx.barrier()  # every rank has read the old pooled files before any are replaced
+    rows: Dict[int, List[dict]] = {}  # image index in `mine` -> its index rows
+    failed: Dict[int, str] = {}  # image index -> error
+    notes: List[str] = []  # images read, but with a remark (a cut-off JPEG)
+    in_flight: List[str] = []  # what the rank was doing if it stops
+    resumed = 0
+
+    def record(status: str, error: Optional[str] = None, **extra: object) -> dict:
+        """Write and return the rank's record."""
+        info = dict(rank=ctx.rank, world_size=ctx.world_size, status=status, error=error, assigned=len(mine),
+                    images=len(rows), new=len(rows) - resumed, resumed=resumed, in_flight=in_flight,
+                    failed=[dict(image=mine[i], error=e) for i, e in sorted(failed.items())],
+                    pending=[p for i, p in enumerate(mine) if i not in rows and i not in failed],
+                    notes=notes, features=[r for i in sorted(rows) for r in rows[i]], **extra)
+        atomic_write(os.path.join(args.out_dir, "ranks", f"rank-{ctx.rank:05d}-of-{ctx.world_size:05d}.json"),
+                     json.dumps(info, indent=1))
+        return info
+
     try:
-        extract_share(args, extractor, plan, share, pooled, done_pooled, show=ctx.rank == 0 and not args.no_progress)
+        jobs = ImageJobs(mine, plan, tuple(args.resize) if args.resize else None, skip_complete=not args.overwrite,
+                         pooled=done_pooled, reader=args.reader, loader=args.loader)
+        chunk = 8 * args.batch_size  # decoded images batched by size together, while the workers decode the next
+        ahead = dict(prefetch_factor=max(2, -(-chunk // args.workers))) if args.workers else {}  # a chunk in flight
+        # one image per item (batches form by size below); iter() forks the workers before the bar starts its thread
+        items = iter(DataLoader(jobs, batch_size=None, collate_fn=as_is, num_workers=args.workers,
+                                pin_memory=extractor.device.type == "cuda", **ahead))
+        if ctx.rank == 0 and not args.no_progress:
+            items = track(items, total=len(jobs), description="extracting" if ctx.world_size == 1 else
+                          f"rank 0's share of {ctx.world_size}", console=Console(stderr=True))
+        waiting: List[dict] = []
+        for item in chain(items, [dict(status="end")]):  # the end: the images still waiting run
+            if item["status"] == "done":
+                rows[item["i"]] = item["rows"]
+                resumed += 1
+            elif item["status"] == "failed":
+                failed[item["i"]] = item["error"]
+            elif item["status"] == "ok":
+                notes += [item["note"]] if item["note"] else []
+                waiting.append(item)
+            if waiting and (item["status"] == "end" or len(waiting) >= chunk):
+                for batch in extractor.batches([tuple(it["image"].shape[-2:]) for it in waiting]):
+                    in_flight = [mine[waiting[j]["i"]] for j in batch]
+                    for j, feat in zip(batch, extractor.run_batch([waiting[j]["image"] for j in batch])):
+                        i = waiting[j]["i"]
+                        in_flight = [mine[i]]  # the forward is done: only this image's files are being written
+                        rows[i] = plan.write(mine[i], feat, waiting[j]["shown"])
+                        if pooled is not None:
+                            pooled.add(plan.key(mine[i]), mean_pool(feat))
+                in_flight, waiting = [], []
     except Exception as err:
         if pooled is not None:  # what this run did is kept for the rerun
             pooled.flush()
-        info = share.record(args.out_dir, "failed", f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+        info = record("failed", f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
         raise RankFailed(f"rank {ctx.rank} of {ctx.world_size} failed"
-                         + (f" on {', '.join(share.in_flight)}" if share.in_flight else "")
-                         + f": {info['error']}; {len(info['pending'])} of its {len(share.paths)} images are not done "
+                         + (f" on {', '.join(in_flight)}" if in_flight else "")
+                         + f": {info['error']}; {len(info['pending'])} of its {len(mine)} images are not done "
                          f"(listed under 'pending' in {args.out_dir}/ranks); run the same command again to finish "
                          "them") from err
-    shard = None
-    if pooled is not None:
-        shard = pooled.save(f"shard-{pooled.tag}.npz", [plan.key(share.paths[i]) for i in sorted(share.rows)])
-    info = share.record(args.out_dir, "complete", pooled_file=shard)
+    shard = pooled and pooled.save(f"shard-{pooled.tag}.npz", [plan.key(mine[i]) for i in sorted(rows)])
+    info = record("complete", pooled_file=shard)
     gathered = ctx.gather(info)  # waits for every rank
     if ctx.rank != 0 or gathered is None:
         return info
-    summary = write_index(args, gathered, paths, time.perf_counter() - start, warnings)
-    pool_dir, ranks_dir = os.path.join(args.out_dir, "pooled"), os.path.join(args.out_dir, "ranks")
-    shards = [f"shard-{r:05d}-of-{ctx.world_size:05d}.npz" for r in range(ctx.world_size)]
-    for name in pool_files(pool_dir, keep=shards):
-        os.remove(os.path.join(pool_dir, name))  # partial files, shards of other runs
-    for name in os.listdir(ranks_dir):
-        if not name.endswith(f"-of-{ctx.world_size:05d}.json"):
-            os.remove(os.path.join(ranks_dir, name))  # a record of a run with another world size
-    said = [f"skipped {f['image']}: {f['error']}" for f in summary["failed"]]
-    for line in said + [f"warning: {n}" for n in summary["notes"]] + [f"WARNING: {w}" for w in warnings]:
-        print(line, file=sys.stderr)
-    print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
-          f"{ctx.world_size} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
-          f"{len(summary['failed'])} skipped, images read with {summary['reader']}\n"
-          f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
-    return summary
+    return finish(args, gathered, paths, time.perf_counter() - start, warnings)
 
 
-def extract_share(args: argparse.Namespace, extractor: FeatureExtractor, plan: OutputPlan, share: Share,
-                  pooled: Optional[PooledStore], done_pooled: Optional[set], show: bool) -> None:
-    """The rank's loop: DataLoader workers decode (or find an image's outputs complete); the main
-    process batches what they decoded as :meth:`FeatureExtractor.batches` does, runs the backbone, writes."""
-    from rich.console import Console
-    from rich.progress import track
-
-    jobs = ImageJobs(share.paths, plan, tuple(args.resize) if args.resize else None, skip_complete=not args.overwrite,
-                     pooled=done_pooled, reader=args.reader, loader=args.loader)
-    chunk = 8 * args.batch_size  # decoded images batched by size together, while the workers decode the next ones
-    ahead = dict(prefetch_factor=max(2, -(-chunk // args.workers))) if args.workers else {}  # a chunk in flight
-    # one image per item (batches form by size below); iter() forks the workers before the bar starts its thread
-    items = iter(DataLoader(jobs, batch_size=None, collate_fn=as_is, num_workers=args.workers,
-                            pin_memory=extractor.device.type == "cuda", **ahead))
-    if show:
-        items = track(items, total=len(jobs), description="extracting" if share.world_size == 1 else
-                      f"rank 0's share of {share.world_size}", console=Console(stderr=True))
-    waiting: List[dict] = []
-
-    def run_waiting() -> None:
-        for batch in extractor.batches([tuple(it["image"].shape[-2:]) for it in waiting]):
-            share.in_flight = [share.paths[waiting[i]["i"]] for i in batch]
-            for i, feat in zip(batch, extractor.run_batch([waiting[i]["image"] for i in batch])):
-                item = waiting[i]
-                path = share.paths[item["i"]]
-                share.in_flight = [path]  # the forward is done: only this image's files are being written
-                share.rows[item["i"]] = plan.write(path, feat, item["shown"])
-                if pooled is not None:
-                    pooled.add(plan.key(path), mean_pool(feat))
-            share.in_flight = []
-        waiting.clear()
-
-    for item in items:
-        if item["status"] == "done":
-            share.rows[item["i"]] = item["rows"]
-            share.resumed += 1
-        elif item["status"] == "failed":
-            share.failed[item["i"]] = item["error"]
-        else:
-            if item["note"]:
-                share.notes.append(item["note"])
-            waiting.append(item)
-            if len(waiting) >= chunk:
-                run_waiting()
-    run_waiting()
-
-
-def write_index(args: argparse.Namespace, records: List[dict], paths: List[str], seconds: float,
-                warnings: List[str]) -> dict:
-    """Rank 0: ``index.json`` (the summary) and ``index.csv`` of the whole job, from every rank's record."""
+def finish(args: argparse.Namespace, records: List[dict], paths: List[str], seconds: float,
+           warnings: List[str]) -> dict:
+    """Rank 0, every rank done: ``index.json`` (the summary, returned) and ``index.csv`` of the whole job from the
+    ranks' records; the files of other runs removed; the summary said."""
     order = {p: i for i, p in enumerate(paths)}
     rows = sorted((r for s in records for r in s["features"]), key=lambda r: (order[r["image"]], r["stage"], r["file"]))
     total = {k: sum(s[k] for s in records) for k in ("images", "new", "resumed")}
@@ -365,11 +316,21 @@ def write_index(args: argparse.Namespace, records: List[dict], paths: List[str],
                    ranks=[{k: s[k] for k in ("rank", "assigned", "images", "new", "resumed")} for s in records],
                    features=rows)
     atomic_write(os.path.join(args.out_dir, "index.json"), json.dumps(summary, indent=1))
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["image", "stage", "shape", "dtype", "file", "key"])
-    writer.writeheader()
-    writer.writerows(dict(row, shape="x".join(map(str, row["shape"]))) for row in rows)
-    atomic_write(os.path.join(args.out_dir, "index.csv"), buf.getvalue())
+    with atomic_path(os.path.join(args.out_dir, "index.csv")) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["image", "stage", "shape", "dtype", "file", "key"])
+        writer.writeheader()
+        writer.writerows(dict(row, shape="x".join(map(str, row["shape"]))) for row in rows)
+    pool_dir, tail = Path(args.out_dir, "pooled"), f"-of-{len(records):05d}"
+    for old in [*pool_dir.glob("shard-*.npz"), *pool_dir.glob("partial-*.npz"), *Path(args.out_dir, "ranks").iterdir()]:
+        if not old.name.endswith((f"{tail}.npz", f"{tail}.json")):
+            old.unlink()  # partial files; shards and records of a run with another world size
+    said = [f"skipped {f['image']}: {f['error']}" for f in summary["failed"]]
+    for line in said + [f"warning: {n}" for n in summary["notes"]] + [f"WARNING: {w}" for w in warnings]:
+        print(line, file=sys.stderr)
+    print(f"done: {summary['images']} images ({summary['new']} new, {summary['resumed']} already complete) on "
+          f"{len(records)} rank(s) in {summary['seconds']:.1f} s ({summary['images_per_second']:.2f} new img/s), "
+          f"{len(summary['failed'])} skipped, images read with {summary['reader']}\n"
+          f"index: {os.path.join(args.out_dir, 'index.json')} (and index.csv)", flush=True)
     return summary
 
 
@@ -379,11 +340,14 @@ def check_settings(args: argparse.Namespace, ctx: DistContext, channels: Dict[in
     ``--overwrite``, then (rank 0) record these in ``settings.json``."""
     checkpoint = None
     if args.checkpoint:
-        local = args.checkpoint
+        local, sha256 = args.checkpoint, None
         if is_reference(local):  # its cached download; mmengine's own schemes have no local file
             local = fetch(local)[0] if resolve(local)[0] != "mmengine" else None
+        if local:  # (mapped, not read: checkpoints reach GiBs)
+            with open(local, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                sha256 = hashlib.sha256(data).hexdigest()
         name = args.checkpoint if is_reference(args.checkpoint) else os.path.basename(args.checkpoint)
-        checkpoint = dict(file=name, sha256=sha256_of(local) if local else None)
+        checkpoint = dict(file=name, sha256=sha256)
     model = dict(arch=args.arch, embed_dims=args.embed_dims, depths=args.depths, num_heads=args.num_heads,
                  window_size=args.window_size)
     if args.pretrained_window_sizes is not None:  # (absent otherwise: OUT_DIRs written before V2 still match)
@@ -394,9 +358,7 @@ def check_settings(args: argparse.Namespace, ctx: DistContext, channels: Dict[in
                     std=args.std, dtype=args.dtype, reader=args.reader)
     path = os.path.join(args.out_dir, "settings.json")
     if not args.overwrite and os.path.isfile(path):
-        with open(path) as f:
-            previous = json.load(f)
-        current = json.loads(json.dumps(settings))  # as it reads back: lists for tuples
+        previous, current = json.loads(Path(path).read_text()), json.loads(json.dumps(settings))  # lists for tuples
         diff = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
         if diff:
             raise SystemExit(f"out_dir {args.out_dir!r}: holds features made with other settings ({', '.join(diff)} "
@@ -406,20 +368,11 @@ def check_settings(args: argparse.Namespace, ctx: DistContext, channels: Dict[in
         atomic_write(path, json.dumps(settings, indent=1))
 
 
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 23), b""):  # 8 MiB at a time: checkpoints reach GiBs
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def build_extractor(args: argparse.Namespace, ctx: DistContext) -> FeatureExtractor:
     """The rank's extractor; completes ``args``: the decoder, ``--workers``' default and, with
     ``--config``, its test pipeline's ``LoadImageFromFile`` and its data preprocessor's mean / std."""
     args.reader, args.loader = resolve_reader(args.reader), LoaderSettings()
-    if args.workers is None:
-        args.workers = default_workers(ctx.local_world_size, args.device)
+    args.workers = default_workers(ctx.local_world_size, args.device) if args.workers is None else args.workers
     if args.config:
         from mmengine.config import Config
 

@@ -1,10 +1,6 @@
-"""Images in, feature files out, for ``swin-extract-features`` (:mod:`.extract_features` runs the job).
-
-:func:`read_rgb` gives the pixels mmdet's / mmseg's backbone sees: with mmcv it *is* ``LoadImageFromFile``
-(``mmcv.imfrombytes`` with the pipeline's ``color_type`` and ``imdecode_backend``) and the data preprocessor's
-BGR -> RGB flip; without mmcv, Pillow applies the same conversions (EXIF orientation, 16-bit to the high byte,
-grayscale / palette / CMYK to RGB, alpha dropped): docs/robustness.md.
-"""
+"""Images in, feature files out, for ``swin-extract-features`` (:mod:`.extract_features` runs the job): reading
+a file as mmdet / mmseg do (:func:`read_rgb`), INPUT's images, decoding in DataLoader workers, each image's files
+and ``--pool avg``'s."""
 from __future__ import annotations
 
 import glob
@@ -14,6 +10,7 @@ import time
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -21,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
-from ..checkpoint.files import atomic_write
+from ..checkpoint.files import atomic_path
 from ..features import pca_rgb, resize_to, side_by_side
 from ..torch_compat import load_supports_mmap
 
@@ -88,8 +85,7 @@ def decode_pil(data: bytes, source: str = "<bytes>") -> np.ndarray:
 def read_bytes(path: str) -> bytes:
     """The file's bytes; a missing file, a folder or an empty file is an :class:`ImageReadError`."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = Path(path).read_bytes()
     except OSError as err:
         raise ImageReadError(f"{path}: cannot be read ({type(err).__name__}: {err.strerror or err})") from None
     if not data:
@@ -99,9 +95,12 @@ def read_bytes(path: str) -> bytes:
 
 def read_rgb(path: str, reader: str = "auto", settings: LoaderSettings = LoaderSettings(),
              data: Optional[bytes] = None) -> np.ndarray:
-    """The ``(H, W, 3)`` uint8 RGB pixels mmdet's / mmseg's backbone sees for the file at ``path``
-    (or for its bytes ``data``), before resizing and normalisation, read with ``reader``
-    (:data:`READERS`). A file that cannot be read or decoded is an :class:`ImageReadError`."""
+    """The ``(H, W, 3)`` uint8 RGB pixels mmdet's / mmseg's backbone sees for the file at ``path`` (or for its
+    bytes ``data``), before resizing and normalisation, read with ``reader`` (:data:`READERS`): with mmcv it *is*
+    ``LoadImageFromFile`` (``mmcv.imfrombytes`` with the pipeline's ``color_type`` and ``imdecode_backend``) and
+    the data preprocessor's BGR -> RGB flip; with Pillow, the same conversions (EXIF orientation, 16-bit to the
+    high byte, grayscale / palette / CMYK to RGB, alpha dropped: docs/robustness.md). A file that cannot be read
+    or decoded is an :class:`ImageReadError`."""
     data = read_bytes(path) if data is None else data
     if resolve_reader(reader) == "pil":
         if settings.color_type != "color":
@@ -129,10 +128,8 @@ def read_rgb(path: str, reader: str = "auto", settings: LoaderSettings = LoaderS
 # -------------------------------------------------------------------- the images of INPUT
 def inside(path: str, folder: Optional[str]) -> bool:
     """Whether ``path`` is ``folder`` or lies under it (links and ``..`` resolved)."""
-    if not folder:
-        return False
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+    real = Path(os.path.realpath(path))
+    return bool(folder) and Path(os.path.realpath(folder)) in (real, *real.parents)
 
 
 def find_images(spec: str, exclude: Optional[str] = None) -> Tuple[List[str], str]:
@@ -154,16 +151,14 @@ def find_images(spec: str, exclude: Optional[str] = None) -> Tuple[List[str], st
 def output_names(paths: Sequence[str], root: str) -> Dict[str, str]:
     """Each image's output name: its relative path without the extension, or with it where two would share
     one (``x0.jpg``, ``x0.png``), compared case-insensitively (macOS, Windows); a clash left is a ``ValueError``."""
-    rel = {p: os.path.relpath(p, root) for p in paths}
-    stems = {p: os.path.splitext(r)[0] for p, r in rel.items()}
-    count = Counter(stem.lower() for stem in stems.values())
-    names = {p: stems[p] if count[stems[p].lower()] == 1 else rel[p] for p in paths}
+    stems = {p: os.path.splitext(os.path.relpath(p, root)) for p in paths}  # path -> (stem, extension)
+    count = Counter(stem.lower() for stem, _ in stems.values())
+    names = {p: stem if count[stem.lower()] == 1 else stem + ext for p, (stem, ext) in stems.items()}
     seen: Dict[str, str] = {}
     for p, name in names.items():
-        other = seen.setdefault(name.lower(), p)
-        if other != p:
-            raise ValueError(f"input: {other!r} and {p!r} would write the same outputs ({name}.*) in OUT_DIR; "
-                             "rename one of them")
+        if seen.setdefault(name.lower(), p) != p:
+            raise ValueError(f"input: {seen[name.lower()]!r} and {p!r} would write the same outputs ({name}.*) in "
+                             "OUT_DIR; rename one of them")
     return names
 
 
@@ -190,10 +185,9 @@ class ImageJobs(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         path = self.paths[i]
-        if self.skip_complete and (self.pooled is None or self.plan.key(path) in self.pooled):
-            rows = self.plan.complete_rows(path)
-            if rows is not None:
-                return dict(i=i, status="done", rows=rows)
+        if (self.skip_complete and (self.pooled is None or self.plan.key(path) in self.pooled)
+                and (rows := self.plan.complete_rows(path)) is not None):
+            return dict(i=i, status="done", rows=rows)
         try:
             data = read_bytes(path)
             rgb = read_rgb(path, self.reader, self.loader, data)
@@ -241,7 +235,7 @@ class OutputPlan:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def base(self, path: str) -> str:
-        return os.path.join(self.out_dir, self.names.get(path) or os.path.splitext(os.path.relpath(path, self.root))[0])
+        return os.path.join(self.out_dir, self.names.get(path) or os.path.splitext(self.key(path))[0])
 
     def files(self, path: str) -> Dict[str, List[int]]:
         """``{file: stages}`` of the image's feature maps."""
@@ -259,50 +253,40 @@ class OutputPlan:
         """Write one image's feature files (and PNGs), each whole or not at all; its index rows."""
         rows = []
         for file, stages in self.files(path).items():
-            buf = io.BytesIO()
-            if self.fmt == "npz":
-                np.savez(buf, **{f"stage{s}": feat[s].numpy() for s in stages})
-            elif self.fmt == "npy":
-                np.save(buf, feat[stages[0]].numpy())
-            else:
-                torch.save(feat[stages[0]].clone(), buf)  # (a view would save its whole storage)
-            atomic_write(file, buf.getvalue())
+            with atomic_path(file) as tmp, open(tmp, "wb") as out:
+                if self.fmt == "npz":
+                    np.savez(out, **{f"stage{s}": feat[s].numpy() for s in stages})
+                elif self.fmt == "npy":
+                    np.save(out, feat[stages[0]].numpy())
+                else:
+                    torch.save(feat[stages[0]].clone(), out)  # (a view would save its whole storage)
             rows += [self._row(path, s, feat[s].shape, file) for s in stages]
         for s, f in feat.items() if self.png else ():
-            buf = io.BytesIO()
-            Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(buf, format="PNG")
-            atomic_write(f"{self.base(path)}.stage{s}.png", buf.getvalue())
+            with atomic_path(f"{self.base(path)}.stage{s}.png") as tmp:
+                Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(tmp, format="PNG")
         return rows
-
-    def stored(self, file: str, stages: List[int]) -> Dict[int, Tuple[Tuple[int, ...], Any]]:
-        """``{stage: (shape, dtype)}`` of a written file, from its headers; an error if it is cut off."""
-        if self.fmt == "pt":
-            mmap = {"mmap": True} if load_supports_mmap() else {}
-            t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
-            return {stages[0]: (tuple(t.shape), t.dtype)}
-        if self.fmt == "npy":
-            a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
-            return {stages[0]: (a.shape, a.dtype)}
-        out = {}
-        with zipfile.ZipFile(file) as z:
-            for s in stages:
-                info = z.getinfo(f"stage{s}.npy")
-                with z.open(info) as f:  # the header only: the data is not read
-                    npy = np.lib.format
-                    header = npy.read_array_header_1_0 if npy.read_magic(f) == (1, 0) else npy.read_array_header_2_0
-                    shape, _, dtype = header(f)
-                    if info.file_size != f.tell() + dtype.itemsize * int(np.prod(shape)):
-                        raise ValueError(f"{file}: stage{s}.npy is cut off")
-                out[s] = (tuple(shape), dtype)
-        return out
 
     def complete_rows(self, path: str) -> Optional[List[dict]]:
         """The index rows of ``path``'s outputs if all are complete (stages, channels, dtype, as long as their
-        headers say, PNGs verified); ``None`` if anything is missing, cut off or different."""
-        rows = []
+        headers say; the data is not read; PNGs verified); ``None`` if anything is missing, cut off or different."""
+        rows, npy, mmap = [], np.lib.format, {"mmap": True} if load_supports_mmap() else {}
         try:
             for file, stages in self.files(path).items():
-                for s, (shape, dtype) in self.stored(file, stages).items():
+                found: Dict[int, Tuple[Tuple[int, ...], Any]] = {}  # stage -> (shape, dtype)
+                if self.fmt == "pt":
+                    t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
+                    found[stages[0]] = (tuple(t.shape), t.dtype)
+                elif self.fmt == "npy":
+                    a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
+                    found[stages[0]] = (a.shape, a.dtype)
+                else:
+                    with zipfile.ZipFile(file) as z:  # (a cut-off zip has lost its directory: an error)
+                        for s in stages:
+                            with z.open(f"stage{s}.npy") as f:  # its header only
+                                v1 = npy.read_magic(f) == (1, 0)
+                                shape, _, dtype = (npy.read_array_header_1_0 if v1 else npy.read_array_header_2_0)(f)
+                            found[s] = (tuple(shape), dtype)
+                for s, (shape, dtype) in found.items():
                     if len(shape) != 3 or shape[0] != self.channels[s] or dtype not in (np.float32, torch.float32):
                         return None
                     rows.append(self._row(path, s, shape, file))
@@ -324,24 +308,23 @@ class PooledStore:
 
     def __init__(self, out_dir: str, rank: int, world_size: int, channels: Dict[int, int]) -> None:
         self.dir, self.channels = os.path.join(out_dir, "pooled"), channels
-        self.tag = f"{rank:05d}-of-{world_size:05d}"
-        self.run_id = f"{os.getpid()}.{time.time_ns()}"
+        self.tag, self.run_id = f"{rank:05d}-of-{world_size:05d}", f"{os.getpid()}.{time.time_ns()}"
         self.vectors: Dict[str, Dict[int, np.ndarray]] = {}
         self.unflushed: List[str] = []
 
     def load_existing(self, wanted: Set[str]) -> Set[str]:
-        """Read the vectors of ``wanted`` images from every valid pooled file; the images found."""
-        for name in pool_files(self.dir):
+        """Read the vectors of ``wanted`` images from every valid pooled file (shards and partial files, of any
+        world size); the images found."""
+        for file in sorted([*Path(self.dir).glob("partial-*.npz"), *Path(self.dir).glob("shard-*.npz")]):
             try:
-                with np.load(os.path.join(self.dir, name), allow_pickle=False) as z:
+                with np.load(file, allow_pickle=False) as z:
                     images, arrays = z["images"], {s: z[f"stage{s}"] for s in self.channels}
             except Exception:  # cut off or foreign: its images are redone
                 continue
             if images.ndim == 1 and all(a.shape == (len(images), self.channels[s]) and a.dtype == np.float32
                                         for s, a in arrays.items()):
-                for j, image in enumerate(images.tolist()):
-                    if image in wanted:
-                        self.vectors[image] = {s: a[j] for s, a in arrays.items()}
+                self.vectors.update({image: {s: a[j] for s, a in arrays.items()}
+                                     for j, image in enumerate(images.tolist()) if image in wanted})
         return set(self.vectors)
 
     def add(self, image: str, vectors: Dict[int, torch.Tensor]) -> None:
@@ -358,15 +341,8 @@ class PooledStore:
 
     def save(self, name: str, images: Sequence[str]) -> str:
         """Write the vectors of ``images`` to ``pooled/name``; its path relative to OUT_DIR."""
-        buf = io.BytesIO()
-        np.savez(buf, images=np.array(list(images), dtype=str), **{
-            f"stage{s}": np.stack([self.vectors[i][s] for i in images]) if images else np.zeros((0, c), np.float32)
-            for s, c in self.channels.items()})
-        atomic_write(os.path.join(self.dir, name), buf.getvalue())
+        with atomic_path(os.path.join(self.dir, name)) as tmp, open(tmp, "wb") as f:
+            np.savez(f, images=np.array(list(images), dtype=str), **{
+                f"stage{s}": np.stack([self.vectors[i][s] for i in images]) if images else np.zeros((0, c), np.float32)
+                for s, c in self.channels.items()})
         return f"pooled/{name}"
-
-
-def pool_files(pool_dir: str, keep: Sequence[str] = ()) -> List[str]:
-    """The names of the pooled files (shards, partial files) in ``pool_dir`` but ``keep``, sorted."""
-    names = sorted(os.listdir(pool_dir)) if os.path.isdir(pool_dir) else []
-    return [n for n in names if n.startswith(("shard-", "partial-")) and n.endswith(".npz") and n not in keep]
