@@ -230,6 +230,14 @@ def load(f: Any, map_location: Any = None, *, pickle_module: Any = None, mmap: b
     kwargs: Dict[str, Any] = dict(map_location=map_location)
     if mmap and load_supports_mmap():
         kwargs["mmap"] = True
-    if pickle_module is not None:
-        return torch.load(f, weights_only=False, pickle_module=pickle_module, **kwargs)
-    return torch.load(f, weights_only=True, **kwargs)
+    # torch (>= 2.4) keeps map_location in a thread-local during a load and leaves it set when the
+    # unpickler raises: restored, so a refused file leaves the thread's next load as it was.
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    before = getattr(tls, "map_location", None)
+    try:
+        if pickle_module is not None:
+            return torch.load(f, weights_only=False, pickle_module=pickle_module, **kwargs)
+        return torch.load(f, weights_only=True, **kwargs)
+    finally:
+        if tls is not None:
+            tls.map_location = before

@@ -188,23 +188,24 @@ def describe_unknown(keys: Iterable[str]) -> str:
             f"keys seen: {describe_keys(keys)}")
 
 
-def infer_arch(checkpoint: Mapping, source: str = "checkpoint") -> dict:
+def infer_arch(checkpoint: Mapping, source: str = "") -> dict:
     """SwinBackbone (or, with ``swin_version=2``, SwinV2Backbone) keyword arguments that match a
     checkpoint's tensors: unwrapped, detected, converted to ours, then read by
     :func:`.formats.infer_v1_arch` / :func:`.formats_v2.infer_v2_arch`.
 
     Raises:
         CheckpointError: not a Swin checkpoint, or a tensor the architecture is read from is
-            missing (the message names ``source`` and the key).
+            missing (the message names ``source``, the file, and the key).
     """
     from .base import swin_version, to_ours
     from .formats import infer_v1_arch
 
     raw, _ = unwrap_state_dict(checkpoint, source)
+    where = f"checkpoint {source}" if source else "checkpoint"
     fmt = detect_format(raw)
     if fmt == "unknown":
-        raise CheckpointError(f"{source}: {describe_unknown(raw)}")
+        raise CheckpointError(f"{where}: {describe_unknown(raw)}")
     state, _, _ = to_ours(raw, fmt)
     if swin_version(fmt) == 2:
-        return infer_v2_arch(raw, state, source)
-    return infer_v1_arch(state, source)
+        return infer_v2_arch(raw, state, where)
+    return infer_v1_arch(state, where)

@@ -39,7 +39,7 @@ import torch
 
 from ..torch_compat import load
 from .base import CheckpointError
-from .records import RefusedError
+from .records import MAX_DIMS, RefusedError, brief
 from .unpickler import ASKS_FOR_CODE, read_torch_checkpoint
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -159,7 +159,8 @@ def read_torch_file(path: str, kind: str, map_location: Union[str, torch.device]
     except RefusedError as err:
         text = str(err)
         if not text.startswith(ASKS_FOR_CODE):
-            text = f"refused, nothing in it ran: {text}" if err.ran_nothing else f"refused: {text}"
+            # (a load with trusted classes ran their code: the FSDP strategy's own shards)
+            text = f"refused, nothing in it ran: {text}" if err.ran_nothing and not trusted else f"refused: {text}"
         raise CheckpointError(f"checkpoint {path!r}: {text}") from None
     except Exception as err:  # torch's container reader raises anything from IndexError to RuntimeError
         what = "zip archive" if kind == "torch-zip" else "pickle stream"
@@ -246,8 +247,9 @@ def _header_problem(header: object) -> str:
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not isinstance(entry.get("dtype"), str):
             return f"tensor {key[:60]!r}: dtype must be a string"
-        if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 2 ** 63 for n in shape):
-            return f"tensor {key[:60]!r}: shape must be a list of sizes >= 0, found {str(shape)[:60]}"
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(n) is int and 0 <= n < 2 ** 63
+                                                                           for n in shape):
+            return f"tensor {key[:60]!r}: shape must be a list of at most {MAX_DIMS} sizes >= 0, found {brief(shape)}"
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
                 and 0 <= offsets[0] <= offsets[1] < 2 ** 63):
             return f"tensor {key[:60]!r}: data_offsets must be [begin, end] with 0 <= begin <= end, found " \

@@ -62,6 +62,12 @@ MAX_KEY_INT = (1 << 61) - 2
 MAX_SIZE = 1 << 63
 #: A tuple key has at most this many parts; a string or bytes key part at most this many characters.
 MAX_KEY_PARTS, MAX_KEY_CHARS = 8, 4096
+#: A tuple key's int parts lie below this bound, and a load inserts at most this many tuple keys:
+#: CPython's tuple hash can be solved for its parts, so keys can be made to share one hash (each
+#: insert then probes every key before it); strings and bytes hash with a per-process key.
+MAX_KEY_PART_INT, MAX_TUPLE_KEYS = 1 << 32, 4096
+#: Bytes a copied container is charged per item (a dict's or set's slot and entry).
+ITEM_BYTES = 100
 
 
 #: What the message of a file that names or calls code says first (tests and callers match it).
@@ -83,25 +89,25 @@ def refuse(what: str) -> RefusedError:
     return RefusedError(what)
 
 
-#: Bytes the records of the load in progress may still make (``None``: no load, no bound).
-_BYTES_LEFT: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar("swin_backbone_bytes_left",
-                                                                                  default=None)
+#: What the load in progress may still make: ``[bytes, tuple keys]`` (``None``: no load, no bound).
+_LEFT: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar("swin_backbone_load_left", default=None)
 
 
 @contextlib.contextmanager
-def byte_budget(file_bytes: int) -> Iterator[None]:
+def load_budget(file_bytes: int) -> Iterator[None]:
     """Bound what the records of one load make to :data:`BYTES_PER_FILE_BYTE` times ``file_bytes``
-    (plus 1 MiB): each maker asks :func:`spend` before it allocates."""
-    token = _BYTES_LEFT.set([BYTES_PER_FILE_BYTE * file_bytes + 2**20])
+    (plus 1 MiB; each maker asks :func:`spend` before it allocates), and the tuple keys it
+    inserts to :data:`MAX_TUPLE_KEYS`."""
+    token = _LEFT.set([BYTES_PER_FILE_BYTE * file_bytes + 2**20, MAX_TUPLE_KEYS])
     try:
         yield
     finally:
-        _BYTES_LEFT.reset(token)
+        _LEFT.reset(token)
 
 
 def spend(nbytes: int, what: str) -> None:
-    """Take ``nbytes`` from the load's :func:`byte_budget`, or refuse before they are allocated."""
-    left = _BYTES_LEFT.get()
+    """Take ``nbytes`` from the load's :func:`load_budget`, or refuse before they are allocated."""
+    left = _LEFT.get()
     if left is not None:
         if nbytes > left[0]:
             raise refuse(f"{what}: {nbytes} more bytes would pass what this load may make "
@@ -230,7 +236,7 @@ def check_plain(value: Any, what: str, depth: int = 0, records: Tuple[type, ...]
     seen.add(id(value))
     if isinstance(value, dict):
         for key, item in value.items():
-            check_key(key, what)
+            check_key(key, what, inserted=False)
             if not dunder_keys and type(key) is str and key.startswith("__") and key.endswith("__"):
                 raise refuse(f"{what}: the key {brief(key)} names an attribute protocol, not data")
             check_plain(item, what, depth + 1, records, seen, dunder_keys, containers, expected)
@@ -261,22 +267,28 @@ def check_trusted_state(value: Any, trusted: Tuple[type, ...], what: str) -> Non
                 expected="data of the load's own classes")
 
 
-def check_key(key: Any, what: str) -> None:
+def check_key(key: Any, what: str, inserted: bool = True) -> None:
     """A dict key or set item, before anything hashes it: a string, bytes, a number or None, or a
-    short tuple of strings, bytes and ints >= 0 (a nested tuple's hash recurses without a limit: a
-    deep one crashes the process). Keys cannot be chosen to share one hash (quadratic inserts): an
-    int lies within :data:`MAX_KEY_INT` (below it an int is its own hash), no complex number, no
-    tuple part that hashes as another (-1 and -2, True and 1), and a key is short
-    (:data:`MAX_KEY_CHARS`: messages and key checks copy keys)."""
+    short tuple of strings, bytes and ints in ``[0, 2**32)`` (a nested tuple's hash recurses without
+    a limit: a deep one crashes the process). Keys cannot be chosen to share one hash (quadratic
+    inserts): an int lies within :data:`MAX_KEY_INT` (below it an int is its own hash), no complex
+    number, no tuple part that hashes as another (-1 and -2, True and 1), at most
+    :data:`MAX_TUPLE_KEYS` tuple keys ``inserted`` per load (``False``: one checked again), and a
+    key is short (:data:`MAX_KEY_CHARS`: messages and key checks copy keys)."""
     if type(key) is tuple:
-        ok = len(key) <= MAX_KEY_PARTS and all(type(p) in (str, bytes) or (type(p) is int and 0 <= p <= MAX_KEY_INT)
-                                               for p in key)
+        ok = len(key) <= MAX_KEY_PARTS and all(
+            type(p) in (str, bytes) or (type(p) is int and 0 <= p < MAX_KEY_PART_INT) for p in key)
+        left = _LEFT.get()
+        if ok and inserted and left is not None:
+            if left[1] == 0:
+                raise refuse(f"{what}: more than {MAX_TUPLE_KEYS} tuple keys in one load (a checkpoint holds few)")
+            left[1] -= 1
     else:
         ok = type(key) in _KEY_LEAVES and not (type(key) is int and abs(key) > MAX_KEY_INT)
     if not ok or any(type(p) in (str, bytes) and len(p) > MAX_KEY_CHARS for p in (key if type(key) is tuple else (key,))):
         raise refuse(f"{what}: a dict key or set item must be a string or bytes (at most {MAX_KEY_CHARS} long), a "
                      f"number (an int within 2**61), None, or a tuple of at most {MAX_KEY_PARTS} strings and ints "
-                     f">= 0, found {brief(key)}")
+                     f"in [0, 2**32), found {brief(key)}")
 
 
 def _complete(record: Record) -> bool:
@@ -314,7 +326,7 @@ def brief(value: Any, depth: int = 0) -> str:
 def _int(value: Any, what: str, low: int = 0, high: Optional[int] = None) -> int:
     if type(value) is not int or value < low or (high is not None and value > high):
         bound = f" in [{low}, {high}]" if high is not None else f" >= {low}"
-        raise refuse(f"{what}: expected an int{bound}, found {describe(value) if type(value) is not int else value}")
+        raise refuse(f"{what}: expected an int{bound}, found {describe(value) if type(value) is not int else brief(value)}")
     return value
 
 
@@ -443,7 +455,6 @@ def build_message_hub(record: MessageHubRecord, state: Any) -> None:
     if record.state is not None or type(state) is not dict or not set(state) <= known:
         raise refuse(f"MessageHub: expected its state {sorted(known)}, found "
                      f"{brief(list(state)) if type(state) is dict else describe(state)}")
-    check_plain(state, "MessageHub state")
     scalars = state.get("_log_scalars", {})
     if not isinstance(scalars, dict) or not all(type(v) is HistoryBufferRecord for v in scalars.values()):
         raise refuse("MessageHub _log_scalars: expected {name: HistoryBuffer}")
@@ -452,11 +463,11 @@ def build_message_hub(record: MessageHubRecord, state: Any) -> None:
 
 
 def config_dict(items: Any = None) -> ConfigDictRecord:
-    """``ConfigDict(dict)``: plain items, no key that names an attribute protocol (``__x__``)."""
+    """``ConfigDict(dict)``: a record of the dict, whose items :func:`materialize` checks (plain
+    data, no key that names an attribute protocol, ``__x__``) once nothing can change them."""
     items = {} if items is None else items
     if type(items) is not dict:
         raise refuse(f"ConfigDict: expected a dict of plain data, found {describe(items)}")
-    check_plain(items, "ConfigDict", dunder_keys=False)  # (a nested ConfigDict was checked when it was made)
     return ConfigDictRecord(items)
 
 
@@ -464,6 +475,7 @@ def config_dict(items: Any = None) -> ConfigDictRecord:
 def ordered_dict(items: Any = ()) -> collections.OrderedDict:
     if type(items) not in (list, tuple) or not all(type(p) in (list, tuple) and len(p) == 2 for p in items):
         raise refuse(f"collections.OrderedDict: expected () or a list of pairs, found {describe(items)}")
+    spend(ITEM_BYTES * len(items), "collections.OrderedDict")  # (a copy: the pairs may be shared)
     for key, _ in items:
         check_key(key, "collections.OrderedDict")
     return collections.OrderedDict(items)
@@ -473,7 +485,7 @@ def counter(items: Any = None) -> collections.Counter:
     items = {} if items is None else items
     if type(items) is not dict or not all(type(v) in (int, float) for v in items.values()):
         raise refuse(f"collections.Counter: expected a dict of counts, found {describe(items)}")
-    check_plain(items, "collections.Counter")
+    spend(ITEM_BYTES * len(items), "collections.Counter")  # (keys checked as the dict was filled)
     return collections.Counter(items)
 
 
@@ -490,6 +502,7 @@ def default_dict(factory: Any = None, items: Any = None) -> collections.defaultd
     if items is not None:
         if type(items) is not dict:
             raise refuse(f"collections.defaultdict: expected a dict of items, found {describe(items)}")
+        spend(ITEM_BYTES * len(items), "collections.defaultdict")
         out.update(items)
     return out
 
@@ -497,6 +510,7 @@ def default_dict(factory: Any = None, items: Any = None) -> collections.defaultd
 def make_set(items: Any = ()) -> set:
     if type(items) not in (list, tuple):
         raise refuse(f"builtins.set: expected a list, found {describe(items)}")
+    spend(ITEM_BYTES * len(items), "builtins.set")
     for item in items:
         check_key(item, "builtins.set")
     return set(items)
@@ -746,8 +760,10 @@ def build(inst: Any, state: Any) -> None:
         return
     if type(inst) is collections.OrderedDict and type(state) is dict and set(state) <= {"_metadata"} \
             and not hasattr(inst, "_metadata"):
-        check_plain(state, "a state dict's _metadata", records=())
-        inst._metadata = state.get("_metadata")  # type: ignore[attr-defined]
+        metadata = state.get("_metadata")
+        if metadata is not None and type(metadata) not in (dict, collections.OrderedDict):
+            raise refuse(f"a state dict's _metadata: expected a dict of module versions, found {describe(metadata)}")
+        inst._metadata = metadata  # (its versions read by module_versions when made)  # type: ignore[attr-defined]
         return
     raise refuse(f"the file asks to set the state of {describe(inst)} ({describe(state)}); only numpy dtypes and "
                  "arrays, HistoryBuffer, MessageHub and a state dict's _metadata take state")
@@ -760,8 +776,9 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
     what is not plain data (an :class:`Entry`, a :class:`MethodName` outside a HistoryBuffer),
     nesting deeper than :data:`MAX_DEPTH` and cycles. Instances of ``trusted`` classes (a load's
     own, :func:`~.unpickler.read_torch_checkpoint`) are kept as they are."""
-    done: Dict[int, Tuple[Any, int, int, int]] = {}  # id -> (what it became, height, expanded size, tensor bytes)
+    done: Dict[int, Tuple[Any, int, int, int]] = {}  # id -> (what it became, height, expanded size, bytes)
     active: set = set()
+    config_checked: set = set()  # (the containers a ConfigDict's check has seen: each once per load)
     deep = refuse(f"data nested deeper than {MAX_DEPTH} levels")
 
     def walk(value: Any, depth: int) -> Tuple[Any, int, int, int]:
@@ -770,6 +787,9 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
             nbytes = value.numel() * value.element_size()  # storage, one tensor named many times)
             spend(nbytes, "tensor")
             return value, 0, 1, nbytes
+        if kind is str or kind is bytes:  # (as tensors: what a consumer that prints or copies it makes)
+            spend(len(value), "text")
+            return value, 0, 1, len(value)
         if kind in PLAIN_LEAVES or kind in (torch.storage.TypedStorage, torch.UntypedStorage):
             return value, 0, 1, 0
         if trusted and isinstance(value, trusted):  # (their attributes again: the memo can fill them after BUILD)
@@ -778,11 +798,11 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
                                     describe(value))
             return value, 0, 1, 0
         key = id(value)
-        if key in done:  # shared: made once; its height, size and tensors count wherever it hangs
+        if key in done:  # shared: made once; its height, size, tensors and text count wherever it hangs
             out, height, size, nbytes = done[key]
             if depth + height > MAX_DEPTH:
                 raise deep
-            spend(nbytes, "tensors")
+            spend(nbytes, "tensors and text")
             return out, height, size, nbytes
         if key in active:
             raise refuse("the data refers to itself (a cycle)")
@@ -803,7 +823,7 @@ def materialize(value: Any, trusted: Tuple[type, ...] = ()) -> Any:
 
         active.add(key)
         try:
-            out = _made(value, child)
+            out = _made(value, child, config_checked)
         finally:
             active.discard(key)
         done[key] = (out, height[0], size[0], nbytes[0])
@@ -819,6 +839,7 @@ def module_versions(metadata: Any) -> collections.OrderedDict:
     as parameters, strides and aliasing included)."""
     out: collections.OrderedDict = collections.OrderedDict()
     if isinstance(metadata, dict):
+        spend(ITEM_BYTES * len(metadata), "a state dict's _metadata")  # (one copy per state dict naming it)
         for prefix, entry in metadata.items():
             if type(prefix) is str and type(entry) is dict:
                 version = entry.get("version")
@@ -826,7 +847,7 @@ def module_versions(metadata: Any) -> collections.OrderedDict:
     return out
 
 
-def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
+def _made(value: Any, walk: Callable[[Any], Any], config_checked: set) -> Any:
     kind = type(value)
     if kind is ArrayRecord:
         if value.data is None:
@@ -852,18 +873,18 @@ def _made(value: Any, walk: Callable[[Any], Any]) -> Any:
 
         # Checked again now that nothing can change it: the file's memo can fill the dict after
         # its REDUCE (a key such as __array_interface__ would make the real ConfigDict answer numpy).
-        check_plain(value.items, "ConfigDict", dunder_keys=False)
+        check_plain(value.items, "ConfigDict", seen=config_checked, dunder_keys=False)
         return ConfigDict(walk(value.items))
     if kind in (set, frozenset):
         for item in value:
-            check_key(item, "a set")
+            check_key(item, "a set", inserted=False)
         return value
     if kind in (list, tuple):
         items = [walk(v) for v in value]
         return value if all(a is b for a, b in zip(items, value)) else kind(items)
     if kind in (dict, collections.OrderedDict, collections.Counter, collections.defaultdict):
         for k in value:
-            check_key(k, "a dict")
+            check_key(k, "a dict", inserted=False)
         items = [(k, walk(v)) for k, v in value.items()]
         out = value
         if not all(a is b for (_, a), b in zip(items, value.values())):

@@ -33,12 +33,15 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from ..torch_compat import load, zip_record_names
-from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, byte_budget, call,
-                      check_key, check_trusted_state, describe, materialize, new, refuse, trusted_types)
+from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, call, check_key,
+                      check_trusted_state, describe, load_budget, materialize, new, refuse, trusted_types)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
 MAX_OPCODES = 4_000_000
+#: Records a torch zip archive may hold: one per storage, and a few (a detector's Runner
+#: checkpoint with AdamW state holds about 1000); each costs a zip reader a kilobyte or more.
+MAX_ZIP_RECORDS = 1 << 16
 
 _LOCATION = re.compile(r"[a-z_]{1,16}(:\d{1,4})?")
 _KEY = re.compile(r"[0-9A-Za-z_.-]{1,64}")
@@ -84,12 +87,12 @@ class _Storages:
         if not legacy:
             have = self.records.get(f"data/{key}")
             if have is None or have != nbytes:
-                raise refuse(f"storage {key!r}: {nbytes} bytes asked, the archive's record data/{key} has "
+                raise refuse(f"storage {key!r}: {brief(nbytes)} bytes asked, the archive's record data/{key} has "
                              f"{'none' if have is None else have}")
             return
         if key not in self.seen:
             if nbytes > self.budget:
-                raise refuse(f"storage {key!r}: {nbytes} bytes asked, more than the file's remaining "
+                raise refuse(f"storage {key!r}: {brief(nbytes)} bytes asked, more than the file's remaining "
                              f"{self.budget} bytes can hold")
             self.budget -= nbytes
             self.seen[key] = numel
@@ -99,7 +102,7 @@ class _Storages:
         if view is not None:
             if type(view) is not tuple or len(view) != 3 or type(view[0]) is not str \
                     or not all(type(n) is int and n >= 0 for n in view[1:]) or view[1] + view[2] > numel:
-                raise refuse(f"storage view {describe(view)}: expected (key, offset, size) within {numel} elements")
+                raise refuse(f"storage view {describe(view)}: expected (key, offset, size) within {brief(numel)} elements")
 
 
 class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
@@ -324,6 +327,9 @@ def zip_records(path: str) -> Dict[str, int]:
     record (torch never writes one)."""
     with open(path, "rb") as f:
         end = zipfile._EndRecData(f)  # type: ignore[attr-defined]  (the end record, as zipfile reads it)
+    if end is not None and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ZIP_RECORDS:  # type: ignore[attr-defined]
+        raise refuse(f"the archive declares {end[zipfile._ECD_ENTRIES_TOTAL]} records, more than the "  # type: ignore[attr-defined]
+                     f"{MAX_ZIP_RECORDS} a checkpoint's storages need (zip readers hold each in memory)")
     with zipfile.ZipFile(path) as archive:
         infos, start = archive.infolist(), archive.start_dir
     # Python finds the central directory at (end record - its size), torch's miniz at the offset
@@ -367,6 +373,19 @@ class _PythonReads(io.FileIO):
         left = max(os.fstat(super().fileno()).st_size - self.tell(), 0)
         return super().read(left if size is None or size < 0 else min(size, left))
 
+    def readline(self, size: int = -1) -> bytes:  # noqa: D102
+        # In blocks (io's readline reads a byte per call without peek): a line of the pickle's
+        # text opcodes, at most the rest of the file.
+        start, line = self.tell(), bytearray()
+        while size is None or size < 0 or len(line) < size:
+            block = self.read(1 << 16 if size is None or size < 0 else min(1 << 16, size - len(line)))
+            end = block.find(b"\n")
+            line += block if end < 0 else block[:end + 1]
+            if end >= 0 or not block:
+                break
+        self.seek(start + len(line))
+        return bytes(line)
+
 
 def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.device, Any] = "cpu",
                           trusted: Optional[Dict[str, Any]] = None) -> Any:
@@ -380,7 +399,7 @@ def read_torch_checkpoint(path: str, kind: str, map_location: Union[str, torch.d
     (the FSDP strategy's own shards, :mod:`swin_backbone.mmlab.fsdp`), never for a user's file."""
     legacy, size = kind != "torch-zip", os.path.getsize(path)
     storages = _Storages(budget=size) if legacy else _Storages(records=zip_records(path))
-    with byte_budget(size):  # (what the records make, through materialize)
+    with load_budget(size):  # (what the records make, through materialize)
         with _PythonReads(path, "r") if legacy else contextlib.nullcontext(path) as source:
             try:
                 obj = load(source, map_location, pickle_module=pickle_module(storages, trusted))

@@ -82,12 +82,19 @@ def _rebuild_sharded_tensor(func: object, new_type: object, args: object, state:
     stack holds: here only torch's wrapper rebuild of a ``ShardedTensor``
     (:func:`_rebuild_sharded_wrapper`); any other call is the table's
     (:func:`~swin_backbone.checkpoint.records.rebuild_from_type_v2`: tensors and parameters)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 
-    from ..checkpoint.records import check_trusted_state, rebuild_from_type_v2
+    from ..checkpoint.records import brief, check_trusted_state, rebuild_from_type_v2, refuse
 
     if func is _rebuild_sharded_wrapper and new_type is ShardedTensor:
         check_trusted_state((args[1:] if type(args) is tuple else args, state), _sharded_types(), "a ShardedTensor")
+        # ShardedTensor.__setstate__ takes (local shards, metadata, process group state, sharding spec,
+        # init_rrefs); init_rrefs would register the tensor process-wide and call the RPC agent.
+        if not (type(state) is tuple and len(state) == 5 and type(state[0]) is list
+                and all(type(shard) is Shard for shard in state[0]) and type(state[1]) is ShardedTensorMetadata
+                and type(state[2]) is ShardedTensor.ProcessGroupState and state[4] is False):
+            raise refuse(f"a ShardedTensor's state: expected (shards, metadata, process group state, spec, False) as "
+                         f"torch.save writes it with init_rrefs=False, found {brief(state)}")
         return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
     return rebuild_from_type_v2(func, new_type, args, state)
 

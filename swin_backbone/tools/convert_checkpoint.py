@@ -95,7 +95,7 @@ def convert_file(
 
     check_paths(src, dst)
     checkpoint = read_checkpoint(src)
-    kwargs = infer_arch(checkpoint, source=f"checkpoint {src}")
+    kwargs = infer_arch(checkpoint, source=src)
     v2 = kwargs.pop("swin_version", 1) == 2
     targets = V2_FROM_OURS if v2 else FROM_OURS
     if to not in targets:

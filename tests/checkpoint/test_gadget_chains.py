@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ CHAINS = {
     "ndarray-called": (call(g("numpy.ndarray"), t(i(2 ** 28)), np_dtype("f8")), "calls the global numpy.ndarray"),
     "array-of-2**28-from-8-bytes": (np_array((2 ** 28,), np_dtype("f8"), b(b"\0" * 8)), "needs 2147483648 bytes"),
     "array-data-a-configdict": (np_array((1,), np_dtype("f8"), call(g(CD), d((s("__array_interface__"), i(0))))),
-                                "names an attribute protocol"),
+                                "its data must be bytes, found a ConfigDict"),
     "array-data-a-list": (np_array((1,), np_dtype("f8"), l(i(0))), "its data must be bytes"),
     "reconstruct-other-subtype": (call(g("numpy._core.multiarray._reconstruct"), g(HB), t(i(0)), b(b"b")),
                                   "expected (numpy.ndarray, (0,), b'b')"),
@@ -96,7 +97,7 @@ CHAINS = {
     "build-ordereddict-keys": (build(call(g("collections.OrderedDict")), d((s("keys"), i(1)))),
                                "set the state of a collections.OrderedDict"),
     "build-ordereddict-metadata-entry": (build(call(g("collections.OrderedDict")), d((s("_metadata"), g(HB)))),
-                                         "expected plain data"),
+                                         "expected a dict of module versions"),
     "getattr-init": (call(g("builtins.getattr"), g(HB), s("__init__")), "builtins.getattr(the global"),
     "getattr-with-default": (call(g("builtins.getattr"), g(HB), s("min"), NONE), "builtins.getattr(the global"),
     "getattr-on-getattr": (call(g("__builtin__.getattr"), g("__builtin__.getattr"), s("__self__")),
@@ -269,7 +270,7 @@ def test_an_fsdp_shard_rebuilds_only_sharded_tensors(tmp_path):
     meta = "torch.distributed._shard.sharded_tensor.metadata."
     enum_state = (call(g(meta + "MEM_FORMAT_ENCODING"), i(0)) + d((s("_value_"), s("pwned"))) + pickle.BUILD)
     for name, body, says in (("untyped", untyped, "calls only torch's tensor rebuilds"),
-                             ("wrapper", wrapper, "makes only a ShardedTensor"),
+                             ("wrapper", wrapper, r"a ShardedTensor's state: expected \(shards, metadata"),
                              ("layout", call(g("torch.serialization._get_layout"), deep), "expected one of torch.strided"),
                              ("enum", call(g(meta + "MEM_FORMAT_ENCODING"), deep), "only an Enum with one of its"),
                              ("enum-state", enum_state, "set the state of"),
@@ -280,6 +281,10 @@ def test_an_fsdp_shard_rebuilds_only_sharded_tensors(tmp_path):
         path = in_zip(tmp_path / f"{name}.pth", program(d((s("x"), body))))
         with pytest.raises(CheckpointError, match=says):
             read_torch_file(path, "torch-zip", trusted=sharded_classes())
+    from swin_backbone.mmlab.fsdp import _rebuild_sharded_wrapper
+
+    with pytest.raises(CheckpointError, match="makes only a ShardedTensor"):  # (a shard's state checked, its class)
+        _rebuild_sharded_wrapper(torch.Tensor, torch.float32, (4,), (1,), 0, None, None, False)
     # a plain tensor in a shard still reads through the table's rows
     path = in_zip(tmp_path / "plain.pth", program(d((s("x"), tensor()))))
     torch.testing.assert_close(read_torch_file(path, "torch-zip", trusted=sharded_classes())["x"], torch.ones(4))
@@ -604,6 +609,172 @@ def test_a_safetensors_header_is_parsed_only_at_a_checkpoint_size(tmp_path):
     assert "more than a checkpoint of 65536 tensors may hold" in out["lists.safetensors"], out
     assert out["swin-g.safetensors"] == "loaded", out
     assert out["maxrss_mb"] < 200, out
+
+
+def _lput(n: int) -> bytes:
+    return pickle.LONG_BINPUT + n.to_bytes(4, "little")
+
+
+def _lget(n: int) -> bytes:
+    return pickle.LONG_BINGET + n.to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("row, items, one", [
+    ("collections.defaultdict", d(*[(i(k), NONE) for k in range(65536)]), lambda f, x: f + t(NONE, x) + pickle.REDUCE),
+    ("builtins.set", l(*[i(k) for k in range(65536)]), lambda f, x: f + t(x) + pickle.REDUCE),
+    ("collections.OrderedDict", l(*[t(i(k), NONE) for k in range(65536)]), lambda f, x: f + t(x) + pickle.REDUCE),
+    ("collections.Counter", d(*[(i(k), i(1)) for k in range(65536)]), lambda f, x: f + t(x) + pickle.REDUCE),
+])
+def test_a_row_that_copies_a_shared_container_spends_the_budget(tmp_path, row, items, one):
+    """One container of 65536 items, copied by a row 300 times through the memo (7 bytes a copy):
+    3.5 GB from a 272 KB file before each copy was charged."""
+    body = g(row) + put(0) + pickle.POP + items + put(1) + pickle.POP + one(get(0), get(1)) * 300 + d()
+    path = in_zip(tmp_path / "copies.pth", program(body))
+    with pytest.raises(CheckpointError, match=rf"{row}: \d+ more bytes would pass what this load may make"):
+        read_checkpoint(path)
+
+
+@pytest.mark.parametrize("row, says", [("configdict", "a ConfigDict holds more than 65536 objects"),
+                                       ("messagehub", "the data holds more than 1048576 objects"),
+                                       ("metadata", "a state dict's _metadata: 6553600 more bytes would pass")])
+def test_records_over_one_shared_container_are_checked_once(tmp_path, row, says):
+    """A list of 4000 records over one list of 10**6 items (1 MB; a state dict's ``_metadata``: a
+    dict of 65536): each was checked whole when made, 4 * 10**9 steps (about an hour); now what is
+    shared is checked once when made, and what the records hold counted along every path is
+    bounded when they are made real. Bounded by the child's timeout."""
+    if row == "metadata":
+        shared = d(*[(i(k), NONE) for k in range(65536)])
+    else:
+        shared = pickle.EMPTY_LIST + pickle.MARK + NONE * 10 ** 6 + pickle.APPENDS
+    body = s("a") + put(2) + pickle.POP + shared + put(1) + pickle.POP
+    if row == "configdict":
+        body += g(CD) + put(0) + pickle.POP
+        one = get(0) + d((get(2), get(1))) + pickle.TUPLE1 + pickle.REDUCE + pickle.POP
+    elif row == "messagehub":
+        body += g("mmengine.logging.message_hub.MessageHub") + put(0) + pickle.POP + s("_runtime_info") + put(2)
+        one = get(0) + pickle.EMPTY_TUPLE + pickle.NEWOBJ + d((get(2), get(1))) + pickle.BUILD + pickle.POP
+        body += pickle.POP
+    else:
+        body += g("collections.OrderedDict") + put(0) + pickle.POP + s("_metadata") + put(2) + pickle.POP
+        one = get(0) + pickle.EMPTY_TUPLE + pickle.REDUCE + d((get(2), get(1))) + pickle.BUILD + pickle.POP
+    records = pickle.EMPTY_LIST + pickle.MARK + one.removesuffix(pickle.POP) * 4000 + pickle.APPENDS
+    path = in_zip(tmp_path / f"{row}.pth", program(body + d((s("records"), records))))
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert says in json.loads(done.stdout.strip().splitlines()[-1])[f"{row}.pth"]
+
+
+def test_text_counts_wherever_it_hangs(tmp_path):
+    """One 1 MiB string hung 1000 x 1000 times through two shared lists: about 10**6 objects along
+    every path (under :data:`records.MAX_EXPANDED`), and 1 TB for whoever prints it."""
+    body = s("x" * (1 << 20)) + put(0) + pickle.POP
+    body += pickle.EMPTY_LIST + pickle.MARK + get(0) * 1000 + pickle.APPENDS + put(1) + pickle.POP
+    body += d((s("meta"), pickle.EMPTY_LIST + pickle.MARK + get(1) * 1000 + pickle.APPENDS))
+    path = in_zip(tmp_path / "text.pth", program(body))
+    with pytest.raises(CheckpointError, match="text: 1048576 more bytes would pass"):
+        read_checkpoint(path)
+    once = in_zip(tmp_path / "once.pth", program(d((s("meta"), l(s("x" * (1 << 20)))))))
+    assert read_checkpoint(once)["meta"] == ["x" * (1 << 20)]  # (text once: as in the file)
+
+
+def test_tuple_keys_are_few_and_their_int_parts_small(tmp_path):
+    """CPython's tuple hash can be solved for a last int part: 90 000 keys (a, b) of one hash took
+    74 s to insert. Int parts lie below 2**32 and a load inserts at most 4096 tuple keys."""
+    big = in_zip(tmp_path / "big.pth", program(d((t(i(1), i(2 ** 32)), NONE))))
+    with pytest.raises(CheckpointError, match=r"ints in \[0, 2\*\*32\), found \(1, 4294967296\)"):
+        read_checkpoint(big)
+    many = in_zip(tmp_path / "many.pth", program(d(*[(t(s("k"), i(k)), NONE) for k in range(4097)])))
+    with pytest.raises(CheckpointError, match="SETITEMS: more than 4096 tuple keys in one load"):
+        read_checkpoint(many)
+    few = in_zip(tmp_path / "few.pth", program(d(*[(t(s("k"), i(k)), NONE) for k in range(4096)])))
+    assert len(read_checkpoint(few)) == 4096
+
+
+def test_a_zip_of_very_many_records_is_refused_from_its_end_record(tmp_path):
+    """70 000 empty records the pickle never names: zip readers hold each in memory (300 000 held
+    765 MB for a 38 MB file); the end record's count refuses it before any reader lists them."""
+    path = tmp_path / "records.pth"
+    torch.save({"w": torch.ones(1)}, path)
+    with zipfile.ZipFile(path) as z:
+        members = [(x.filename, z.read(x.filename)) for x in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data)
+        for k in range(70_000):
+            z.writestr(f"{members[0][0].split('/')[0]}/x{k}", b"")
+    with pytest.raises(CheckpointError, match=rf"the archive declares {70_000 + len(members)} records, more than the 65536"):
+        read_checkpoint(str(path))
+
+
+def test_a_refused_load_leaves_torch_s_thread_local_map_location(tmp_path):
+    """torch (>= 2.4) sets ``_serialization_tls.map_location`` for a load and leaves it set when the
+    unpickler raises; later rebuilds in the thread would map there."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if tls is None:
+        pytest.skip("this torch keeps no serialization thread-local")
+    path = in_zip(tmp_path / "code.pth", program(call(g("os.system"), s("true"))))
+    before = tls.map_location
+    with pytest.raises(CheckpointError, match="asks to run code"):
+        read_checkpoint(path, map_location="cpu")
+    assert tls.map_location is before
+
+
+def test_a_legacy_text_line_is_read_in_blocks(tmp_path):
+    """A legacy file's text opcodes read a line: io read it a byte per Python call (26 s for
+    8 MB; 32 MB here, bounded by the child's timeout). Lines across blocks read whole."""
+    from swin_backbone.checkpoint.unpickler import _PythonReads
+
+    lines = [b"a" * 65535 + b"\n", b"b" * 65536 + b"\n", b"\n", b"c" * 70000]
+    (tmp_path / "lines").write_bytes(b"".join(lines))
+    with _PythonReads(str(tmp_path / "lines"), "r") as f:
+        assert [f.readline() for _ in range(5)] == lines + [b""]
+        f.seek(0)
+        assert f.readline(10) == b"a" * 10 and f.readline() == b"a" * 65525 + b"\n"
+    path = legacy(tmp_path / "line.pth", program(pickle.UNICODE + b"x" * (32 << 20) + b"\n"))
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["line.pth"] == "loaded"
+
+
+_RREFS = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    import torch.distributed._shard.sharded_tensor.api as api
+    from swin_backbone.checkpoint import CheckpointError
+    from swin_backbone.checkpoint.files import read_torch_file
+    from swin_backbone.mmlab.fsdp import sharded_classes
+    out = {}
+    for rrefs in (False, True):
+        st = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 4)
+        st._init_rrefs = rrefs
+        path = sys.argv[1] + f"/rank0-{rrefs}.pth"
+        torch.save({"w": st}, path)
+        before = api._sharded_tensor_current_id
+        try:
+            got = read_torch_file(path, "torch-zip", trusted=sharded_classes())["w"]
+            out[str(rrefs)] = type(got).__name__ + " " + str(got.local_tensor().tolist())
+        except CheckpointError as err:
+            out[str(rrefs)] = str(err)
+        out[str(rrefs) + " id"] = api._sharded_tensor_current_id - before
+    dist.destroy_process_group()
+    print(json.dumps(out))
+""")
+
+
+def test_an_fsdp_shard_that_asks_for_rpc_is_refused_before_it_registers(tmp_path):
+    """A ShardedTensor saved with ``init_rrefs=True``: its ``__setstate__`` registers it in
+    torch's process-wide map (and with an RPC agent calls the other workers); a shard as
+    ``torch.save`` writes it (``init_rrefs=False``) loads."""
+    pytest.importorskip("mmengine")
+    done = subprocess.run([sys.executable, "-c", _RREFS, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["False"] == "ShardedTensor [0.0, 0.0, 0.0, 0.0]", out
+    assert "refused: a ShardedTensor's state: expected (shards, metadata, process group state, spec, False)" \
+        in out["True"] and "nothing in it ran" not in out["True"], out
+    assert out["True id"] == 0, out
 
 
 def test_a_legacy_storage_its_data_never_fills_is_refused(tmp_path):

@@ -91,6 +91,13 @@ def test_failures_exit_1_with_one_line(tmp_path, swin_file):
     assert str(tmp_path / "broken.pth") in line and "stages.2.blocks.*.attn.relative_position_bias_table" in line
     assert not (tmp_path / "never.pth").exists()
 
+    # the file named once, where the checkpoint holds no tensors or another network's
+    torch.save([1, 2], tmp_path / "list.pth")
+    torch.save({"state_dict": {"fc.weight": torch.ones(2, 2)}}, tmp_path / "fc.pth")
+    for name, says in (("list.pth", "expected a dict of tensors"), ("fc.pth", "not a Swin Transformer checkpoint")):
+        line = one_line_error(run(tmp_path / name, tmp_path / "never.pth"))
+        assert f"checkpoint {tmp_path / name}: " in line and says in line and "checkpoint checkpoint" not in line, line
+
 
 def test_partial_checkpoint_converts_what_it_has(tmp_path, swin_file):
     """Some keys missing (not ones the architecture is read from): converted with the per-key
