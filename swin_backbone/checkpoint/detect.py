@@ -27,6 +27,11 @@ FORMATS = tuple(FORMAT_NAMES)
 WRAPPER_KEYS = ("state_dict", "model", "model_state", "module", "state_dict_ema", "model_ema")
 
 
+def checkpoint_named(source: str) -> str:
+    """How messages name a checkpoint: ``checkpoint <source>``, or ``checkpoint`` without one."""
+    return f"checkpoint {source}" if source else "checkpoint"
+
+
 def unwrap_state_dict(obj: object, source: str = "", prefix: Optional[str] = None) -> Tuple[StateDict, List[str]]:
     """Find the tensor dict inside a checkpoint and strip framework prefixes.
 
@@ -45,7 +50,7 @@ def unwrap_state_dict(obj: object, source: str = "", prefix: Optional[str] = Non
         ``(state_dict, steps)``: the backbone's tensors and a description of what was
         unwrapped, for the report.
     """
-    where = f"checkpoint {source}" if source else "checkpoint"
+    where = checkpoint_named(source)
     steps: List[str] = []
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{where}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
@@ -201,7 +206,7 @@ def infer_arch(checkpoint: Mapping, source: str = "") -> dict:
     from .formats import infer_v1_arch
 
     raw, _ = unwrap_state_dict(checkpoint, source)
-    where = f"checkpoint {source}" if source else "checkpoint"
+    where = checkpoint_named(source)
     fmt = detect_format(raw)
     if fmt == "unknown":
         raise CheckpointError(f"{where}: {describe_unknown(raw)}")

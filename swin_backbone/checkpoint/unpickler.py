@@ -102,7 +102,8 @@ class _Storages:
         if view is not None:
             if type(view) is not tuple or len(view) != 3 or type(view[0]) is not str \
                     or not all(type(n) is int and n >= 0 for n in view[1:]) or view[1] + view[2] > numel:
-                raise refuse(f"storage view {describe(view)}: expected (key, offset, size) within {brief(numel)} elements")
+                raise refuse(f"storage view {describe(view)}: expected (key, offset, size) within {brief(numel)} "
+                             "elements")
 
 
 class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
@@ -376,9 +377,9 @@ class _PythonReads(io.FileIO):
     def readline(self, size: int = -1) -> bytes:  # noqa: D102
         # In blocks (io's readline reads a byte per call without peek): a line of the pickle's
         # text opcodes, at most the rest of the file.
-        start, line = self.tell(), bytearray()
-        while size is None or size < 0 or len(line) < size:
-            block = self.read(1 << 16 if size is None or size < 0 else min(1 << 16, size - len(line)))
+        start, line, limit = self.tell(), bytearray(), -1 if size is None else size
+        while limit < 0 or len(line) < limit:
+            block = self.read(1 << 16 if limit < 0 else min(1 << 16, limit - len(line)))
             end = block.find(b"\n")
             line += block if end < 0 else block[:end + 1]
             if end >= 0 or not block:

@@ -266,27 +266,32 @@ class OutputPlan:
                 Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(tmp, format="PNG")
         return rows
 
+    def stored(self, file: str, stages: List[int]) -> Dict[int, Tuple[Tuple[int, ...], Any]]:
+        """``{stage: (shape, dtype)}`` of a written file, from its headers (the data is not read); an error if it
+        is cut off."""
+        if self.fmt == "pt":
+            mapped = {"mmap": True} if load_supports_mmap() else {}
+            t = torch.load(file, map_location="cpu", weights_only=True, **mapped)
+            return {stages[0]: (tuple(t.shape), t.dtype)}
+        if self.fmt == "npy":
+            a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
+            return {stages[0]: (a.shape, a.dtype)}
+        out, npy = {}, np.lib.format
+        with zipfile.ZipFile(file) as z:  # (a cut-off zip has lost its directory: an error)
+            for s in stages:
+                with z.open(f"stage{s}.npy") as f:  # its header only
+                    v1 = npy.read_magic(f) == (1, 0)
+                    shape, _, dtype = (npy.read_array_header_1_0 if v1 else npy.read_array_header_2_0)(f)
+                out[s] = (tuple(shape), dtype)
+        return out
+
     def complete_rows(self, path: str) -> Optional[List[dict]]:
         """The index rows of ``path``'s outputs if all are complete (stages, channels, dtype, as long as their
-        headers say; the data is not read; PNGs verified); ``None`` if anything is missing, cut off or different."""
-        rows, npy, mmap = [], np.lib.format, {"mmap": True} if load_supports_mmap() else {}
+        headers say; PNGs verified); ``None`` if anything is missing, cut off or different."""
+        rows = []
         try:
             for file, stages in self.files(path).items():
-                found: Dict[int, Tuple[Tuple[int, ...], Any]] = {}  # stage -> (shape, dtype)
-                if self.fmt == "pt":
-                    t = torch.load(file, map_location="cpu", weights_only=True, **mmap)
-                    found[stages[0]] = (tuple(t.shape), t.dtype)
-                elif self.fmt == "npy":
-                    a = np.load(file, mmap_mode="r")  # (a file shorter than its header says cannot be mapped)
-                    found[stages[0]] = (a.shape, a.dtype)
-                else:
-                    with zipfile.ZipFile(file) as z:  # (a cut-off zip has lost its directory: an error)
-                        for s in stages:
-                            with z.open(f"stage{s}.npy") as f:  # its header only
-                                v1 = npy.read_magic(f) == (1, 0)
-                                shape, _, dtype = (npy.read_array_header_1_0 if v1 else npy.read_array_header_2_0)(f)
-                            found[s] = (tuple(shape), dtype)
-                for s, (shape, dtype) in found.items():
+                for s, (shape, dtype) in self.stored(file, stages).items():
                     if len(shape) != 3 or shape[0] != self.channels[s] or dtype not in (np.float32, torch.float32):
                         return None
                     rows.append(self._row(path, s, shape, file))
