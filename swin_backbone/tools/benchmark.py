@@ -30,7 +30,7 @@ import torch
 
 from ..checkpoint.files import atomic_write
 from ..model.presets import ARCH_SETTINGS
-from .common import one_line
+from .common import int_arg, one_line
 
 #: The peer libraries compared with: module -> (what is skipped without it, how to install it).
 PEERS: Dict[str, Tuple[str, str]] = {
@@ -201,20 +201,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "fp32 on cpu)")
     parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
                         help="input height and width, multiples of 4 (default: 800 1344 on cuda, 512 512 on cpu)")
-    parser.add_argument("--eval-batch", type=int, default=1, help="images per eval step (default: %(default)s)")
-    parser.add_argument("--train-batch", type=int, default=2, help="images per training step (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=9, help="timed rounds (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: %(default)s)")
+    parser.add_argument("--eval-batch", type=int_arg(1), default=1, help="images per eval step (default: %(default)s)")
+    parser.add_argument("--train-batch", type=int_arg(1), default=2,
+                        help="images per training step (default: %(default)s)")
+    parser.add_argument("--iters", type=int_arg(1), default=9, help="timed rounds (default: %(default)s)")
+    parser.add_argument("--warmup", type=int_arg(0), default=2, help="untimed rounds first (default: %(default)s)")
     parser.add_argument("--no-peers", action="store_true", help="skip timm's and torchvision's models")
     parser.add_argument("--skip-memory", action="store_true", help="skip the CUDA peak-memory column")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device: 'cuda' asked for, but CUDA is not available on this machine; expected --device cpu")
-    for option in ("iters", "warmup", "eval_batch", "train_batch"):
-        low = 0 if option == "warmup" else 1
-        if getattr(args, option) < low:
-            parser.error(f"--{option.replace('_', '-')}: expected an int >= {low}, got {getattr(args, option)}")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.size = args.size or ([800, 1344] if args.device == "cuda" else [512, 512])
     if min(args.size) < 4 or any(s % 4 for s in args.size):

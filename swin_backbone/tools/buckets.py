@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..buckets import Shape, check_buckets, choose_bucket
+from .common import int_arg
 
 #: A batch: its padded shape ``(H, W)`` in pixels and its images' shapes after the pipeline.
 Batch = Tuple[Shape, Tuple[Shape, ...]]
@@ -243,20 +244,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="an mmdet config: a path or a shipped config (mmdet/<name>.py)")
     parser.add_argument("--split", choices=("train", "test"), default="train", help="which dataloader (default train)")
-    parser.add_argument("--draws", type=int, default=2000, help="batches to draw (default 2000)")
+    parser.add_argument("--draws", type=int_arg(1), default=2000, help="batches to draw (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, help="images per batch (default: the dataloader's)")
+    parser.add_argument("--batch-size", type=int_arg(1), help="images per batch (default: the dataloader's)")
     parser.add_argument("--ann-file", help="a COCO json whose images[] width/height are the original sizes")
     parser.add_argument("--buckets", nargs="+", type=parse_shape, metavar="HxW", help="a bucket set, e.g. 800x1344")
     parser.add_argument("--buckets-from", metavar="CONFIG", help="the bucket set of CONFIG's model.data_preprocessor")
-    parser.add_argument("--pick", type=int, metavar="K", help="choose K buckets (each serves both orientations)")
+    parser.add_argument("--pick", type=int_arg(1), metavar="K", help="choose K buckets (each serves both orientations)")
     parser.add_argument("--bound", type=parse_shape, metavar="HxW",
                         help="a bucket --pick keeps (default: the drawn batches' bounding shape); e.g. 1344x1344 "
                              "holds every batch of images at most 1344 on their long side")
     parser.add_argument("--json", metavar="PATH", help="write the numbers here")
     args = parser.parse_args(argv)
-    if min(args.draws, args.batch_size or 1, args.pick or 1) < 1:
-        parser.error("--draws, --batch-size, --pick: expected positive integers")
     if args.buckets and args.buckets_from:
         parser.error("--buckets and --buckets-from: give one")
     with setup_errors(program("buckets.py")):

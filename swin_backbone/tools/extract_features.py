@@ -23,10 +23,9 @@ import os
 import sys
 import time
 import traceback
-from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -37,8 +36,8 @@ from ..checkpoint.files import atomic_path, atomic_write
 from ..checkpoint.remote import fetch, is_reference, resolve
 from ..features import (DTYPES, IMAGENET_MEAN, IMAGENET_STD, FeatureExtractor, arch_names, check_device, check_stages,
                         default_window_size, mean_pool, split_arch)
-from ..validation import MAX_WINDOW_SIZE, check_int, check_number
-from .common import one_line
+from ..validation import MAX_WINDOW_SIZE
+from .common import arg_type, int_arg, number_arg, one_line
 from .extraction import (IMAGE_EXTS, READERS, ImageJobs, LoaderSettings, OutputPlan, PooledStore, as_is,
                          default_workers, find_images, inside, loader_settings, output_names, resolve_reader)
 from .job import DistContext, in_job, init_distributed, leave_job
@@ -49,33 +48,16 @@ RANDOM_WEIGHTS_WARNING = ("RANDOM WEIGHTS: no --checkpoint was given (--random-w
 
 
 # ------------------------------------------------------------------- the command line
-def arg_type(kind: Callable[[str], Any], check: Callable[..., Any], *bounds: Any,
-             **options: Any) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)``, then ``check(value, *bounds, **options)`` (a
-    :mod:`swin_backbone.validation` check), whose "expected ..., got ..." argparse prints after the option's name."""
-    def parse(text: str) -> Any:
-        value = kind(text)  # a ValueError here: argparse's own "invalid int value: 'x'"
-        try:
-            check(value, *bounds, **options)
-        except ValueError as err:  # "name: expected ..., got ...": argparse names the option instead
-            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
-        return value
-
-    parse.__name__ = kind.__name__  # (the word argparse puts in "invalid ... value")
-    return parse
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line, checked as far as it can be before any model or image is loaded (errors: status 2)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints, numbers = partial(arg_type, int, partial(check_int, "")), partial(arg_type, float, partial(check_number, ""))
     p.add_argument("input", help="image file, folder or glob")
     p.add_argument("out_dir")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--arch", default="tiny", help=f"Swin preset (default: tiny). {arch_names()}")
     model.add_argument("--config", help="mmdet / mmseg config whose backbone to use")
     for name, nargs in (("embed-dims", None), ("depths", "+"), ("num-heads", "+")):
-        p.add_argument(f"--{name}", type=ints(1), nargs=nargs,
+        p.add_argument(f"--{name}", type=int_arg(1), nargs=nargs,
                        help=f"override the preset's {name.replace('-', '_')} (with --arch)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", help="weights in any Swin format, or a detector/segmentor checkpoint: a file, "
@@ -83,22 +65,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     weights.add_argument("--random-weights", action="store_true",
                          help="run without --checkpoint, on random weights (seeded by --seed): for testing only")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default: 0)")
-    p.add_argument("--window-size", type=ints(1, MAX_WINDOW_SIZE), help="attention window (with --arch; "
+    p.add_argument("--window-size", type=int_arg(1, MAX_WINDOW_SIZE), help="attention window (with --arch; "
                    "default: 7 for Swin V1, 8 for a V2 preset, a published V2 model's own)")
-    p.add_argument("--pretrained-window-sizes", type=ints(0), nargs="+", metavar="W",
+    p.add_argument("--pretrained-window-sizes", type=int_arg(0), nargs="+", metavar="W",
                    help="Swin V2: the window(s) the checkpoint was pre-trained with (one, or one per stage), "
                    "for a larger --window-size (default: a published model's, else the window itself)")
     p.add_argument("--stages", type=int, nargs="+", help="output stages to keep (default: all)")
-    p.add_argument("--resize", type=ints(1), nargs=2, metavar=("H", "W"), help="resize every image (default: keep)")
-    p.add_argument("--mean", type=numbers(), nargs=3, metavar=("R", "G", "B"), help="normalisation mean, 0..255 "
+    p.add_argument("--resize", type=int_arg(1), nargs=2, metavar=("H", "W"), help="resize every image (default: keep)")
+    p.add_argument("--mean", type=number_arg(), nargs=3, metavar=("R", "G", "B"), help="normalisation mean, 0..255 "
                    "scale (default: the --config's data preprocessor's, else ImageNet's)")
-    p.add_argument("--std", type=numbers(positive=True), nargs=3, metavar=("R", "G", "B"),
+    p.add_argument("--std", type=number_arg(positive=True), nargs=3, metavar=("R", "G", "B"),
                    help="normalisation std, 0..255 scale (default: as --mean)")
     p.add_argument("--reader", choices=READERS, default="auto", help="image decoding: mmcv (as LoadImageFromFile: "
                    "EXIF orientation, 16-bit, palette, CMYK...), pil (the same with Pillow), auto (mmcv if installed)")
-    p.add_argument("--batch-size", type=ints(1), default=4,
+    p.add_argument("--batch-size", type=int_arg(1), default=4,
                    help="images per forward: of one input size on the CPU, of mixed sizes on GPUs (default: 4)")
-    p.add_argument("--workers", type=ints(0), help="decoding processes per rank (default: CUDA: the rank's share "
+    p.add_argument("--workers", type=int_arg(0), help="decoding processes per rank (default: CUDA: the rank's share "
                    "of the cores minus one, 1..8; CPU: 1 from 4 cores per rank, else 0 = decode in the main process)")
     p.add_argument("--device", type=arg_type(str, check_device), default="cpu",
                    help="cpu or cuda (under torchrun: cuda:LOCAL_RANK per rank)")
@@ -111,7 +93,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "pooled/shard-RRRRR-of-WWWWW.npz (one file per rank, with its image list)")
     p.add_argument("--no-maps", action="store_true", help="write no per-image feature maps (with --pool or --png)")
     p.add_argument("--overwrite", action="store_true", help="redo every image (default: skip complete outputs)")
-    p.add_argument("--dist-timeout", type=numbers(positive=True), default=720.0, metavar="MIN",
+    p.add_argument("--dist-timeout", type=number_arg(positive=True), default=720.0, metavar="MIN",
                    help="how long ranks wait for each other under torchrun, in minutes (default: 720)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -275,7 +257,7 @@ def run(args: argparse.Namespace, ctx: DistContext) -> dict:
                     for j, feat in zip(batch, extractor.run_batch([waiting[j]["image"] for j in batch])):
                         i = waiting[j]["i"]
                         in_flight = [mine[i]]  # the forward is done: only this image's files are being written
-                        rows[i] = plan.write(mine[i], feat, waiting[j]["shown"])
+                        rows[i] = plan.write(mine[i], feat, waiting[j]["image"])
                         if pooled is not None:
                             pooled.add(plan.key(mine[i]), mean_pool(feat))
                 in_flight, waiting = [], []

@@ -170,8 +170,8 @@ def as_is(item: Any) -> Any:
 
 class ImageJobs(Dataset):
     """One rank's images, for DataLoader workers: each item is ``done`` (outputs complete: their index
-    ``rows``), ``failed`` (its ``error``) or ``ok``: the decoded ``(3, H, W)`` ``image`` (uint8; float32 if
-    resized), the ``(H, W, 3)`` RGB image ``shown`` in PNGs (or ``None``) and a ``note`` (or ``None``)."""
+    ``rows``), ``failed`` (its ``error``) or ``ok``: the decoded ``(3, H, W)`` RGB ``image`` (uint8; float32 if
+    resized) and a ``note`` (or ``None``)."""
 
     def __init__(self, paths: Sequence[str], plan: OutputPlan, resize: Optional[Tuple[int, int]],
                  skip_complete: bool, pooled: Optional[Set[str]], reader: str = "auto",
@@ -200,11 +200,9 @@ class ImageJobs(Dataset):
         note = (f"{path}: JPEG without its end-of-image marker (cut off?); read as mmcv reads it, the missing "
                 "part grey") if cut_off else None
         image = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
-        shown = rgb if self.plan.png else None
         if self.resize is not None:
             image = resize_to(image.float(), self.resize)
-            shown = None if shown is None else np.asarray(Image.fromarray(rgb).resize(self.resize[::-1]))
-        return dict(i=i, status="ok", image=image, shown=shown, note=note)
+        return dict(i=i, status="ok", image=image, note=note)
 
 
 def default_workers(local_world_size: int = 1, device: str = "cuda") -> int:
@@ -249,8 +247,9 @@ class OutputPlan:
         return dict(image=path, stage=stage, shape=list(shape), dtype="float32", key=f"stage{stage}" if
                     self.fmt == "npz" else "", file=os.path.relpath(file, self.out_dir).replace(os.sep, "/"))
 
-    def write(self, path: str, feat: Dict[int, torch.Tensor], shown: Optional[np.ndarray]) -> List[dict]:
-        """Write one image's feature files (and PNGs), each whole or not at all; its index rows."""
+    def write(self, path: str, feat: Dict[int, torch.Tensor], image: torch.Tensor) -> List[dict]:
+        """Write one image's feature files (and PNGs of ``image``, ``(3, H, W)`` as the backbone got it), each whole
+        or not at all; its index rows."""
         rows = []
         for file, stages in self.files(path).items():
             with atomic_path(file) as tmp, open(tmp, "wb") as out:
@@ -261,6 +260,7 @@ class OutputPlan:
                 else:
                     torch.save(feat[stages[0]].clone(), out)  # (a view would save its whole storage)
             rows += [self._row(path, s, feat[s].shape, file) for s in stages]
+        shown = image.float().round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy() if self.png else None
         for s, f in feat.items() if self.png else ():
             with atomic_path(f"{self.base(path)}.stage{s}.png") as tmp:
                 Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(tmp, format="PNG")
