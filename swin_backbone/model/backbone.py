@@ -14,10 +14,10 @@ from .. import ops
 from ..torch_compat import is_compiling, register_load_state_dict_pre_hook, run_eagerly
 from ..validation import check_compile, check_config, check_flag, check_input, check_valid_sizes
 from .blocks import PatchEmbed, PatchMerging, SwinBlock, SwinStage
-from .compiled import compile_regions
+from .compiled import compile_backbone
 from .dropin import InitCfg, translate_mmlab_args
 from .presets import resolve_arch
-from .valid_sizes import ATTRIBUTE as SIZES_ATTRIBUTE, attached_valid_sizes
+from .valid_sizes import ATTRIBUTE as SIZES_ATTRIBUTE, read_valid_sizes
 
 # The checkpoint package sits above the model and plugs into it when imported:
 #: ``load_state_dict`` pre-hooks every backbone gets (the checkpoint key converter);
@@ -187,7 +187,7 @@ class SwinBackbone(BaseModule):
         #: ``torch.compile`` options of the compiled regions, ``None``: eager (``compile=False``)
         self.compile_options = check_compile(compile)
         #: its regions compiled (``compile``, not ``regions=False``); a forward on CUDA marks one step of
-        #: their CUDA graphs (set where they are compiled: :func:`~swin_backbone.model.compiled.compile_regions`)
+        #: their CUDA graphs (set where they are compiled: :func:`~swin_backbone.model.compiled.compile_backbone`)
         self.regions_compiled = self.marks_cuda_graph_steps = False
         #: ``compile=dict(regions=False)``: :meth:`forward_static` compiled (called with the backbone first)
         self.whole_graph: Optional[Callable[..., Tuple[torch.Tensor, ...]]] = None
@@ -226,7 +226,7 @@ class SwinBackbone(BaseModule):
             print_log("SwinBackbone: convert_weights is not needed; checkpoint formats are detected automatically.",
                       logger="current")
         if self.compile_options is not None:
-            compile_regions(self, self.compile_options)
+            compile_backbone(self, self.compile_options)
             if not self.regions_compiled:
                 print_log(f"SwinBackbone: compile=dict(regions=False): {COMPILE_WHOLE_NOTE} (docs/compiled-mode.md)",
                           logger="current")
@@ -322,7 +322,7 @@ class SwinBackbone(BaseModule):
         """
         check_input(x, self.in_channels, self.patch_embed.proj.weight)
         if valid_sizes is None and (x._base is not None or hasattr(x, SIZES_ATTRIBUTE)):  # (a batch, or a crop of one)
-            valid_sizes = attached_valid_sizes(x, self)
+            valid_sizes = read_valid_sizes(x, self)
         valid = None if valid_sizes is None else check_valid_sizes(
             valid_sizes, x.shape, mask_padding=self.mask_padding, pad_small_map=self.pad_small_map)
         whole = self.whole_graph is not None and not is_compiling()

@@ -190,7 +190,7 @@ class SwinStage(nn.Module):
                 ) -> torch.Tensor:
         """``(B, H, W, C)`` -> ``(B, H, W, C)`` through the blocks (no merging); ``plan``: the
         stage's (:func:`swin_backbone.ops.plan_stages`), or for a stage on its own
-        :func:`swin_backbone.ops.plan_forward`'s.
+        :func:`swin_backbone.ops.plan_for`'s.
 
         ``images``, per image, its ``(h, w)`` tokens on this map: the blocks run on the images'
         real tokens alone, packed into ``(1, T, C)`` (each image in the windows it has alone);

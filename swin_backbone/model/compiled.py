@@ -37,7 +37,7 @@ def check_can_compile() -> None:
         raise RuntimeError(f"compile: torch.compile cannot run here ({reason}); use compile=False")
 
 
-def compiled_regions(backbone: nn.Module) -> List[nn.Module]:
+def region_modules(backbone: nn.Module) -> List[nn.Module]:
     """The modules ``compile=True`` compiles, in forward order: the patch embedding, each stage's
     blocks and patch merging, the output norms (``norm{i}``)."""
     regions: List[nn.Module] = [backbone.patch_embed]
@@ -48,23 +48,23 @@ def compiled_regions(backbone: nn.Module) -> List[nn.Module]:
     return regions + [getattr(backbone, f"norm{i}") for i in backbone.out_indices]
 
 
-def compiles_regions(options: Optional[Mapping[str, Any]]) -> bool:
+def is_regional(options: Optional[Mapping[str, Any]]) -> bool:
     """Whether a backbone compiled with ``options`` compiles its regions (``None``: eager; ``regions=False``:
     the backbone is compiled whole, its forward traced as one graph, as ``torch.compile(backbone)``)."""
     return options is not None and options.get("regions", True) is not False
 
 
-def compile_regions(backbone: nn.Module, options: Mapping[str, Any]) -> int:
-    """``module.compile(**options)`` for every module of :func:`compiled_regions`, or with
+def compile_backbone(backbone: nn.Module, options: Mapping[str, Any]) -> int:
+    """``module.compile(**options)`` for every module of :func:`region_modules`, or with
     ``options['regions']`` ``False`` ``torch.compile`` of the backbone's ``forward_static`` (its
     ``whole_graph``: static shapes with per-image sizes as a tensor); sets the backbone's
     ``regions_compiled`` and ``marks_cuda_graph_steps``; returns how many modules."""
     check_can_compile()
-    backbone.regions_compiled = compiles_regions(options)
+    backbone.regions_compiled = is_regional(options)
     backbone.marks_cuda_graph_steps = cuda_graph_steps(options)
     torch_options = {k: v for k, v in options.items() if k != "regions"}  # (regions is the backbone's own key)
     if backbone.regions_compiled:
-        regions = compiled_regions(backbone)
+        regions = region_modules(backbone)
         for module in regions:
             module.compile(**torch_options)
     else:

@@ -4,7 +4,7 @@ mmdet's and mmseg's models call ``backbone(inputs)`` with the padded batch alone
 samples that know each image's ``img_shape`` never reach it. The data preprocessors of
 :mod:`swin_backbone.mmlab.preprocessors` therefore *attach* the sizes to the batch tensor they
 return (:func:`attach_valid_sizes`), and :meth:`SwinBackbone.forward` reads them
-(:func:`attached_valid_sizes`) when it is not given ``valid_sizes`` itself.
+(:func:`read_valid_sizes`) when it is not given ``valid_sizes`` itself.
 
 The sizes travel with that very tensor object (an attribute of it, so nothing outlives the
 batch and no other tensor ever picks them up): through the model's ``forward``, DDP (which
@@ -33,7 +33,7 @@ def attach_valid_sizes(inputs: torch.Tensor, sizes: Sequence[Sequence[int]]) -> 
     """Attach per-image valid ``(h, w)`` (input pixels, top-left) to a ``(B, C, H, W)`` batch.
 
     Returns ``inputs`` itself, or a copy of it if it is a view (the crop arithmetic of
-    :func:`attached_valid_sizes` reads offsets relative to the batch's own storage).
+    :func:`read_valid_sizes` reads offsets relative to the batch's own storage).
     """
     if inputs.dim() != 4 or len(sizes) != inputs.shape[0]:
         raise ValueError(
@@ -49,7 +49,7 @@ def attach_valid_sizes(inputs: torch.Tensor, sizes: Sequence[Sequence[int]]) -> 
     return inputs
 
 
-def attached_valid_sizes(x: torch.Tensor, model: Optional[nn.Module] = None) -> Optional[Sizes]:
+def read_valid_sizes(x: torch.Tensor, model: Optional[nn.Module] = None) -> Optional[Sizes]:
     """The valid sizes attached to ``x`` (or to the batch ``x`` is a crop view of), else None;
     None too while a tracer records the forward (sizes are per batch: they run eagerly).
 
@@ -81,7 +81,7 @@ def attached_valid_sizes(x: torch.Tensor, model: Optional[nn.Module] = None) -> 
 
 
 def _crop_sizes(x: torch.Tensor) -> Optional[Sizes]:
-    """The sizes of the batch ``x`` is a crop view of, within the crop (:func:`attached_valid_sizes`)."""
+    """The sizes of the batch ``x`` is a crop view of, within the crop (:func:`read_valid_sizes`)."""
     base = x._base
     if getattr(base, ATTRIBUTE, None) is None:
         return None

@@ -1,7 +1,7 @@
 """The one place that decides how a forward is computed (docs/design.md, "The planner").
 
 :func:`plan_stages` returns the backbone's :class:`~.plan.Plan` per stage once per forward
-(:func:`plan_forward`: one for a module on its own); :func:`stage_layouts` gives a stage its
+(:func:`plan_for`: one for a module on its own); :func:`stage_layouts` gives a stage its
 window layouts bound to its plan; :func:`override` switches optimisations off for ablations
 (docs/performance.md).
 """
@@ -32,7 +32,7 @@ ENV_VAR = "SWIN_BACKBONE_ATTENTION"  #: overrides every backbone's ``attention``
 
 @dataclass(frozen=True)
 class Switches:
-    """What :func:`plan_forward` may use (an ablation turns each off: False, 0)."""
+    """What :func:`plan_for` may use (an ablation turns each off: False, 0)."""
 
     sdpa: bool = True  #: fused SDPA kernels (else matmul + softmax)
     recompute_attention: bool = True  #: CPU training: hand-written attention backward (else autograd)
@@ -134,16 +134,6 @@ def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Mod
 
 
 # ------------------------------------------------------------------------------ the plan
-def plan_forward(x: torch.Tensor, model: nn.Module) -> Plan:
-    """How ``model`` (any module of the backbone, or a model holding one) computes its forward on
-    ``x``: device, grad mode, tracing and what its modules say (:func:`read_modules`)."""
-    facts, _ = read_modules(model)
-    traced = is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()  # (dynamo or TorchScript records it)
-    grad = torch.is_grad_enabled() and (traced or x.requires_grad or facts.needs_grad)
-    return _decide_cached(x.device.type, grad, traced, facts.stochastic, facts.attn_dropout, facts.plain, _SWITCHES,
-                          False, getattr(model, "save_memory", None))
-
-
 def plan_stages(x: torch.Tensor, backbone: nn.Module, compiled_blocks: bool = False) -> Tuple[Plan, ...]:
     """One :class:`Plan` per stage of ``backbone`` for its forward on ``x``, decided once per forward.
 
@@ -202,17 +192,25 @@ def _decide(device: str, grad: bool, traced: bool, stochastic: bool, attn_dropou
 _decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches are part of the key)
 
 
-def plan_for(x: torch.Tensor, grad: Optional[bool] = None, attention: Optional[str] = None, **fields) -> Plan:
-    """A plan for ``x`` with some fields forced (tests and direct use of the ops); the modules
-    count as not plain (no shortcut re-runs them or writes into their outputs) unless ``fields``
-    say otherwise (``plain``, ``save_memory``)."""
-    grad = torch.is_grad_enabled() and x.requires_grad if grad is None else grad
-    plan = _decide_cached(x.device.type, grad, False, False, False, False, _SWITCHES)
+def plan_for(x: torch.Tensor, module: Optional[nn.Module] = None, *, grad: Optional[bool] = None,
+             attention: Optional[str] = None, **fields) -> Plan:
+    """How ``module`` (any module of the backbone, or a model holding one) computes its forward on
+    ``x`` called on its own: device, grad mode, tracing and what its modules say (:func:`read_modules`).
+    Without ``module`` (direct use of the ops, tests) the modules count as not plain: no shortcut
+    re-runs them or writes into their outputs. ``grad``, ``attention`` and ``fields`` are forced."""
+    traced = is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()  # (dynamo or TorchScript records it)
+    facts = read_modules(module)[0] if module is not None else ModuleFacts(False, False, False, False)
+    if grad is None:
+        grad = torch.is_grad_enabled() and (traced or x.requires_grad or facts.needs_grad)
+    # (a traced plan is decided each time: whether TorchScript or dynamo records it is part of the answer)
+    decide = _decide if traced else _decide_cached
+    plan = decide(x.device.type, grad, traced, facts.stochastic, facts.attn_dropout, facts.plain, _SWITCHES, False,
+                  getattr(module, "save_memory", None))
     if attention is not None:
         if attention not in KERNELS:
             raise ValueError(f"attention: expected one of {tuple(KERNELS)}, got {attention!r}")
         fields["attention"] = attention
-    return dataclasses.replace(plan, **fields)
+    return dataclasses.replace(plan, **fields) if fields else plan
 
 
 # ------------------------------------------------------------------------------ a stage's layouts

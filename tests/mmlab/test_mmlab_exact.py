@@ -11,7 +11,7 @@ from mmengine.config import Config
 from mmengine.registry import DefaultScope
 
 import swin_backbone
-from swin_backbone.model.valid_sizes import attached_valid_sizes
+from swin_backbone.model.valid_sizes import read_valid_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DET = os.path.join(ROOT, "configs/toy/mask-rcnn_swin-toy_fpn_toy-coco.py")
@@ -49,7 +49,7 @@ class Recorder:
         backbone.register_forward_hook(self.hook)
 
     def hook(self, module, args, outputs):
-        self.calls.append((tuple(args[0].shape[-2:]), attached_valid_sizes(args[0]), [o.detach() for o in outputs]))
+        self.calls.append((tuple(args[0].shape[-2:]), read_valid_sizes(args[0]), [o.detach() for o in outputs]))
 
 
 def _images(sizes, seed=0):
@@ -200,7 +200,7 @@ def test_mask_padding_false_ignores_attached_sizes():
     data = _det_data(_images(DET_SIZES[:2]), range(2))
     with DefaultScope.overwrite_default_scope("mmdet"), torch.no_grad():
         batch = model.data_preprocessor(data, False)
-        assert attached_valid_sizes(batch["inputs"]) is not None
+        assert read_valid_sizes(batch["inputs"]) is not None
         with_sizes = model.backbone(batch["inputs"])
         plain = model.backbone(batch["inputs"].clone())  # a copy carries no sizes
         model.test_step(data)

@@ -535,7 +535,7 @@ def _small_model(version):
 @pytest.mark.parametrize("train", [False, True])
 def test_modules_called_on_their_own_work(version, train):
     # A block, WindowAttention, stage or merging called on its own (as other code may call
-    # them) with the plan ops.plan_forward makes for that module: the results equal those under
+    # them) with the plan ops.plan_for makes for that module: the results equal those under
     # the backbone's plan, with gradients in training.
     from swin_backbone import ops
     from swin_backbone.ops.layouts import get_window_layout
@@ -560,7 +560,7 @@ def test_modules_called_on_their_own_work(version, train):
             "merging": (merging, x, lambda p: merging(x)),  # (no plan: merging reads no sizes)
         }
         for name, (module, inputs, call) in calls.items():
-            alone, planned = call(ops.plan_forward(inputs, module)), call(plan)
+            alone, planned = call(ops.plan_for(inputs, module)), call(plan)
             torch.testing.assert_close(alone, planned, msg=name)
             assert torch.isfinite(alone).all(), name
             if train:
@@ -582,9 +582,9 @@ def test_modules_called_on_their_own_work_on_the_meta_device(version):
     tokens = x.reshape(2, 99, 16)
     norm = stage.blocks[1].norm1 if version == "v1" else torch.nn.Identity()  # (V1 normalises attention's input)
     attn, block = stage.blocks[1].attn, stage.blocks[1]
-    assert attn(norm(tokens), dataclasses.replace(layout, plan=ops.plan_forward(tokens, attn))).shape == (2, 99, 16)
-    assert block(tokens, dataclasses.replace(layout, plan=ops.plan_forward(tokens, block))).shape == (2, 99, 16)
-    assert stage(x, ops.plan_forward(x, stage)).shape == (2, 9, 11, 16)
+    assert attn(norm(tokens), dataclasses.replace(layout, plan=ops.plan_for(tokens, attn))).shape == (2, 99, 16)
+    assert block(tokens, dataclasses.replace(layout, plan=ops.plan_for(tokens, block))).shape == (2, 99, 16)
+    assert stage(x, ops.plan_for(x, stage)).shape == (2, 9, 11, 16)
     assert stage.downsample(x).shape == (2, 5, 6, 32)
     assert [tuple(o.shape) for o in model(torch.empty(1, 3, 36, 44, device="meta"))] == [(1, 16, 9, 11), (1, 32, 5, 6)]
 

@@ -333,7 +333,7 @@ def test_init_zeroes_post_norms_and_sets_logit_scale():
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         tokens = model.patch_embed(x)
-        assert torch.equal(model.stages[0](tokens, ops.plan_forward(tokens, model.stages[0])), tokens)
+        assert torch.equal(model.stages[0](tokens, ops.plan_for(tokens, model.stages[0])), tokens)
 
 
 def test_frozen_stages_and_checkpointing():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swin_backbone import SwinBackbone, ops
-from swin_backbone.model.valid_sizes import attach_valid_sizes, attached_valid_sizes
+from swin_backbone.model.valid_sizes import attach_valid_sizes, read_valid_sizes
 from swin_backbone.ops import layouts as L, windows as W
 
 from ..helpers import DeviceSyncs
@@ -265,13 +265,13 @@ def test_valid_sizes_need_masked_padding_and_padded_small_maps(kw, match):
 # ---------------------------------------------------------------- attached sizes
 def test_attached_sizes_follow_the_batch_and_its_crops():
     batch = attach_valid_sizes(torch.zeros(2, 3, 20, 30), [(12, 30), (20, 7)])
-    assert attached_valid_sizes(batch) == ((12, 30), (20, 7))
+    assert read_valid_sizes(batch) == ((12, 30), (20, 7))
     crop = batch[:, :, 8:18, 5:25]  # mmseg slide inference
-    assert attached_valid_sizes(crop) == ((4, 20), (10, 2))
-    assert attached_valid_sizes(batch[:, :, 14:20, 10:30]) == ((6, 20), (6, 20))  # image 1 absent: whole crop
-    assert attached_valid_sizes(batch.clone()) is None  # a copy carries nothing
-    assert attached_valid_sizes(batch[:1]) is None  # not a crop of the whole batch
-    assert attached_valid_sizes(torch.zeros(2, 3, 20, 30)) is None
+    assert read_valid_sizes(crop) == ((4, 20), (10, 2))
+    assert read_valid_sizes(batch[:, :, 14:20, 10:30]) == ((6, 20), (6, 20))  # image 1 absent: whole crop
+    assert read_valid_sizes(batch.clone()) is None  # a copy carries nothing
+    assert read_valid_sizes(batch[:1]) is None  # not a crop of the whole batch
+    assert read_valid_sizes(torch.zeros(2, 3, 20, 30)) is None
 
 
 def test_backbone_reads_attached_sizes():

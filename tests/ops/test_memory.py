@@ -475,9 +475,9 @@ def test_plain_modules_predicate():
     model = SwinBackbone(**small_arch()).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        plan = ops.plan_forward(x, model)
+        plan = ops.plan_for(x, model)
     assert plan.plain and not plan.grad and plan.chunk_bytes > 0
-    training = ops.plan_forward(x, model.train())
+    training = ops.plan_for(x, model.train())
     assert training.grad  # training: no row chunks (they run without grad only)
     model.eval()
     fc1 = model.stages[1].blocks[0].mlp.fc1
@@ -486,11 +486,11 @@ def test_plain_modules_predicate():
                      nn.modules.module.register_module_forward_pre_hook):
         handle = register(lambda *args: None)
         with torch.no_grad():
-            watched = ops.plan_forward(x, model)
+            watched = ops.plan_for(x, model)
         handle.remove()
         assert not watched.plain, register
     with torch.no_grad():
-        assert ops.plan_forward(x, model).plain  # hooks removed
+        assert ops.plan_for(x, model).plain  # hooks removed
 
     class Scaled(nn.Linear):  # an adapter-like subclass: computes something else
         def forward(self, t):
@@ -499,7 +499,7 @@ def test_plain_modules_predicate():
     old = model.stages[0].blocks[1].mlp.fc2
     model.stages[0].blocks[1].mlp.fc2 = Scaled(old.in_features, old.out_features)
     with torch.no_grad():
-        replaced = ops.plan_forward(x, model)
+        replaced = ops.plan_for(x, model)
     assert not replaced.plain
 
 

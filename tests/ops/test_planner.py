@@ -80,15 +80,34 @@ def test_torchscript_tracing_plans_plain_attention():
     seen = []
 
     def fn(x):
-        seen.append(ops.plan_forward(x, model))
+        seen.append(ops.plan_for(x, model))
         return x * 2
 
     with torch.no_grad():
         torch.jit.trace(fn, torch.randn(1, 3, 8, 8), check_trace=False)  # (the check reruns fn eagerly)
-        eager = ops.plan_forward(torch.randn(1, 3, 8, 8), model)
+        eager = ops.plan_for(torch.randn(1, 3, 8, 8), model)
     assert len(seen) == 1 and seen[0].traced and seen[0].attention == "plain"
     assert seen[0].chunk_bytes == 0 and not seen[0].plain and not seen[0].save_memory
     assert not eager.traced and eager.attention == "sdpa"
+
+
+def test_a_traced_plan_is_decided_under_its_own_tracer():
+    # A compiled backbone plans its blocks eagerly as traced ones (SDPA: dynamo compiles it), and
+    # those plans are cached; a module TorchScript traces afterwards still gets matmuls, not
+    # that cached plan (the tracer is part of the answer, not of the cache key).
+    model = SwinBackbone(**small_arch()).eval()
+    block, seen = model.stages[0].blocks[0], []
+
+    def fn(x):
+        seen.append(ops.plan_for(x, block))
+        return x * 2
+
+    with torch.no_grad():
+        compiled = ops.plan_stages(torch.randn(1, 3, 32, 32), model, compiled_blocks=True)
+        torch.jit.trace(fn, torch.randn(1, 16, 32), check_trace=False)
+        again = ops.plan_stages(torch.randn(1, 3, 32, 32), model, compiled_blocks=True)
+    assert compiled[0].traced and compiled[0].attention == "sdpa" and again == compiled
+    assert seen[0].traced and seen[0].attention == "plain"
 
 
 def test_torchscript_trace_of_the_backbone_runs_plain_ops():
@@ -110,10 +129,10 @@ def test_plan_follows_autocast_and_grad():
     model = SwinBackbone(**small_arch())
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
-        assert not ops.plan_forward(x, model).grad
-    assert ops.plan_forward(x, model).grad  # parameters require grad
+        assert not ops.plan_for(x, model).grad
+    assert ops.plan_for(x, model).grad  # parameters require grad
     def mask_dtype() -> torch.dtype:
-        regular, _ = ops.stage_layouts(x.new_zeros(1, 9, 9, 8), ops.plan_forward(x, model), window_size=7,
+        regular, _ = ops.stage_layouts(x.new_zeros(1, 9, 9, 8), ops.plan_for(x, model), window_size=7,
                                        shift_size=3, pad_small_map=True, mask_padding=True)
         return regular.mask.dtype
 
@@ -131,7 +150,7 @@ def test_cpu_chunk_bytes_is_derived_from_the_machine():
 def test_frozen_stages_run_as_inference(frozen):
     model = SwinBackbone(**small_arch(frozen_stages=frozen)).train()
     x = torch.randn(1, 3, 32, 32)
-    plan = ops.plan_forward(x, model)
+    plan = ops.plan_for(x, model)
     assert plan.grad and plan.attention == "recompute"
     plans = ops.plan_stages(x, model)
     assert len(plans) == len(model.stages)

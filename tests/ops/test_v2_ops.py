@@ -62,7 +62,7 @@ def test_the_post_norm_block_runs_by_plan(situation):
     grad = situation != "inference"
     x = torch.randn(2, 5 * 6, 8, dtype=torch.float64, requires_grad=grad)
     with ops.override(chunk_bytes=4096), torch.set_grad_enabled(grad):  # (2 * 30 rows of 32 fp64: 4 chunks)
-        plan = ops.plan_forward(x, block)
+        plan = ops.plan_for(x, block)
         layout = _layout(x, 5, 6, plan)
     assert plan.grad == grad and plan.plain == (situation != "dropout")  # (dropout: modules not plain)
     chunked = plan.plain and not plan.grad and plan.chunk_bytes > 0

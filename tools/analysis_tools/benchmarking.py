@@ -158,12 +158,12 @@ def regional_model(model: torch.nn.Module, **options) -> torch.nn.Module:
     """A copy of the backbone ``model`` in its compiled mode (``compile=True``: its regions
     compiled, ``options`` as its ``compile`` dict: ``torch.compile``'s, ``dynamic=True`` unless
     given, and ``regions=False`` to compile it whole); one place, as :func:`compile_model`."""
-    from ..model.compiled import compile_regions
+    from ..model.compiled import compile_backbone
     from ..validation import check_compile
 
     regional = copy.deepcopy(model)
     regional.compile_options = check_compile(options or True)
-    compile_regions(regional, regional.compile_options)
+    compile_backbone(regional, regional.compile_options)
     return regional
 
 
