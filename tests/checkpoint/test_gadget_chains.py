@@ -706,6 +706,30 @@ def test_a_zip_of_very_many_records_is_refused_from_its_end_record(tmp_path):
         read_checkpoint(str(path))
 
 
+def test_a_central_directory_longer_than_its_declared_count_is_refused_before_zipfile_lists_it(tmp_path):
+    """The end record declares the archive's 7 records, and its central directory holds 600 000
+    more (47 bytes each): Python's zipfile walks the directory by its size, not the count, and
+    made all 600 000 before the count was compared (1M: 360 MB and 19 s for a 45 MB file). Now
+    the directory's entries are counted first, as zipfile walks it; in a subprocess."""
+    import struct
+
+    path = in_zip(tmp_path / "long-directory.pth", program(d((s("w"), NONE))))
+    data = open(path, "rb").read()
+    end = data.rindex(b"PK\x05\x06")
+    _, _, _, here, total, size, offset, _ = struct.unpack_from("<4sHHHHIIH", data, end)
+    entry = struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0) + b"z"
+    directory = data[offset:offset + size] + entry * 600_000
+    with open(path, "wb") as f:
+        f.write(data[:offset] + directory + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, here, total,
+                                                          len(directory), offset, 0))
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert f"the archive's central directory holds more than 65536 records (its end record declares {total})" \
+        in out["long-directory.pth"], out
+    assert out["maxrss_mb"] < 100, out
+
+
 def test_a_refused_load_leaves_torch_s_thread_local_map_location(tmp_path):
     """torch (>= 2.4) sets ``_serialization_tls.map_location`` for a load and leaves it set when the
     unpickler raises; later rebuilds in the thread would map there."""
