@@ -81,6 +81,10 @@ class _Storages:
             raise refuse(f"storage key {brief(key)}: expected a short name")
         if type(location) is not str or not _LOCATION.fullmatch(location):
             raise refuse(f"storage location {brief(location)}: expected a device such as 'cpu' or 'cuda:0'")
+        if location.split(":")[0] == "meta":  # (torch.save never writes one: read without map_location, the
+            # file's tensors would hold no values, and a model loaded from them would keep none)
+            raise refuse(f"storage location {location!r}: a storage of the file holds data, on a device such as "
+                         "'cpu' or 'cuda:0'; 'meta' holds none")
         if type(numel) is not int or numel < 0:
             raise refuse(f"storage size {brief(numel)}: expected an int >= 0")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype

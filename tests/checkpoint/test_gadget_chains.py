@@ -730,6 +730,36 @@ def test_a_central_directory_longer_than_its_declared_count_is_refused_before_zi
     assert out["maxrss_mb"] < 100, out
 
 
+def test_a_storage_located_on_meta_is_refused(tmp_path):
+    """A storage whose location is ``'meta'`` (torch.save never writes one): read without a
+    ``map_location`` (mmengine's ``load_checkpoint`` default) its tensors held no values, and a model
+    built on meta reported every tensor loaded while it kept none; into a real model, torch's
+    ``Cannot copy out of meta tensor`` from inside ``load_state_dict``."""
+    from swin_backbone import SwinBackbone
+    from swin_backbone.checkpoint import load_checkpoint
+
+    pid = t(s("storage"), g("torch.FloatStorage"), s("0"), s("meta"), i(4)) + pickle.BINPERSID
+    path = in_zip(tmp_path / "meta.pth", program(d((s("w"), call(
+        g("torch._utils._rebuild_tensor_v2"), pid, i(0), t(i(4)), t(i(1)), FALSE, call(g("collections.OrderedDict")))))))
+    for map_location in (None, "cpu"):
+        with pytest.raises(CheckpointError, match="storage location 'meta': a storage of the file holds data"):
+            read_checkpoint(path, map_location=map_location)
+    with torch.device("meta"):
+        model = SwinBackbone("tiny", depths=(1, 1, 1, 1))
+    state = {k: torch.zeros(v.shape) for k, v in SwinBackbone("tiny", depths=(1, 1, 1, 1)).state_dict().items()}
+    torch.save(state, tmp_path / "state.pth")
+    with zipfile.ZipFile(tmp_path / "state.pth") as z:
+        members = [(x.filename, z.read(x.filename)) for x in z.infolist()]
+    with zipfile.ZipFile(tmp_path / "on-meta.pth", "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data.replace(b"X\x03\x00\x00\x00cpu", b"X\x04\x00\x00\x00meta")
+                       if name.endswith("data.pkl") else data)
+    with pytest.raises(CheckpointError, match="storage location 'meta'"):
+        load_checkpoint(model, str(tmp_path / "on-meta.pth"), map_location=None, logger=None)
+    assert load_checkpoint(model, str(tmp_path / "state.pth"), map_location=None, logger=None).complete
+    assert not any(p.is_meta for p in model.parameters())
+
+
 def test_a_refused_load_leaves_torch_s_thread_local_map_location(tmp_path):
     """torch (>= 2.4) sets ``_serialization_tls.map_location`` for a load and leaves it set when the
     unpickler raises; later rebuilds in the thread would map there."""
