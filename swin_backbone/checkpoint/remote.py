@@ -391,6 +391,7 @@ class _DeadlineReads(io.RawIOBase):
                  expired: Callable[[], Exception]) -> None:
         super().__init__()
         self.sock, self.timeout, self.left, self.expired = sock, timeout, left, expired
+        self.got = 0  # bytes this answer sent (none: a silent server, a stall rather than a slow one)
         self.raw = sock.makefile("rb", buffering=0)  # (holds the socket open, as http.client's own reader does)
 
     def readable(self) -> bool:  # noqa: D102
@@ -403,11 +404,13 @@ class _DeadlineReads(io.RawIOBase):
         wait = min(self.timeout, left)
         self.sock.settimeout(max(wait, 0.05))
         try:
-            return self.raw.readinto(buffer)
+            got = self.raw.readinto(buffer)
         except (TimeoutError, socket.timeout):  # (one class from Python 3.10)
-            if wait < self.timeout:  # the deadline cut this wait short: the server was slow, not silent
+            if wait < self.timeout and self.got:  # the deadline cut this wait short: the server was slow, not silent
                 raise self.expired() from None
             raise
+        self.got += got or 0
+        return got
 
     def close(self) -> None:  # noqa: D102
         if not self.closed:
