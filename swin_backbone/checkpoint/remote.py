@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import http.client
+import io
 import itertools
 import json
 import os
@@ -28,7 +29,7 @@ import urllib.error
 import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 from urllib.parse import quote, urlparse, urlsplit, urlunsplit
-from urllib.request import HTTPRedirectHandler, Request, build_opener
+from urllib.request import HTTPHandler, HTTPRedirectHandler, HTTPSHandler, Request, build_opener
 
 import torch
 
@@ -380,6 +381,66 @@ class _Redirects(HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+class _DeadlineReads(io.RawIOBase):
+    """A response's socket, read with each wait at most ``timeout`` and never past the fetch's
+    deadline (``left()`` seconds; ``expired()`` is the error): http.client reads a status line and
+    headers a byte at a time if the server sends them so, and skips any number of ``100 Continue``
+    answers, bounded by no deadline of its own."""
+
+    def __init__(self, sock: socket.socket, timeout: float, left: Callable[[], float],
+                 expired: Callable[[], Exception]) -> None:
+        super().__init__()
+        self.sock, self.timeout, self.left, self.expired = sock, timeout, left, expired
+        self.got = 0  # bytes this answer sent (none: a silent server, a stall rather than a slow one)
+        self.raw = sock.makefile("rb", buffering=0)  # (holds the socket open, as http.client's own reader does)
+
+    def readable(self) -> bool:  # noqa: D102
+        return True
+
+    def readinto(self, buffer) -> Optional[int]:  # noqa: D102
+        left = self.left()
+        if left <= 0:
+            raise self.expired()
+        wait = min(self.timeout, left)
+        self.sock.settimeout(max(wait, 0.05))
+        try:
+            got = self.raw.readinto(buffer)
+        except (TimeoutError, socket.timeout):  # (one class from Python 3.10)
+            if wait < self.timeout and self.got:  # the deadline cut this wait short: the server was slow, not silent
+                raise self.expired() from None
+            raise
+        self.got += got or 0
+        return got
+
+    def close(self) -> None:  # noqa: D102
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+def _deadline_handlers(reads: Callable[[socket.socket], _DeadlineReads]) -> List[object]:
+    """urllib's http and https handlers whose responses read through ``reads(sock)``."""
+
+    def bounded(connection: type) -> type:
+        class Response(http.client.HTTPResponse):
+            def __init__(self, sock: socket.socket, *args: object, **kwargs: object) -> None:
+                super().__init__(sock, *args, **kwargs)
+                self.fp.close()
+                self.fp = io.BufferedReader(reads(sock))
+
+        return type(connection.__name__, (connection,), dict(response_class=Response))
+
+    class HTTP(HTTPHandler):
+        def do_open(self, http_class, req, **kwargs):  # noqa: D102
+            return super().do_open(bounded(http_class), req, **kwargs)
+
+    class HTTPS(HTTPSHandler):
+        def do_open(self, http_class, req, **kwargs):  # noqa: D102
+            return super().do_open(bounded(http_class), req, **kwargs)
+
+    return [HTTP(), HTTPS()]
+
+
 class _Fetch:
     """One fetch of ``url``: what its errors name, its settings (:func:`download_settings`, read
     before any request) and its deadline, counted from its start: the tries' stalls (each
@@ -544,12 +605,20 @@ class _Fetch:
             CheckpointError: anything else, the deadline and the size cap included.
         """
         redirects = _Redirects(self.named)
+        size, expected, answered = 0, None, False  # (only the body's bytes extend the deadline, never headers)
 
         def at() -> str:  # the host answering now
             return urlparse(redirects.chain[-1] if redirects.chain else self.url).netloc
 
+        def expired() -> CheckpointError:
+            return self.exceeded(f"{at()} sent {size} of {expected or '?'} bytes" if answered else
+                                 f"{at()} did not send its answer's status line and headers", size)
+
+        def reads(sock: socket.socket) -> _DeadlineReads:
+            return _DeadlineReads(sock, self.timeout, lambda: self.left(size), expired)
+
         try:
-            response = build_opener(redirects).open(
+            response = build_opener(redirects, *_deadline_handlers(reads)).open(
                 Request(_request_url(self.url), headers={"User-Agent": "swin-backbone (torch.hub)"}),
                 timeout=max(min(self.timeout, self.left()), 0.05))
         except urllib.error.HTTPError as err:
@@ -568,7 +637,7 @@ class _Fetch:
                                   f"file elsewhere and pass its local path, or put it at {path}") from err
 
         folder = os.path.dirname(staging)
-        size, digest = 0, hashlib.sha256()
+        digest, answered = hashlib.sha256(), True
         with response:
             headers = dict(response.headers.items())
             length = response.headers.get("Content-Length", "")

@@ -27,6 +27,7 @@ import os
 import pickle
 import pickletools
 import re
+import struct
 import zipfile
 from typing import Any, Dict, Optional, Union
 
@@ -80,6 +81,10 @@ class _Storages:
             raise refuse(f"storage key {brief(key)}: expected a short name")
         if type(location) is not str or not _LOCATION.fullmatch(location):
             raise refuse(f"storage location {brief(location)}: expected a device such as 'cpu' or 'cuda:0'")
+        if location.split(":")[0] == "meta":  # (torch.save never writes one: read without map_location, the
+            # file's tensors would hold no values, and a model loaded from them would keep none)
+            raise refuse(f"storage location {location!r}: a storage of the file holds data, on a device such as "
+                         "'cpu' or 'cuda:0'; 'meta' holds none")
         if type(numel) is not int or numel < 0:
             raise refuse(f"storage size {brief(numel)}: expected an int >= 0")
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
@@ -328,9 +333,14 @@ def zip_records(path: str) -> Dict[str, int]:
     record (torch never writes one)."""
     with open(path, "rb") as f:
         end = zipfile._EndRecData(f)  # type: ignore[attr-defined]  (the end record, as zipfile reads it)
+        listed = 0 if end is None else _directory_entries(f, end)
     if end is not None and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ZIP_RECORDS:  # type: ignore[attr-defined]
         raise refuse(f"the archive declares {end[zipfile._ECD_ENTRIES_TOTAL]} records, more than the "  # type: ignore[attr-defined]
                      f"{MAX_ZIP_RECORDS} a checkpoint's storages need (zip readers hold each in memory)")
+    if listed > MAX_ZIP_RECORDS:
+        raise refuse(f"the archive's central directory holds more than {MAX_ZIP_RECORDS} records (its end record "
+                     f"declares {end[zipfile._ECD_ENTRIES_TOTAL]}), more than a checkpoint's storages need (zip "  # type: ignore[index]
+                     "readers hold each in memory)")
     with zipfile.ZipFile(path) as archive:
         infos, start = archive.infolist(), archive.start_dir
     # Python finds the central directory at (end record - its size), torch's miniz at the offset
@@ -360,6 +370,23 @@ def zip_records(path: str) -> Dict[str, int]:
         raise refuse(f"the archive's record {packed.filename!r:.80} is compressed ({packed.file_size} bytes from "
                      f"{packed.compress_size}); torch.save stores its records uncompressed")
     return records
+
+
+def _directory_entries(f: Any, end: list) -> int:
+    """The entries of the central directory as Python's ``zipfile`` will list them, counted up to
+    :data:`MAX_ZIP_RECORDS` + 1 without making any: it walks the directory by its size in bytes,
+    not by the count the end record declares (torch's reader uses the count)."""
+    start = end[zipfile._ECD_LOCATION] - end[zipfile._ECD_SIZE]  # type: ignore[attr-defined]  (as zipfile finds it)
+    if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:  # type: ignore[attr-defined]
+        start -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator  # type: ignore[attr-defined]
+    f.seek(max(start, 0))
+    data = f.read(end[zipfile._ECD_SIZE])  # type: ignore[attr-defined]  (zipfile reads it whole too)
+    count, at, header = 0, 0, zipfile.sizeCentralDir  # type: ignore[attr-defined]
+    while at + header <= len(data) and count <= MAX_ZIP_RECORDS:
+        name, extra, comment = struct.unpack_from("<HHH", data, at + 28)
+        at += header + name + extra + comment
+        count += 1
+    return count
 
 
 class _PythonReads(io.FileIO):

@@ -66,6 +66,51 @@ def test_a_trickling_server_ends_at_the_deadline_whatever_size_it_declares(serve
     assert server.requests["/slow/swin_trickle.pth"] == 1 and _cached() == []
 
 
+@pytest.mark.parametrize("answer", ["trickled-headers", "endless-continue"])
+def test_a_server_that_never_finishes_its_headers_ends_at_the_deadline(torch_home, monkeypatch, answer):
+    """Before any body byte: a status line and then a header byte every 0.05 s (http.client reads
+    header lines of up to 64 KB, 100 of them: 90 hours), or ``100 Continue`` answers without end
+    (http.client skips any number of them: forever, at full speed). The deadline, 0.5 s here,
+    counted only the body's reads. Against a raw socket server on 127.0.0.1."""
+    import socket
+
+    _settings(monkeypatch, timeout="0.5", retries="0", min_speed="1000")
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():  # (it gives up after 8 s, so that a loader without the deadline fails rather than hangs)
+        conn, _ = listener.accept()
+        until = time.monotonic() + 8
+        with conn:
+            conn.recv(65536)
+            try:
+                if answer == "trickled-headers":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                    while not stop.wait(0.05) and time.monotonic() < until:
+                        conn.sendall(b"a")
+                else:
+                    while not stop.is_set() and time.monotonic() < until:
+                        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 100)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/swin_headers.pth"
+    start = time.monotonic()
+    try:
+        with pytest.raises(CheckpointError, match=rf"checkpoint '{url}': 127\.0\.0\.1:\d+ did not send its answer's "
+                                                  r"status line and headers, and it did not finish within its deadline "
+                                                  r"of 0\.5 s .*nothing was kept in the cache"):
+            read_checkpoint(url)
+        assert time.monotonic() - start < 3.0
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+    assert _cached() == []
+
+
 def test_a_steady_download_outlasting_the_tries_timeouts_finishes(server, torch_home, monkeypatch):
     """Received bytes extend the deadline: 20 KB/s for about a second, above a MIN_SPEED of 5000
     bytes/s, finishes although the tries' TIMEOUT alone (0.5 s) is shorter."""

@@ -706,6 +706,60 @@ def test_a_zip_of_very_many_records_is_refused_from_its_end_record(tmp_path):
         read_checkpoint(str(path))
 
 
+def test_a_central_directory_longer_than_its_declared_count_is_refused_before_zipfile_lists_it(tmp_path):
+    """The end record declares the archive's 7 records, and its central directory holds 600 000
+    more (47 bytes each): Python's zipfile walks the directory by its size, not the count, and
+    made all 600 000 before the count was compared (1M: 360 MB and 19 s for a 45 MB file). Now
+    the directory's entries are counted first, as zipfile walks it; in a subprocess."""
+    import struct
+
+    path = in_zip(tmp_path / "long-directory.pth", program(d((s("w"), NONE))))
+    data = open(path, "rb").read()
+    end = data.rindex(b"PK\x05\x06")
+    _, _, _, here, total, size, offset, _ = struct.unpack_from("<4sHHHHIIH", data, end)
+    entry = struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0) + b"z"
+    directory = data[offset:offset + size] + entry * 600_000
+    with open(path, "wb") as f:
+        f.write(data[:offset] + directory + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, here, total,
+                                                          len(directory), offset, 0))
+    done = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert f"the archive's central directory holds more than 65536 records (its end record declares {total})" \
+        in out["long-directory.pth"], out
+    assert out["maxrss_mb"] < 100, out
+
+
+def test_a_storage_located_on_meta_is_refused(tmp_path):
+    """A storage whose location is ``'meta'`` (torch.save never writes one): read without a
+    ``map_location`` (mmengine's ``load_checkpoint`` default) its tensors held no values, and a model
+    built on meta reported every tensor loaded while it kept none; into a real model, torch's
+    ``Cannot copy out of meta tensor`` from inside ``load_state_dict``."""
+    from swin_backbone import SwinBackbone
+    from swin_backbone.checkpoint import load_checkpoint
+
+    pid = t(s("storage"), g("torch.FloatStorage"), s("0"), s("meta"), i(4)) + pickle.BINPERSID
+    path = in_zip(tmp_path / "meta.pth", program(d((s("w"), call(
+        g("torch._utils._rebuild_tensor_v2"), pid, i(0), t(i(4)), t(i(1)), FALSE, call(g("collections.OrderedDict")))))))
+    for map_location in (None, "cpu"):
+        with pytest.raises(CheckpointError, match="storage location 'meta': a storage of the file holds data"):
+            read_checkpoint(path, map_location=map_location)
+    with torch.device("meta"):
+        model = SwinBackbone("tiny", depths=(1, 1, 1, 1))
+    state = {k: torch.zeros(v.shape) for k, v in SwinBackbone("tiny", depths=(1, 1, 1, 1)).state_dict().items()}
+    torch.save(state, tmp_path / "state.pth")
+    with zipfile.ZipFile(tmp_path / "state.pth") as z:
+        members = [(x.filename, z.read(x.filename)) for x in z.infolist()]
+    with zipfile.ZipFile(tmp_path / "on-meta.pth", "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data.replace(b"X\x03\x00\x00\x00cpu", b"X\x04\x00\x00\x00meta")
+                       if name.endswith("data.pkl") else data)
+    with pytest.raises(CheckpointError, match="storage location 'meta'"):
+        load_checkpoint(model, str(tmp_path / "on-meta.pth"), map_location=None, logger=None)
+    assert load_checkpoint(model, str(tmp_path / "state.pth"), map_location=None, logger=None).complete
+    assert not any(p.is_meta for p in model.parameters())
+
+
 def test_a_refused_load_leaves_torch_s_thread_local_map_location(tmp_path):
     """torch (>= 2.4) sets ``_serialization_tls.map_location`` for a load and leaves it set when the
     unpickler raises; later rebuilds in the thread would map there."""
