@@ -651,8 +651,8 @@ class _Fetch:
             bar = torch.hub.tqdm(total=expected, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
             try:
                 while True:
-                    if self.left(size) <= 0:
-                        raise self.exceeded(f"{at()} sent {size} of {expected or '?'} bytes", size)
+                    if self.left(size) <= 0:  # (a read served from the reader's buffer waits on nothing)
+                        raise expired()
                     chunk = response.read1(min(READ_CHUNK, self.cap - size + 1))  # one byte past the cap tells
                     if not chunk:
                         break

@@ -260,10 +260,11 @@ class OutputPlan:
                 else:
                     torch.save(feat[stages[0]].clone(), out)  # (a view would save its whole storage)
             rows += [self._row(path, s, feat[s].shape, file) for s in stages]
-        shown = image.float().round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy() if self.png else None
-        for s, f in feat.items() if self.png else ():
-            with atomic_path(f"{self.base(path)}.stage{s}.png") as tmp:
-                Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(tmp, format="PNG")
+        if self.png:
+            shown = image.float().round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+            for s, f in feat.items():
+                with atomic_path(f"{self.base(path)}.stage{s}.png") as tmp:
+                    Image.fromarray(side_by_side(shown, [pca_rgb(f)])).save(tmp, format="PNG")
         return rows
 
     def stored(self, file: str, stages: List[int]) -> Dict[int, Tuple[Tuple[int, ...], Any]]:
