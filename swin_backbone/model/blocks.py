@@ -212,4 +212,4 @@ class SwinStage(nn.Module):
         return regular.unpack(tokens, x.shape)
 
 
-ops.PLAIN_SWIN_MODULES.extend((PatchEmbed, ops.DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))
+ops.EXACT_SWIN_MODULES.extend((PatchEmbed, ops.DropPath, Mlp, WindowAttention, SwinBlock, PatchMerging, SwinStage))

@@ -238,4 +238,4 @@ class SwinV2Backbone(SwinBackbone):
         return ("cpb_mlp", "logit_scale", "relative_position_bias_table", "absolute_pos_embed")
 
 
-ops.PLAIN_SWIN_MODULES.extend((WindowAttentionV2, SwinBlockV2, PatchMergingV2))
+ops.EXACT_SWIN_MODULES.extend((WindowAttentionV2, SwinBlockV2, PatchMergingV2))

@@ -23,8 +23,7 @@ import torch
 from mmengine.logging import print_log
 from torch import nn
 
-from ..ops import Sizes
-from ..torch_compat import is_compiling
+from ..ops import Sizes, tracing
 
 #: Attribute of the batch tensor holding the sizes.
 ATTRIBUTE = "_swin_valid_sizes"
@@ -62,7 +61,7 @@ def read_valid_sizes(x: torch.Tensor, model: Optional[nn.Module] = None) -> Opti
     semantics (``mask_padding=False`` / ``pad_small_map=False``) attends to batch padding, as
     its user asked: the sizes are ignored (None), which it says once.
     """
-    if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():
+    if tracing():
         return None
     sizes = getattr(x, ATTRIBUTE, None)
     if sizes is None and x._base is not None:  # (a view: perhaps a crop of a batch)

@@ -7,11 +7,11 @@ from .cosine import continuous_position_bias, cosine_qkv  # Swin V2's logits for
 from .image_sizes import mask_input, stage_sizes, stage_valid_sizes
 from .layouts import WindowLayout, clear_caches, output_nchw, row_chunks, sizes_tensor, valid_map
 from .plan import Plan, Sizes
-from .planner import PLAIN_SWIN_MODULES, override, plan_for, plan_stages, resolve_attention, stage_layouts
+from .planner import EXACT_SWIN_MODULES, override, plan_for, plan_stages, resolve_attention, stage_layouts, tracing
 
 __all__ = [
-    "DropPath", "KERNELS", "LEAN_SAVES", "PLAIN_SWIN_MODULES", "Plan", "Sizes", "WindowLayout", "clear_caches", "continuous_position_bias",
-    "cosine_qkv", "mask_input", "output_nchw", "override", "plan_for", "plan_stages",
+    "DropPath", "EXACT_SWIN_MODULES", "KERNELS", "LEAN_SAVES", "Plan", "Sizes", "WindowLayout", "clear_caches",
+    "continuous_position_bias", "cosine_qkv", "mask_input", "output_nchw", "override", "plan_for", "plan_stages",
     "resolve_attention", "row_chunks", "sizes_tensor", "stage_layouts", "stage_sizes", "stage_valid_sizes",
-    "valid_map", "window_attention", "window_partition",
+    "tracing", "valid_map", "window_attention", "window_partition",
 ]

@@ -8,7 +8,7 @@ back to row-major order (the window reverse, its inverse), attending with the pl
 
 * ``sdpa``: SDPA with bias (+ mask) as a float mask, aligned (:func:`sdpa_ready`) so CUDA's
   memory-efficient kernel runs (it also gives the bias gradient).
-* ``plain``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
+* ``matmul``: matmul + softmax (attention dropout; TorchScript tracing, whose tools read matmuls).
 * ``recompute``: CPU training: SDPA forward, hand-written backward (:class:`_RecomputedAttention`).
 
 Around them a block runs two more things of its own, here beside the ops they wrap (as
@@ -102,13 +102,13 @@ get_batch_rows = size_cache(maxsize=64)(batch_rows)
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad: bool, pad_slots: Optional[torch.Tensor],
-                  traced: bool = False) -> torch.Tensor:
+                  traceable: bool = False) -> torch.Tensor:
     """``(B, L, C)`` -> ``(B, len(index), C)``, zeros at the padding slots if ``pad``
-    (``pad_slots``, or while tracing ``index == L``: a zero token is appended)."""
+    (``pad_slots``, or in the traceable form ``index == L``: a zero token is appended)."""
     if pad and pad_slots is None:
         return F.pad(x, (0, 0, 0, 1)).index_select(1, index)
     batch, length, channels = x.shape
-    if traced:
+    if traceable:
         out = x.index_select(1, index)
     else:
         # index_select along dim 1 is single-threaded on CPU; along dim 0 it is a parallel copy.
@@ -130,8 +130,8 @@ def window_partition(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     if plan is None:
         raise ValueError("layout: expected a WindowLayout bound to a plan (ops.stage_layouts, or "
                          "dataclasses.replace(layout, plan=plan)), got one without")
-    if layout.traced or not plan.grad:
-        return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traced)
+    if layout.traceable or not plan.grad:
+        return gather_tokens(x, layout.index, layout.has_padding, layout.pad_slots, layout.traceable)
     return _TokenGather.apply(x, layout.index, layout.inverse, layout.pad_slots, layout.has_padding, False)
 
 
@@ -152,13 +152,13 @@ def window_attention(
     out = attention_in_windows(qkv, bias, layout.mask, layout.num_windows, num_heads, scale, dropout_p,
                                KERNELS[kernel], layout.align)
     # The window reverse: back to row-major tokens, the inverse gather of window_partition's.
-    if layout.traced or not layout.plan.grad:
-        return gather_tokens(out, layout.inverse, False, None, layout.traced)
+    if layout.traceable or not layout.plan.grad:
+        return gather_tokens(out, layout.inverse, False, None, layout.traceable)
     return _TokenGather.apply(out, layout.inverse, layout.index, layout.pad_slots, False, layout.has_padding)
 
 
 #: What attends within a batch of windows: SDPA's signature, ``(q, k, v, *, attn_mask, dropout_p,
-#: scale)`` -> attention output (:func:`_plain`, or SDPA itself).
+#: scale)`` -> attention output (:func:`_matmul`, or SDPA itself).
 Attend = Callable[..., torch.Tensor]
 
 
@@ -200,8 +200,8 @@ def attention_in_windows(
     return out.reshape(batch, tokens, three_c // 3)
 
 
-def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor, dropout_p: float,
-           scale: float) -> torch.Tensor:
+def _matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor, dropout_p: float,
+            scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale + attn_mask) v`` with matmuls (SDPA's signature)."""
     # In place on the fresh logits: no scaled copy of q kept, no second logits-sized temporary.
     attn = (q @ k.transpose(-2, -1)).mul_(scale).add_(attn_mask).softmax(dim=-1)
@@ -218,7 +218,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, bias, layout: WindowLayout, num_heads: int, scale: float):
-        # (No attention dropout: the planner runs "plain" for it.)
+        # (No attention dropout: the planner runs "matmul" for it.)
         # Detached: CPU SDPA picks its slow math kernel for a mask that requires grad.
         out = attention_in_windows(qkv, bias.detach(), layout.mask, layout.num_windows, num_heads, scale, 0.0,
                                    scaled_dot_product_attention, layout.align)
@@ -296,7 +296,7 @@ def attention_backward(
 
 #: The attention of :func:`window_attention` by :attr:`Plan.attention <swin_backbone.ops.plan.Plan.attention>`
 #: (``recompute``: SDPA, in :class:`_RecomputedAttention`).
-KERNELS: Dict[str, Attend] = {"sdpa": scaled_dot_product_attention, "plain": _plain,
+KERNELS: Dict[str, Attend] = {"sdpa": scaled_dot_product_attention, "matmul": _matmul,
                               "recompute": scaled_dot_product_attention}
 
 

@@ -49,7 +49,7 @@ get_log_spaced_coords = size_cache(maxsize=64)(_coords_on)
 def continuous_position_bias(cpb_mlp: nn.Module, table_window: int, pretrained_window: int, plan: Plan) -> torch.Tensor:
     """``16 * sigmoid(cpb_mlp(coords))``: the ``((2 tw - 1)**2, nH)`` bias table, in the MLP's dtype."""
     weight = cpb_mlp[0].weight  # (not parameters(): FSDP sets plain tensors while it recomputes a unit)
-    coords = (_coords_on if plan.traced else get_log_spaced_coords)(table_window, pretrained_window, weight.device,
+    coords = (_coords_on if plan.traceable else get_log_spaced_coords)(table_window, pretrained_window, weight.device,
                                                                      weight.dtype)
     return torch.sigmoid(cpb_mlp(coords)).mul(BIAS_SCALE)
 
@@ -75,7 +75,7 @@ def cosine_qkv(qkv: torch.Tensor, logit_scale: torch.Tensor, num_heads: int,
         k = qk[..., 1, :, :]
         v = heads[..., 2, :, :]
         return torch.stack((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-3).reshape(qkv.shape)
-    if plan is not None and plan.plain and not plan.grad:
+    if plan is not None and plan.exact_modules and not plan.grad:
         with torch.no_grad():
             return _normalize_and_scale(heads, scale, inplace=True)[0].reshape(qkv.shape)
     if plan is not None and plan.save_memory:

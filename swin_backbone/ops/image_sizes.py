@@ -16,7 +16,7 @@ from .windows import MASK_VALUE, ceil_div, mask_rows, output_size, row_length
 
 def packed_layout(
     height: int, width: int, window: int, shift: int, valid_sizes: Sizes, device: torch.device, dtype: torch.dtype,
-    align: bool = False, table_window: int = 0, traced: bool = False,
+    align: bool = False, table_window: int = 0, traceable: bool = False,
 ) -> WindowLayout:
     """The windows of a batch's images, each as it is alone, packed into one row of tokens.
 
@@ -31,8 +31,8 @@ def packed_layout(
     ``h_b * w_b``; the layout itself is one row (height 1, width ``T``). Built on the CPU from the
     images' cached layouts, one copy per tensor to ``device``.
 
-    ``traced`` (for compiled blocks): padding slots read an appended zero token (index ``T``), as
-    a traced layout's do, rather than being listed in ``pad_slots``: a compiled block then has no
+    ``traceable`` (for compiled blocks): padding slots read an appended zero token (index ``T``), as
+    a traceable layout's do, rather than being listed in ``pad_slots``: a compiled block then has no
     tensor sized by the padding-slot count, whose size dynamic shapes could equate with another
     (a recompile when they later differ).
     """
@@ -59,15 +59,15 @@ def packed_layout(
             if part.mask is not None:
                 buffer.narrow(0, first, part.mask.shape[0]).narrow(-1, 0, n).copy_(part.mask)
     mask = None if buffer is None else mask_rows(to_device(buffer, device), n)
-    if traced and pad_slots is not None:
+    if traceable and pad_slots is not None:
         index[pad_slots] = tokens
     return WindowLayout(
         height=1, width=tokens, window=window, shift=shift, num_windows=num_windows,
-        table_window=parts[0].table_window, has_padding=pad_slots is not None or traced,
+        table_window=parts[0].table_window, has_padding=pad_slots is not None or traceable,
         index=to_device(index, device), inverse=to_device(inverse, device),
-        pad_slots=to_device(pad_slots, device) if pad_slots is not None and not traced else None, mask=mask,
+        pad_slots=to_device(pad_slots, device) if pad_slots is not None and not traceable else None, mask=mask,
         bias_index=to_device(parts[0].bias_index, device), align=align, rows=to_device(torch.cat(rows), device),
-        image_tokens=tuple(h * w for h, w in valid_sizes), traced=traced,
+        image_tokens=tuple(h * w for h, w in valid_sizes), traceable=traceable,
     )
 
 
@@ -143,12 +143,12 @@ def stage_sizes(sizes: torch.Tensor, patch_size: int, num_stages: int) -> Tuple[
 
 
 def image_masked_layout(layout: WindowLayout, valid: torch.Tensor) -> WindowLayout:
-    """``layout`` (a traced one, of the whole map) with one mask per image: ``(B, nW, N, N)``,
+    """``layout`` (a traceable one, of the whole map) with one mask per image: ``(B, nW, N, N)``,
     the map's own mask plus a mask between each image's tokens and those beyond it, so each image
     attends within its windows as it does alone (its padding is a region of its own there too).
     ``valid``: ``(B, H * W)`` bool, True inside the image."""
-    if not layout.traced:
-        raise ValueError("image_masked_layout: expected a traced layout (padding read at index H * W)")
+    if not layout.traceable:
+        raise ValueError("image_masked_layout: expected a traceable layout (padding read at index H * W)")
     n = layout.window * layout.window
     dtype = torch.float32 if layout.mask is None else layout.mask.dtype
     # (window padding reads the appended False: beyond every image)

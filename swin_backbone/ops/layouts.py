@@ -3,7 +3,7 @@ CPU row chunks (:func:`row_chunks`), the output maps' NCHW layout (:func:`output
 one owner of the ops' caches (:func:`size_cache`, :func:`register_cache`, :func:`clear_caches`).
 
 No host-device sync in a forward: host-side work runs on the CPU and moves with one
-non-blocking copy (:func:`to_device`); while tracing, layouts are built with plain ops.
+non-blocking copy (:func:`to_device`); a traceable layout is built with torch ops alone.
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ class WindowLayout:
 
     Attributes:
         index: ``(nW * N,)`` gather from ``H * W`` tokens (padding slots read token 0, then zeroed;
-            while tracing ``H * W`` is an appended zero token).
+            in a traceable layout ``H * W``, an appended zero token).
         inverse: ``(H * W,)`` gather back to row-major tokens.
-        pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or tracing).
+        pad_slots: ``(nP,)`` padding positions in the window layout (``None``: none, or traceable).
         mask: ``(nW, N, N)`` additive mask of every window (per image ``(B, nW, N, N)``), or
             ``None`` (no window needs one); bias_index: ``(N * N,)`` bias table rows.
         rows: a *packed* layout's (:func:`~.image_sizes.packed_layout`) ``(T,)`` rows of the flat
@@ -59,7 +59,7 @@ class WindowLayout:
         valid: an image-masked layout's (:func:`~.image_sizes.image_masked_layout`) ``(B, H * W)``
             bool, True inside each image; ``None`` otherwise.
         plan: the forward's :class:`~.plan.Plan` for this stage (``None``: not bound yet).
-        row_chunks: in CPU inference with plain modules (:class:`~.plan.Plan`'s ``plain``, no
+        row_chunks: in CPU inference with exact modules (:class:`~.plan.Plan`'s ``exact_modules``, no
             ``grad``, ``chunk_bytes``), the slices of the stage's ``(B * H * W)`` token rows that
             the blocks' MLPs run on one at a time; ``None``: whole tensors.
     """
@@ -80,7 +80,7 @@ class WindowLayout:
     rows: Optional[torch.Tensor] = None
     image_tokens: Optional[Tuple[int, ...]] = None
     valid: Optional[torch.Tensor] = None
-    traced: bool = False
+    traceable: bool = False  #: the form a tracer records: padding read at an appended zero token
     plan: Optional[Plan] = None
     row_chunks: Optional[Tuple[slice, ...]] = None
 
@@ -105,10 +105,10 @@ class WindowLayout:
 
 def build_window_layout(
     height: int, width: int, window: int, shift: int, mask_padding: bool, device: torch.device, dtype: torch.dtype,
-    align: bool = False, tracing: bool = False, table_window: int = 0,
+    align: bool = False, traceable: bool = False, table_window: int = 0,
 ) -> WindowLayout:
-    """An uncached :class:`WindowLayout` (``table_window`` 0: ``window``). While tracing, sizes may
-    be symbolic, so the layout always allows for padding: one graph serves every size."""
+    """An uncached :class:`WindowLayout` (``table_window`` 0: ``window``). A ``traceable`` one
+    (and any of symbolic sizes, a tracer's) always allows for padding: one graph serves every size."""
     if window <= 0 or not 0 <= shift < window:
         raise ValueError(f"window must be > 0 and 0 <= shift < window, got window={window}, shift={shift}")
     device = torch.device(device)
@@ -117,13 +117,13 @@ def build_window_layout(
     sizes = dict(height=height, width=width, window=window, shift=shift, num_windows=num_windows,
                  table_window=table_window)
     bias_index = relative_position_index(window, table_window, CPU)
-    if tracing or not isinstance(height, int) or not isinstance(width, int):
+    if traceable or not isinstance(height, int) or not isinstance(width, int):
         mask = None
         if shift > 0 or mask_padding:
             mask = mask_from_labels(height, width, window, shift, mask_padding, device, dtype, align)
         return WindowLayout(has_padding=True, index=window_token_index(height, width, window, shift, device),
                             inverse=window_inverse_index(height, width, window, shift, device), pad_slots=None,
-                            mask=mask, bias_index=bias_index.to(device), align=align, traced=True, **sizes)
+                            mask=mask, bias_index=bias_index.to(device), align=align, traceable=True, **sizes)
     has_padding = pad_amount(height, window) > 0 or pad_amount(width, window) > 0
     index = window_token_index(height, width, window, shift, CPU)
     inverse = window_inverse_index(height, width, window, shift, CPU)
@@ -247,7 +247,7 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
     bool map of the images' tokens (static shapes); ``None``: every image fills the map."""
     if channels_last:
         out, own = norm(x).permute(0, 3, 1, 2), None  # a view of the module's output
-    elif plan.plain and not plan.grad and plan.chunk_bytes > 0:  # (inference: by map rows: whole, the transposing copy's strided writes miss the cache)
+    elif plan.exact_modules and not plan.grad and plan.chunk_bytes > 0:  # (inference: by map rows: whole, the transposing copy's strided writes miss the cache)
         batch, height, width, channels = x.shape
         out = None
         for rows in row_chunks(height, width * channels * x.element_size(), plan.chunk_bytes // 8):
@@ -265,5 +265,5 @@ def output_nchw(x: torch.Tensor, norm: nn.Module, channels_last: bool, plan: Pla
     if isinstance(sizes, torch.Tensor):
         return torch.where(sizes.unsqueeze(1), out, out.new_zeros(()))
     # Zeroed in place only in memory of our own, or where module outputs may be written.
-    inplace = not plan.grad and (own is not None or plan.plain)
+    inplace = not plan.grad and (own is not None or plan.exact_modules)
     return zero_beyond_valid(out, sizes, 2, inplace=inplace)

@@ -18,14 +18,15 @@ class Plan:
     attention: str
     #: autograd records this forward (an input or a parameter requires grad)
     grad: bool
-    #: plain torch ops only: ``torch.compile`` / ``torch.export`` / ``torch.jit.trace`` records
-    #: it, or a compiled block runs it (layouts in their traced form)
-    traced: bool
+    #: computed in the form a tracer records (torch ops only, layouts built in the graph's form, no
+    #: row chunks, module-output writes or lean saves): ``torch.compile`` / ``torch.export`` /
+    #: ``torch.jit.trace`` records this forward, or its blocks are compiled regions
+    traceable: bool
     #: training: no LayerNorm / GELU output kept for backward (:data:`~.attention.LEAN_SAVES`)
     save_memory: bool
     #: bytes of a CPU row chunk (0: whole tensors): attention backward's window groups, and with
-    #: ``plain`` and no ``grad`` (inference) the rows row-wise modules run on at a time
+    #: ``exact_modules`` and no ``grad`` (inference) the rows row-wise modules run on at a time
     chunk_bytes: int
     #: every module is exactly its declared class, unhooked, with no active dropout: a module may
     #: run on part of its input (row chunks) and its output may be written into
-    plain: bool
+    exact_modules: bool

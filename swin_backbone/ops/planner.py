@@ -69,19 +69,26 @@ def resolve_attention(value: object, name: str = "attention") -> str:
     return value
 
 
-# ------------------------------------------------------------------------------ plain modules
+def tracing() -> bool:
+    """A tracer records this forward: dynamo (``torch.compile`` / ``torch.export``) or TorchScript
+    (``torch.jit.trace`` / ``script``). The planner's question; :func:`plan_stages` and
+    :func:`stage_layouts` write it out, so that a forward enters no function for it."""
+    return is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()
+
+
+# ------------------------------------------------------------------------------ exact modules
 #: torch modules the fast paths may call piece by piece: exact types (a subclass, a quantized,
 #: adapted or parametrized layer may compute something else on a part of its input).
-PLAIN_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, nn.Conv2d, nn.ReLU, nn.ModuleList,
+EXACT_TORCH_MODULES = (nn.Linear, nn.LayerNorm, nn.GELU, nn.Dropout, nn.Identity, nn.Conv2d, nn.ReLU, nn.ModuleList,
                        nn.Sequential)
 #: The package's own module classes (registered by swin_backbone.model), exact types too.
-PLAIN_SWIN_MODULES: List[type] = []
+EXACT_SWIN_MODULES: List[type] = []
 
 
 class ModuleFacts(NamedTuple):
     """What the modules of a tree say (:func:`read_modules`)."""
 
-    plain: bool  #: every module exactly a plain class holding parameters, with no forward hook
+    exact: bool  #: every module exactly one of the listed classes, holding parameters, with no forward hook
     needs_grad: bool  #: a parameter requires grad
     stochastic: bool  #: a module in training mode has a dropout or stochastic-depth rate > 0
     attn_dropout: bool  #: one of them is attention dropout
@@ -91,17 +98,18 @@ def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Mod
     """What the modules of ``model`` say, each module read once: :class:`ModuleFacts` of the whole
     ``model``, and of each of ``parts`` (submodules of ``model``: the backbone's stages) on its own.
 
-    ``plain``: every submodule is exactly a plain class holding ``nn.Parameter``s
+    ``exact``: every submodule is exactly one of :data:`EXACT_TORCH_MODULES` / :data:`EXACT_SWIN_MODULES`,
+    holding ``nn.Parameter``s
     (``functional_call`` swaps in tensors for one call), with no forward hook (nor a global one):
     the one condition for calling a module on part of its input, again in backward, or adding
     into its output in place.
     """
     hooks = nn.modules.module
-    types = frozenset(PLAIN_TORCH_MODULES + tuple(PLAIN_SWIN_MODULES))
+    types = frozenset(EXACT_TORCH_MODULES + tuple(EXACT_SWIN_MODULES))
     facts: List[ModuleFacts] = []
     for tree in (*parts, model):  # the parts, then the rest of the model (its root exempt: called as a whole)
         seen = set(map(id, parts)) if tree is model else set()
-        plain, needs_grad, stochastic, attn = True, False, False, False
+        exact, needs_grad, stochastic, attn = True, False, False, False
         stack = [tree]  # (an explicit stack: a fraction of modules()' nested generators' time)
         while stack:
             m = stack.pop()
@@ -111,7 +119,7 @@ def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Mod
             stack.extend(m._modules.values())
             own = type(m) in types
             if m.training:
-                # The plain classes' rates are instance attributes: read without nn.Module.__getattr__,
+                # The listed classes' rates are instance attributes: read without nn.Module.__getattr__,
                 # whose miss raises and formats an AttributeError (most of a training forward's reading).
                 attn_rate = m.__dict__.get("attn_drop_rate", 0.0) if own else getattr(m, "attn_drop_rate", 0.0)
                 drop_rate = m.__dict__.get("drop_prob", 0.0) if own else getattr(m, "drop_prob", 0.0)
@@ -120,17 +128,17 @@ def read_modules(model: nn.Module, parts: Sequence[nn.Module] = ()) -> Tuple[Mod
             for p in m._parameters.values():
                 if p is not None:
                     needs_grad = needs_grad or p.requires_grad
-                    plain = plain and (m is model or isinstance(p, nn.Parameter))
+                    exact = exact and (m is model or isinstance(p, nn.Parameter))
             if m is not model:
-                plain = plain and own and not m._forward_hooks and not m._forward_pre_hooks
-        facts.append(ModuleFacts(plain, needs_grad, stochastic or attn, attn))
+                exact = exact and own and not m._forward_hooks and not m._forward_pre_hooks
+        facts.append(ModuleFacts(exact, needs_grad, stochastic or attn, attn))
     *each, whole = facts
-    plain = whole.plain and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    exact = whole.exact and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
     needs_grad, stochastic, attn = whole.needs_grad, whole.stochastic, whole.attn_dropout
     for part in each:
-        plain, needs_grad = plain and part.plain, needs_grad or part.needs_grad
+        exact, needs_grad = exact and part.exact, needs_grad or part.needs_grad
         stochastic, attn = stochastic or part.stochastic, attn or part.attn_dropout
-    return ModuleFacts(plain, needs_grad, stochastic, attn), each
+    return ModuleFacts(exact, needs_grad, stochastic, attn), each
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -141,12 +149,11 @@ def plan_stages(x: torch.Tensor, backbone: nn.Module, compiled_blocks: bool = Fa
     dropout as its own modules have it; a stage checkpointed in training (``with_cp``) keeps no
     lean saves (its blocks run again in backward). ``compiled_blocks``: the blocks are compiled
     regions (``compile=True``, :mod:`swin_backbone.model.compiled`): planned here, eagerly, as a
-    traced forward (plain torch ops, no row chunks, no module-output writes, no lean saves), which
-    is what dynamo compiles inside a block.
+    traceable forward (:attr:`~.plan.Plan.traceable`), which is what dynamo compiles inside a block.
     """
     stages, device, enabled, switches = backbone.stages, x.device.type, torch.is_grad_enabled(), _SWITCHES
     whole, each = read_modules(backbone, (backbone.patch_embed, *stages))
-    if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():  # (dynamo or TorchScript records it)
+    if is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():  # (tracing(), written out: see there)
         plan = _decide(device, enabled, True, whole.stochastic, whole.attn_dropout, False, switches, False,
                        backbone.save_memory)
         return (plan,) * len(stages)
@@ -157,36 +164,36 @@ def plan_stages(x: torch.Tensor, backbone: nn.Module, compiled_blocks: bool = Fa
     for stage, facts in zip(stages, each[1:]):
         flows = flows or facts.needs_grad
         grad = enabled and flows
-        plans.append(_decide_cached(device, grad, compiled_blocks, facts.stochastic, facts.attn_dropout, whole.plain,
+        plans.append(_decide_cached(device, grad, compiled_blocks, facts.stochastic, facts.attn_dropout, whole.exact,
                                     switches, stage.with_cp and stage.training and grad, backbone.save_memory))
     return tuple(plans)
 
 
-def _decide(device: str, grad: bool, traced: bool, stochastic: bool, attn_dropout: bool, plain: bool, s: Switches,
+def _decide(device: str, grad: bool, traceable: bool, stochastic: bool, attn_dropout: bool, exact: bool, s: Switches,
             checkpointed: bool = False, save_memory: Optional[bool] = None) -> Plan:
     """The plan of a situation (``checkpointed``: the blocks run again in backward; ``save_memory``:
     the backbone's argument, which an override of the switches comes before)."""
     cpu = device == "cpu"
-    if traced:
+    if traceable:
         # TorchScript exporters and FLOP counters read matmuls; torch.compile fuses them itself. In
         # training only CUDA's SDPA (memory-efficient) gives the bias its gradient.
-        attention = ("plain" if (grad and device != "cuda") or attn_dropout or not s.sdpa or torch.jit.is_tracing()
+        attention = ("matmul" if (grad and device != "cuda") or attn_dropout or not s.sdpa or torch.jit.is_tracing()
                      else "sdpa")
     elif attn_dropout or not s.sdpa:
-        attention = "plain"
+        attention = "matmul"
     elif grad and cpu:
         # CPU SDPA gives no bias gradient: SDPA forward with a hand-written backward instead.
-        attention = "recompute" if s.recompute_attention else "plain"
+        attention = "recompute" if s.recompute_attention else "matmul"
     else:
         # CUDA: memory-efficient SDPA, which takes a float bias and computes its gradient.
         attention = "sdpa"
-    eager = not traced
+    eager = not traceable
     chunk_bytes = (cpu_chunk_bytes() if s.chunk_bytes is None else s.chunk_bytes) if eager and cpu else 0
     # (lean_saves calls no module again: its predicate is each tensor's own autograd node)
     wanted = save_memory if s.save_memory is None else s.save_memory
     save_memory = eager and grad and not checkpointed and (cpu if wanted is None else wanted)
-    return Plan(attention=attention, grad=grad, traced=traced, save_memory=save_memory, chunk_bytes=chunk_bytes,
-                plain=plain and eager and not stochastic)
+    return Plan(attention=attention, grad=grad, traceable=traceable, save_memory=save_memory, chunk_bytes=chunk_bytes,
+                exact_modules=exact and eager and not stochastic)
 
 
 _decide_cached = register_cache(lru_cache(maxsize=64)(_decide))  # (the switches are part of the key)
@@ -196,15 +203,15 @@ def plan_for(x: torch.Tensor, module: Optional[nn.Module] = None, *, grad: Optio
              attention: Optional[str] = None, **fields) -> Plan:
     """How ``module`` (any module of the backbone, or a model holding one) computes its forward on
     ``x`` called on its own: device, grad mode, tracing and what its modules say (:func:`read_modules`).
-    Without ``module`` (direct use of the ops, tests) the modules count as not plain: no shortcut
+    Without ``module`` (direct use of the ops, tests) the modules count as not exact: no shortcut
     re-runs them or writes into their outputs. ``grad``, ``attention`` and ``fields`` are forced."""
-    traced = is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting()  # (dynamo or TorchScript records it)
+    traced = tracing()
     facts = read_modules(module)[0] if module is not None else ModuleFacts(False, False, False, False)
     if grad is None:
         grad = torch.is_grad_enabled() and (traced or x.requires_grad or facts.needs_grad)
     # (a traced plan is decided each time: whether TorchScript or dynamo records it is part of the answer)
     decide = _decide if traced else _decide_cached
-    plan = decide(x.device.type, grad, traced, facts.stochastic, facts.attn_dropout, facts.plain, _SWITCHES, False,
+    plan = decide(x.device.type, grad, traced, facts.stochastic, facts.attn_dropout, facts.exact, _SWITCHES, False,
                   getattr(module, "save_memory", None))
     if attention is not None:
         if attention not in KERNELS:
@@ -243,17 +250,17 @@ def stage_layouts(
     rows = sum(map(math.prod, images)) if packed else batch * height * width
     row_bytes = row_width * x.element_size()
     chunks = None
-    if plan.plain and not plan.grad and 0 < plan.chunk_bytes < rows * row_bytes:  # (inference: more than one)
+    if plan.exact_modules and not plan.grad and 0 < plan.chunk_bytes < rows * row_bytes:  # (inference: more than one)
         chunks = row_chunks(rows, row_bytes, plan.chunk_bytes)
     layouts = []
     for offset in (0, shift) if shift > 0 else (0,):
         if packed:
             layout = get_packed_layout(height, width, window, offset, images, device, dtype, align, window_size,
-                                       plan.traced)
+                                       plan.traceable)
         else:
-            args = (height, width, window, offset, mask_padding, device, dtype, align, plan.traced, window_size)
+            args = (height, width, window, offset, mask_padding, device, dtype, align, plan.traceable, window_size)
             # (A traced forward's sizes may be symbolic: built each time. The compiled blocks' planner
-            # runs eagerly with ints: their traced-form layouts are cached as eager ones are.)
+            # runs eagerly with ints: their traceable layouts are cached as eager ones are.)
             layout = build_window_layout(*args) if is_compiling() or torch.jit.is_tracing() else get_window_layout(*args)
             if images is not None:
                 layout = image_masked_layout(layout, images.reshape(batch, height * width))

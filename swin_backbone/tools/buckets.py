@@ -171,15 +171,15 @@ def summarize(batches: Sequence[Batch], buckets: Sequence[Shape] = ()) -> Dict[s
     """Shapes, captures and padding share (``1 - image pixels / batch pixels``) of ``batches``,
     without buckets and with ``buckets`` (each batch padded to :func:`choose_bucket`'s pick)."""
     image = sum(h * w for _, images in batches for h, w in images)
-    plain = bucketed = 0
+    batch_pixels = bucketed = 0
     used: Counter = Counter()
     misfits: Counter = Counter()
     for shape, images in batches:
         bucket = choose_bucket(*shape, buckets) if buckets else shape
         (used if bucket is not None else misfits)[bucket or shape] += 1
-        plain += len(images) * shape[0] * shape[1]
+        batch_pixels += len(images) * shape[0] * shape[1]
         bucketed += len(images) * (bucket or shape)[0] * (bucket or shape)[1]
-    return dict(batches=len(batches), shapes=len({s for s, _ in batches}), padding=1 - image / plain,
+    return dict(batches=len(batches), shapes=len({s for s, _ in batches}), padding=1 - image / batch_pixels,
                 buckets=[list(b) for b in buckets], captures=len(used) + len(misfits),
                 padding_buckets=1 - image / bucketed, misfit_batches=sum(misfits.values()),
                 misfit_shapes=sorted(list(s) for s in misfits))
@@ -271,9 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         batches, info = draw_batches(cfg, args.split, args.draws, args.seed, args.batch_size, args.ann_file)
         picked = pick(batches, args.pick, args.bound) if args.pick else []
     result = dict(config=args.config, split=args.split, draws=args.draws, seed=args.seed,
-                  sizes=args.ann_file or "COCO_LIKE", plain=summarize(batches),
+                  sizes=args.ann_file or "COCO_LIKE", unbucketed=summarize(batches),
                   **{key: info[key] for key in ("batch_size", "grouped", "divisor")})
-    columns = {"no buckets": column(result["plain"], False)}
+    columns = {"no buckets": column(result["unbucketed"], False)}
     if buckets:
         result["given"] = summarize(batches, buckets)
         columns["buckets " + " ".join(f"{h}x{w}" for h, w in buckets)] = column(result["given"], True)

@@ -366,7 +366,7 @@ def _graph_nodes(outputs):
     return names
 
 
-@pytest.mark.parametrize("rates", [{}, dict(drop_path_rate=0.3, drop_rate=0.1)], ids=["plain", "dropout"])
+@pytest.mark.parametrize("rates", [{}, dict(drop_path_rate=0.3, drop_rate=0.1)], ids=["no_dropout", "dropout"])
 def test_in_place_residuals_never_write_into_views(rates):
     # A residual added in place into a view makes autograd record a copy into the view's base
     # (CopySlices), whose backward allocates, zero-fills and copies a map-sized gradient.

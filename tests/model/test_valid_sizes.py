@@ -78,7 +78,7 @@ def test_v2_batch_equals_each_image_alone():
         dict(chunk_bytes=0),  # whole tensors
         dict(sdpa=False),  # matmul + softmax
     ],
-    ids=["default", "whole", "plain"],
+    ids=["default", "whole", "matmul"],
 )
 def test_eval_batch_equals_each_image_alone(name, strategy):
     size, sizes = BATCHES[name]

@@ -1,4 +1,4 @@
-"""The window-attention implementations (SDPA, plain, CPU recompute) agree, in values and
+"""The window-attention implementations (SDPA, matmul, CPU recompute) agree, in values and
 gradients, with the reference algorithm and with each other, in every backward mode."""
 import dataclasses
 
@@ -14,7 +14,7 @@ from swin_backbone.ops.attention import (
 from swin_backbone.ops.layouts import build_window_layout
 from swin_backbone.ops.windows import relative_position_index, window_attention_mask
 
-KERNELS = ("sdpa", "plain", "recompute")
+KERNELS = ("sdpa", "matmul", "recompute")
 
 
 def _layout(h, w, shift, mask_padding=True, dtype=torch.float64, plan=None):
@@ -58,10 +58,10 @@ def test_kernels_agree_forward_and_backward(size, shift, batch, backward_mode):
         out.square().sum().backward()
         outs[kernel] = out.detach()
         grads[kernel] = (xi.grad, attn.relative_position_bias_table.grad.clone(), attn.qkv.weight.grad.clone())
-    # The reference: plain kernel (one per-window bias), autograd's graph.
+    # The reference: matmul kernel (one per-window bias), autograd's graph.
     attn.zero_grad()
     xi = x.clone().requires_grad_(True)
-    ref = _attend(attn, xi, layout, "plain", 0)
+    ref = _attend(attn, xi, layout, "matmul", 0)
     ref.square().sum().backward()
     ref_grads = (xi.grad, attn.relative_position_bias_table.grad, attn.qkv.weight.grad)
     for kernel in KERNELS:
@@ -86,7 +86,7 @@ def test_recompute_kernel_gradcheck(size, shift, mask_padding, backward_mode):
     assert not layout.align  # (the kernel reads the alignment and the chunk size from the bound layout)
     bound = dataclasses.replace(layout, plan=plan)
 
-    def fn(qkv, bias):  # (no dropout: the planner runs "plain" for it)
+    def fn(qkv, bias):  # (no dropout: the planner runs "matmul" for it)
         return _RecomputedAttention.apply(qkv, bias, bound, heads, d**-0.5)
 
     assert torch.autograd.gradcheck(fn, (qkv, bias))
@@ -116,17 +116,17 @@ def test_an_unknown_attention_value_is_a_clear_error(monkeypatch, value):
 
 
 def test_attention_dropout_always_runs_a_kernel_that_drops():
-    # Only the plain kernel applies attention dropout (SDPA's CPU kernels and the recompute
+    # Only the matmul kernel applies attention dropout (SDPA's CPU kernels and the recompute
     # kernel's hand-written backward do not): every situation with attention dropout plans it,
     # on every device, eagerly and while tracing.
     for device in ("cpu", "cuda"):
         for grad, traced in ((True, False), (False, False), (True, True), (False, True)):
             plan = planner._decide(device, grad, traced, True, True, True, planner._SWITCHES)
-            assert plan.attention == "plain", (device, grad, traced, plan.attention)
+            assert plan.attention == "matmul", (device, grad, traced, plan.attention)
     # ... and that kernel drops: two calls with a rate differ, and zero attention dropout is deterministic.
     attn = WindowAttention(16, 2, 7, attn_drop_rate=0.5)
     x = torch.randn(1, 9 * 12, 16)
-    layout = _layout(9, 12, 3, dtype=torch.float32, plan=ops.plan_for(x, attention="plain"))
+    layout = _layout(9, 12, 3, dtype=torch.float32, plan=ops.plan_for(x, attention="matmul"))
     qkv = attn.qkv(ops.window_partition(x, layout)).detach()
     table = attn.relative_position_bias_table
     runs = [window_attention(qkv, table, layout, num_heads=2, scale=attn.scale, dropout_p=0.5) for _ in range(2)]
@@ -211,7 +211,7 @@ def _plain_sum_attention(qkv, bias, mask, num_windows, heads, scale):
 
 @pytest.mark.parametrize("size,shift", [((9, 12), 3), ((14, 14), 3), ((5, 5), 0)])
 @pytest.mark.parametrize("batch", [1, 2])  # per-window biases in SDPA's batch (1) or heads (2) dim
-@pytest.mark.parametrize("kernel", ["plain", "sdpa"])
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
 def test_per_window_bias_aligned_equals_plain_sum(size, shift, batch, kernel):
     # attention_in_windows adds the mask to the bias per window: with align (CUDA) into 8-aligned
     # rows (the layout's aligned mask read in place). Aligned or not, the same values and bias
@@ -370,7 +370,7 @@ def test_masked_windows_are_the_last_row_and_column():
     ((14, 14), 3, True, 7), ((9, 12), 3, True, 7), ((9, 12), 0, True, 7), ((9, 12), 3, False, 7), ((5, 3), 0, False, 7),
     ((5, 3), 3, True, 7), ((3, 5), 0, True, 3),  # a smaller effective window (pad_small_map=False) reads a subset
 ])
-@pytest.mark.parametrize("kernel", ["plain", "sdpa", "recompute"])
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa", "recompute"])
 @pytest.mark.parametrize("save_memory", [False, True], ids=["autograd", "lean-saves"])
 def test_every_kernel_is_the_reference_algorithm(size, shift, mask_padding, window, kernel, save_memory):
     # The block's attention (norm -> qkv -> kernel -> projection), whichever kernel runs it,

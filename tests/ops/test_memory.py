@@ -4,7 +4,7 @@
   output (nor the window gather of a norm's output); backward rebuilds them from what their own
   nodes keep: same values and gradients as plain autograd (pre-norm V1 and post-norm V2 branches,
   partial ``requires_grad``, dropout, bf16 autocast), with fewer activations kept.
-* CPU inference with plain modules (``plan.plain``, no grad, ``chunk_bytes``): a block's MLP
+* CPU inference with exact modules (``plan.exact_modules``, no grad, ``chunk_bytes``): a block's MLP
   residual (by the layout's ``row_chunks``) and the output norms run by row chunks, in place:
   same values as whole tensors. A hook or a replaced module turns
   the chunks off (the hook sees the whole tensor once).
@@ -123,7 +123,7 @@ def test_memory_saving_partial_gradients(version, frozen):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("save_memory", [False, True], ids=["plain", "save_memory"])
+@pytest.mark.parametrize("save_memory", [False, True], ids=["keep_saves", "save_memory"])
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 def test_stochastic_depth_drops_whole_samples(version, save_memory):
     # DropPath zeroes a sample's branch, never single tokens: for each sample the MLP residual
@@ -426,7 +426,7 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, size, version)
     block = _block(version)
     grid = torch.zeros(2, *size, 8, dtype=torch.float64)
     x = torch.randn(2, size[0] * size[1], 8, dtype=torch.float64)
-    plan = ops.plan_for(x, grad=False, plain=True)
+    plan = ops.plan_for(x, grad=False, exact_modules=True)
     with torch.no_grad():
         whole = block(x, _layouts(grid, plan))
         got = block(x, _layouts(grid, plan, max(chunk_budget, 1)))
@@ -441,7 +441,7 @@ def test_chunked_mlp_residual_matches_whole_tensors(chunk_budget, size, version)
 def test_chunked_mlp_residual_under_autocast(version):
     block = _block(version, dtype=torch.float32)
     grid, x = torch.zeros(2, 1, 7, 8), torch.randn(2, 7, 8)
-    plan = ops.plan_for(x, grad=False, plain=True)
+    plan = ops.plan_for(x, grad=False, exact_modules=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = block(x, _layouts(grid, plan))
         got = block(x, _layouts(grid, plan, 3 * 32 * 4))
@@ -454,8 +454,8 @@ def test_chunked_output_norm_matches_whole_tensors(shape):
     norm = _block("v1").norm2
     x = torch.randn(shape, dtype=torch.float64)
     # two rows a chunk
-    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, plain=True)
-    whole = ops.plan_for(x, grad=False, chunk_bytes=0, plain=True)
+    chunked = ops.plan_for(x, grad=False, chunk_bytes=8 * 2 * 7 * 8 * 8, exact_modules=True)
+    whole = ops.plan_for(x, grad=False, chunk_bytes=0, exact_modules=True)
     with torch.no_grad():
         got = ops.output_nchw(x, norm, False, chunked)
         ref = ops.output_nchw(x, norm, False, whole)
@@ -468,7 +468,7 @@ def test_chunked_output_norm_matches_whole_tensors(shape):
     assert view.is_contiguous(memory_format=torch.channels_last) or x.numel() == 0
 
 
-def test_plain_modules_predicate():
+def test_exact_modules_predicate():
     # Chunks and in-place residuals only where every module is exactly what its class
     # computes and nobody watches: any forward hook (module or global, pre or post) or a
     # subclassed module turns them off; training turns chunks off.
@@ -476,7 +476,7 @@ def test_plain_modules_predicate():
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         plan = ops.plan_for(x, model)
-    assert plan.plain and not plan.grad and plan.chunk_bytes > 0
+    assert plan.exact_modules and not plan.grad and plan.chunk_bytes > 0
     training = ops.plan_for(x, model.train())
     assert training.grad  # training: no row chunks (they run without grad only)
     model.eval()
@@ -488,9 +488,9 @@ def test_plain_modules_predicate():
         with torch.no_grad():
             watched = ops.plan_for(x, model)
         handle.remove()
-        assert not watched.plain, register
+        assert not watched.exact_modules, register
     with torch.no_grad():
-        assert ops.plan_for(x, model).plain  # hooks removed
+        assert ops.plan_for(x, model).exact_modules  # hooks removed
 
     class Scaled(nn.Linear):  # an adapter-like subclass: computes something else
         def forward(self, t):
@@ -500,7 +500,7 @@ def test_plain_modules_predicate():
     model.stages[0].blocks[1].mlp.fc2 = Scaled(old.in_features, old.out_features)
     with torch.no_grad():
         replaced = ops.plan_for(x, model)
-    assert not replaced.plain
+    assert not replaced.exact_modules
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

@@ -21,7 +21,7 @@ from ..helpers import small_arch
 
 
 def decide(device, dtype, grad, traced, stochastic, attn_dropout):
-    """The planner's decision for a situation, with plain modules and the switches in force
+    """The planner's decision for a situation, with exact modules and the switches in force
     (``dtype``: the situation's compute dtype, which the plan does not depend on)."""
     return planner._decide_cached(device, grad, traced, stochastic, attn_dropout, True, planner._SWITCHES)
 
@@ -42,7 +42,7 @@ def test_decisions_per_situation():
     assert not _aligned("cpu")
     with ops.override(align_masks=True):
         assert _aligned("cpu")
-    assert decide("cpu", f32, True, False, True, True).attention == "plain"  # attention dropout
+    assert decide("cpu", f32, True, False, True, True).attention == "matmul"  # attention dropout
     # CUDA: 'auto' is memory-efficient SDPA (no measurement), in training and inference.
     cuda = decide("cuda", torch.bfloat16, True, False, False, False)
     assert cuda.attention == "sdpa"
@@ -50,45 +50,47 @@ def test_decisions_per_situation():
     assert not cuda.save_memory
     with planner.override(save_memory=True):
         assert decide("cuda", torch.bfloat16, True, False, False, False).save_memory
-    assert cuda.chunk_bytes == 0 and not cuda.traced
+    assert cuda.chunk_bytes == 0 and not cuda.traceable
     assert decide("cuda", torch.bfloat16, False, False, False, False).attention == "sdpa"
     traced = decide("cpu", f32, True, True, False, False)
-    assert traced.attention == "plain" and not traced.save_memory and traced.chunk_bytes == 0 and traced.traced
+    assert traced.attention == "matmul" and not traced.save_memory and traced.chunk_bytes == 0 and traced.traceable
     assert decide("cpu", f32, False, True, False, False).attention == "sdpa"
     # Traced training on CUDA: SDPA (memory-efficient / cuDNN kernels give the bias its gradient).
     assert decide("cuda", f32, True, True, False, False).attention == "sdpa"
     assert decide("cuda", f32, False, True, False, False).attention == "sdpa"
     with ops.override(sdpa=False, chunk_bytes=0):
         off = decide("cpu", f32, False, False, False, False)
-        assert off.attention == "plain" and off.chunk_bytes == 0
+        assert off.attention == "matmul" and off.chunk_bytes == 0
     with ops.override(recompute_attention=False, save_memory=False):
         off = decide("cpu", f32, True, False, True, False)
-        assert off.attention == "plain" and not off.save_memory
+        assert off.attention == "matmul" and not off.save_memory
     assert decide("cpu", f32, False, False, False, False) == cpu_eval  # restored
     # With hooks or replaced modules too (lean saves call no module again): not while tracing.
     hooked = planner._decide_cached("cpu", True, False, True, False, False, planner._SWITCHES)
-    assert hooked.save_memory and not hooked.plain
-    assert not planner._decide_cached("cpu", False, False, True, False, True, planner._SWITCHES).plain  # (dropout)
-    assert planner._decide_cached("cpu", False, False, False, False, True, planner._SWITCHES).plain
+    assert hooked.save_memory and not hooked.exact_modules
+    assert not planner._decide_cached("cpu", False, False, True, False, True, planner._SWITCHES).exact_modules  # (dropout)
+    assert planner._decide_cached("cpu", False, False, False, False, True, planner._SWITCHES).exact_modules
 
 
-def test_torchscript_tracing_plans_plain_attention():
-    # torch.jit.trace (and the ONNX exporter / FLOP counters built on it) records a plan with
-    # tracing set and plain matmul + softmax attention, also in inference; eagerly the same
+def test_torchscript_tracing_plans_matmul_attention():
+    # torch.jit.trace (and the ONNX exporter / FLOP counters built on it) records a traceable plan
+    # with matmul + softmax attention, also in inference; eagerly the same
     # inference runs SDPA.
     model = SwinBackbone(**small_arch())
     seen = []
 
     def fn(x):
         seen.append(ops.plan_for(x, model))
+        assert ops.tracing()
         return x * 2
 
     with torch.no_grad():
         torch.jit.trace(fn, torch.randn(1, 3, 8, 8), check_trace=False)  # (the check reruns fn eagerly)
         eager = ops.plan_for(torch.randn(1, 3, 8, 8), model)
-    assert len(seen) == 1 and seen[0].traced and seen[0].attention == "plain"
-    assert seen[0].chunk_bytes == 0 and not seen[0].plain and not seen[0].save_memory
-    assert not eager.traced and eager.attention == "sdpa"
+    assert not ops.tracing()
+    assert len(seen) == 1 and seen[0].traceable and seen[0].attention == "matmul"
+    assert seen[0].chunk_bytes == 0 and not seen[0].exact_modules and not seen[0].save_memory
+    assert not eager.traceable and eager.attention == "sdpa"
 
 
 def test_a_traced_plan_is_decided_under_its_own_tracer():
@@ -106,11 +108,11 @@ def test_a_traced_plan_is_decided_under_its_own_tracer():
         compiled = ops.plan_stages(torch.randn(1, 3, 32, 32), model, compiled_blocks=True)
         torch.jit.trace(fn, torch.randn(1, 16, 32), check_trace=False)
         again = ops.plan_stages(torch.randn(1, 3, 32, 32), model, compiled_blocks=True)
-    assert compiled[0].traced and compiled[0].attention == "sdpa" and again == compiled
-    assert seen[0].traced and seen[0].attention == "plain"
+    assert compiled[0].traceable and compiled[0].attention == "sdpa" and again == compiled
+    assert seen[0].traceable and seen[0].attention == "matmul"
 
 
-def test_torchscript_trace_of_the_backbone_runs_plain_ops():
+def test_torchscript_trace_of_the_backbone_runs_matmuls():
     # The traced graph holds matmuls and softmax (no SDPA, no Python autograd function) and
     # computes what the eager model computes.
     model = SwinBackbone(arch=None, embed_dims=16, depths=(2, 2), num_heads=(1, 2), out_indices=(0, 1),
@@ -182,6 +184,7 @@ def test_cpu_reaches_flash_sdpa_never_math(train):
     assert "aten::_scaled_dot_product_attention_math" not in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.torch_feature("compile_one_graph")
 def test_tracing_sees_only_plain_ops(train):
@@ -201,7 +204,7 @@ def test_tracing_sees_only_plain_ops(train):
     assert len(graphs) == 1
     targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert not any("autograd_function" in t for t in targets), sorted(t for t in targets if "autograd" in t)
-    assert any("scaled_dot_product_attention" in t for t in targets) != train  # eval: SDPA; training: plain
+    assert any("scaled_dot_product_attention" in t for t in targets) != train  # eval: SDPA; training: matmul
     torch._dynamo.reset()
 
 
@@ -212,10 +215,10 @@ def test_tracing_on_cuda_plans_by_the_situation(grad):
     # dropout: plain ops.
     bf16, switches = torch.bfloat16, planner.Switches()
     compiled = planner._decide("cuda", grad, True, False, False, False, switches)
-    assert compiled.attention == "sdpa" and compiled.traced and not compiled.save_memory
+    assert compiled.attention == "sdpa" and compiled.traceable and not compiled.save_memory
     assert planner._decide("cpu", grad, True, False, False, False, switches).attention == (
-        "plain" if grad else "sdpa")
-    assert planner._decide("cuda", grad, True, True, True, False, switches).attention == "plain"
+        "matmul" if grad else "sdpa")
+    assert planner._decide("cuda", grad, True, True, True, False, switches).attention == "matmul"
 
 
 def test_checkpointed_stages_skip_lean_saves():
@@ -231,11 +234,11 @@ def test_compiled_blocks_layouts_are_cached_and_traced_ones_are_built():
     # they are cached like eager ones (built once per size, not on every forward). While
     # torch.jit.trace records, sizes may be symbolic: built each time.
     x = torch.zeros(1, 14, 13, 32)
-    plan = dataclasses.replace(ops.plan_for(x), traced=True)
+    plan = dataclasses.replace(ops.plan_for(x), traceable=True)
     kwargs = dict(window_size=7, shift_size=3, pad_small_map=True, mask_padding=True)
     regular, shifted = ops.stage_layouts(x, plan, **kwargs)
     again = ops.stage_layouts(x, plan, **kwargs)
-    assert regular.traced and shifted.traced and regular.plan is plan
+    assert regular.traceable and shifted.traceable and regular.plan is plan
     assert again[0].index is regular.index and again[1].mask is shifted.mask  # (the cached layouts' tensors)
     seen = []
 
@@ -244,7 +247,7 @@ def test_compiled_blocks_layouts_are_cached_and_traced_ones_are_built():
         return t * 2
 
     torch.jit.trace(fn, torch.randn(2), check_trace=False)
-    assert seen[0].traced and seen[0].index is not regular.index
+    assert seen[0].traceable and seen[0].index is not regular.index
     assert torch.equal(seen[0].index, regular.index) and torch.equal(seen[0].mask, regular.mask)
 
 
@@ -351,7 +354,7 @@ def test_the_backbones_save_memory_argument_decides_lean_saves():
 def _facts_by_modules(model, root=True):
     """read_modules' facts written out with ``modules()`` and ``getattr`` (the reference)."""
     hooks = torch.nn.modules.module
-    types = planner.PLAIN_TORCH_MODULES + tuple(planner.PLAIN_SWIN_MODULES)
+    types = planner.EXACT_TORCH_MODULES + tuple(planner.EXACT_SWIN_MODULES)
     plain = not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
     grad = stochastic = attn = False
     for m in model.modules():

@@ -44,7 +44,7 @@ def test_post_norm_block_in_pure_bf16():
     params = [x, block.norm2.weight]
     ref_grads = torch.autograd.grad(ref.float().sum(), params)
     for save_memory in (True, False):
-        plan = ops.plan_for(x, grad=True, save_memory=save_memory, plain=True)
+        plan = ops.plan_for(x, grad=True, save_memory=save_memory, exact_modules=True)
         with ops.LEAN_SAVES[plan.save_memory]:
             out = block(x, _layout(x, 5, 6, plan))
         assert out.dtype == torch.bfloat16
@@ -64,8 +64,8 @@ def test_the_post_norm_block_runs_by_plan(situation):
     with ops.override(chunk_bytes=4096), torch.set_grad_enabled(grad):  # (2 * 30 rows of 32 fp64: 4 chunks)
         plan = ops.plan_for(x, block)
         layout = _layout(x, 5, 6, plan)
-    assert plan.grad == grad and plan.plain == (situation != "dropout")  # (dropout: modules not plain)
-    chunked = plan.plain and not plan.grad and plan.chunk_bytes > 0
+    assert plan.grad == grad and plan.exact_modules == (situation != "dropout")  # (dropout: modules not plain)
+    chunked = plan.exact_modules and not plan.grad and plan.chunk_bytes > 0
     assert chunked == (situation == "inference") and plan.save_memory == grad
     assert layout.plan is plan
     assert (layout.row_chunks is not None) == chunked and (not chunked or len(layout.row_chunks) == 4)
@@ -102,7 +102,7 @@ def _cosine_plans(qkv):
     """The plans cosine_qkv distinguishes: none (plain ops), inference (in place), inference with
     modules that are not plain (a hook may hold qkv: plain ops), training (memory-saving
     function), training without memory-saving functions (plain ops)."""
-    inference = ops.plan_for(qkv, grad=False, plain=True)
+    inference = ops.plan_for(qkv, grad=False, exact_modules=True)
     training = ops.plan_for(qkv, grad=True, save_memory=True)  # (the memory-saving function needs no torch feature)
     assert not inference.grad and training.grad and training.save_memory
     return {"none": None, "inference": inference, "inference_watched": ops.plan_for(qkv, grad=False),

@@ -1,5 +1,6 @@
 """Window arithmetic against plain reference implementations (pad, roll, view/permute)."""
 import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -213,15 +214,46 @@ def test_straddle_boxes_and_input_masking():
 
 
 # ---------------------------------------------------------------- no host-device syncs, eager layouts
+@functools.lru_cache(maxsize=None)
+def _brute_force_layout(h, w, ws, shift, mask_padding, table_window):
+    """A layout written out position by position from the definitions (the map padded bottom /
+    right to multiples of ``ws``, then rolled by ``-shift``, then cut into row-major windows of
+    row-major tokens; the official shift regions; padding a region of its own with
+    ``mask_padding``), sharing no code with :mod:`swin_backbone.ops.windows`. Python lists."""
+    hp, wp = -(-h // ws) * ws, -(-w // ws) * ws
+    index, labels = [], []
+    for wy, wx in itertools.product(range(hp // ws), range(wp // ws)):
+        window_labels = []
+        for i, j in itertools.product(range(ws), range(ws)):
+            r, c = wy * ws + i, wx * ws + j  # on the shifted map
+            y, x = (r + shift) % hp, (c + shift) % wp  # on the padded map
+            index.append(y * w + x if y < h and x < w else h * w)
+            region = 0 if shift == 0 else (r >= hp - ws) + (r >= hp - shift), \
+                0 if shift == 0 else (c >= wp - ws) + (c >= wp - shift)
+            padding = mask_padding and (y >= h or x >= w)
+            window_labels.append("padding" if padding else region)
+        labels.append(window_labels)
+    inverse = [index.index(t) for t in range(h * w)]
+    masked = shift > 0 or (mask_padding and (h % ws or w % ws))
+    mask = [[[a != b for b in window] for a in window] for window in labels] if masked else None
+    n = ws * ws
+    bias = [((ai // ws - bi // ws) + table_window - 1) * (2 * table_window - 1) + (ai % ws - bi % ws) + table_window - 1
+            for ai in range(n) for bi in range(n)]
+    return index, inverse, mask, bias
+
+
 def reference_layout(h, w, ws, shift, mask_padding, dtype, align, table_window):
-    """The layout tensors built with plain ops on the target device (here the CPU): what
-    every layout tensor must equal, strides included."""
-    cpu = torch.device("cpu")
-    index = W.window_token_index(h, w, ws, shift, cpu)
-    out = dict(inverse=W.window_inverse_index(h, w, ws, shift, cpu), pad_slots=None,
-               bias_index=W.relative_position_index(ws, table_window, cpu))
-    out["mask"] = W.window_attention_mask(h, w, ws, shift, mask_padding, cpu, dtype, align)
-    if h % ws or w % ws:
+    """What every layout tensor must equal, strides included: :func:`_brute_force_layout` as
+    tensors (padding slots read token 0, listed in ``pad_slots``; a mask is 0 within a region,
+    ``MASK_VALUE`` across, its rows 8-aligned with ``align``)."""
+    index, inverse, mask, bias = _brute_force_layout(h, w, ws, shift, mask_padding, table_window)
+    index = torch.tensor(index)
+    out = dict(inverse=torch.tensor(inverse), pad_slots=None, bias_index=torch.tensor(bias), mask=None)
+    if mask is not None:
+        n = ws * ws
+        rows = torch.zeros(len(mask), n, n + (-n) % 8 if align else n, dtype=dtype)
+        out["mask"] = rows.narrow(-1, 0, n).masked_fill_(torch.tensor(mask), W.MASK_VALUE)
+    if (index == h * w).any():
         is_pad = index == h * w
         out["pad_slots"] = is_pad.nonzero().squeeze(1)
         index = index.masked_fill(is_pad, 0)
@@ -255,7 +287,7 @@ def test_layout_tensors_equal_the_reference_build(dtype, align):
             _assert_same_tensor(getattr(layout, name), expected[name], (h, w, ws, shift, mask_padding, name))
         assert layout.num_windows * ws * ws == layout.index.numel()
         assert (layout.height, layout.width, layout.window, layout.shift) == (h, w, ws, shift)
-        assert layout.table_window == table_window and layout.rows is None and not layout.traced
+        assert layout.table_window == table_window and layout.rows is None and not layout.traceable
 
 
 def test_stage_layouts_are_cached_and_packed_from_the_images_layouts():
@@ -426,8 +458,8 @@ def test_traced_packed_layout_gathers_what_the_eager_one_does():
     sizes = ((13, 20), (9, 11))
     for shift in (0, 3):
         eager = V.packed_layout(13, 20, 7, shift, sizes, torch.device("cpu"), torch.float32, False, 7)
-        traced = V.packed_layout(13, 20, 7, shift, sizes, torch.device("cpu"), torch.float32, False, 7, traced=True)
-        assert eager.pad_slots is not None and traced.pad_slots is None and traced.traced and traced.has_padding
+        traced = V.packed_layout(13, 20, 7, shift, sizes, torch.device("cpu"), torch.float32, False, 7, traceable=True)
+        assert eager.pad_slots is not None and traced.pad_slots is None and traced.traceable and traced.has_padding
         x = torch.randn(2, eager.width, 5)
         windows = gather_tokens(x, eager.index, eager.has_padding, eager.pad_slots)
         assert torch.equal(gather_tokens(x, traced.index, True, None, True), windows)

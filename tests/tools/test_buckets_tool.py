@@ -94,8 +94,8 @@ def test_pick_and_json(tmp_path, capsys):
     picked = result["picked"]
     assert len(picked["buckets"]) == 3 and [1344, 1344] in picked["buckets"]
     assert picked["misfit_batches"] == 0 and picked["batches"] == 200
-    assert picked["captures"] <= 5 < result["plain"]["shapes"]
-    assert result["plain"]["padding"] <= picked["padding_buckets"] < 1
+    assert picked["captures"] <= 5 < result["unbucketed"]["shapes"]
+    assert result["unbucketed"]["padding"] <= picked["padding_buckets"] < 1
     assert (result["batch_size"], result["grouped"], result["divisor"], result["sizes"]) == (2, True, 32, "COCO_LIKE")
     listed = ", ".join(f"({h}, {w})" for h, w in picked["buckets"])
     line = f"model = dict(data_preprocessor=dict(buckets=[{listed}]))"
@@ -113,10 +113,10 @@ def test_buckets_from_a_config_and_the_ann_file(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["given"]["buckets"] == [[800, 1344]]
     # 640x480 -> 1067x800 (keep ratio, 800 short side) -> padded 800x1088 -> the bucket 800x1344
-    assert result["plain"]["shapes"] == 2 and result["given"]["captures"] == 2
+    assert result["unbucketed"]["shapes"] == 2 and result["given"]["captures"] == 2
     image, batch = 1067 * 800, 800 * 1344
     assert result["given"]["padding_buckets"] == pytest.approx(1 - image / batch, abs=1e-3)
-    assert result["given"]["padding_buckets"] > result["plain"]["padding"]
+    assert result["given"]["padding_buckets"] > result["unbucketed"]["padding"]
     assert "buckets 800x1344" in capsys.readouterr().out
 
 
