@@ -44,12 +44,14 @@ def _vermin(*paths):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # vermin in a subprocess
 def test_package_needs_no_python_newer_than_the_floor():
     # The package, the interpreter-start module of mmcv-lite's finder and the build hooks.
     run = _vermin(PACKAGE, os.path.join(ROOT, "_swin_backbone_mmcv_ext.py"), os.path.join(ROOT, "setup.py"))
     assert run.returncode == 0 and "Target versions not met" not in run.stdout, run.stdout + run.stderr
 
 
+@pytest.mark.slow  # vermin in a subprocess
 def test_floor_check_catches_newer_syntax(tmp_path):
     # The check above can fail: a 3.9 stdlib name and 3.10 syntax are reported.
     (tmp_path / "new.py").write_text("import functools\n\n@functools.cache\ndef f(x):\n"
@@ -81,6 +83,7 @@ def test_setup_cfg_declares_the_floors():
 
 
 # ---------------------------------------------------------------------------- torch floor
+@pytest.mark.slow  # a fresh interpreter (a subprocess)
 def test_torch_below_the_floor_raises_one_import_error(tmp_path):
     # A stand-in `torch` package that reports version 1.13.1 and has no SDPA, like torch 1.13:
     # only for this test (a real torch 1.13 has no wheel for this Python).

@@ -15,6 +15,9 @@ import pytest
 
 from .helpers import ROOT
 
+# Every case is a fresh interpreter (a subprocess): out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 #: What the import must not load.
 HEAVY = ("mmengine.model", "mmengine.optim", "mmengine.runner", "mmdet.models", "mmseg.models", "mmpretrain.models",
          "mmcv.ops", "mmcv._ext", "transformers", "peft", "swin_backbone.model.backbone", "swin_backbone.checkpoint")

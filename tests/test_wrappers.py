@@ -662,6 +662,7 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@pytest.mark.slow  # a 2-rank torchrun
 @pytest.mark.parametrize("kind", KINDS)
 def test_fsdp2_fully_shard_per_block(kind, fsdp_run):
     # Two gloo ranks on the CPU (torchrun), each block its own FSDP2 unit: the gradients equal

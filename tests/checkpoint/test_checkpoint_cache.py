@@ -123,6 +123,7 @@ def _load_at_once(rank, barrier, url, out):
     torch.save(_loaded(url).state_dict(), os.path.join(out, f"p{rank}.pth"))
 
 
+@pytest.mark.slow  # 2 processes
 def test_two_processes_without_a_process_group_make_one_request(server, torch_home, tmp_path):
     import multiprocessing
 
@@ -157,6 +158,7 @@ def _rank0_reads(rank, world, store, url, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 processes (gloo ranks)
 def test_a_rank_0_only_read_does_not_hang(server, torch_home, tmp_path):
     # Before: the read entered a barrier that the other rank never did (or matched the wrong collective).
     src = _random_model(4)

@@ -87,6 +87,7 @@ def test_init_cfg_pretrained_loads_any_format(tmp_path):
         broken.init_weights()
 
 
+@pytest.mark.slow  # tools/model_converters/convert_checkpoint.py as a subprocess
 @pytest.mark.parametrize("to", ["ours", "mmdet", "official"])
 def test_convert_checkpoint_tool(tmp_path, to):
     from torchvision.models import swin_t

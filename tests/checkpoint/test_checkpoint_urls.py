@@ -304,6 +304,7 @@ def _rank_loads(rank, world, store, url, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 processes (gloo ranks)
 def test_distributed_ranks_download_once(server, torch_home, tmp_path):
     # One rank downloads under the cache file's lock, the other reads its file (no collective).
     src, body = _source()

@@ -148,6 +148,7 @@ def _read_at_once(rank, barrier, url, out):
     torch.save(read_checkpoint(url), os.path.join(out, f"p{rank}.pth"))
 
 
+@pytest.mark.slow  # 2 processes
 def test_a_waiter_outlasts_its_own_timeouts_while_the_holder_makes_progress(server, torch_home, monkeypatch,
                                                                             tmp_path):
     """Two real processes, a download of about 1.5 s at 20 KB/s, the tries' TIMEOUT 1 s: the waiter

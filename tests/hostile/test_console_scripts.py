@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # console scripts as subprocesses: out of `make test-fast`
 SMALL = ["--embed-dims", "16", "--depths", "1", "1", "1", "1", "--num-heads", "1", "2", "4", "8",
          "--random-weights", "--no-progress", "--workers", "0"]
 

@@ -130,6 +130,7 @@ def test_checkpoint_match_accepts_the_models_own_weights_and_refuses_another_arc
         load_checkpoint(victim, str(wider))
 
 
+@pytest.mark.slow  # tools/make_toy_data.py and tools/test.py as subprocesses
 def test_tools_test_py_refuses_a_checkpoint_of_another_architecture(tmp_path):
     pytest.importorskip("mmseg")
     data = tmp_path / "data"

@@ -12,6 +12,8 @@ from swin_backbone import SwinBackbone
 from swin_backbone.model.backbone import COMPILE_NOTES
 from swin_backbone.torch_compat import compile_unsupported_reason, torch_version
 
+pytestmark = pytest.mark.slow  # torch.compile (inductor): out of `make test-fast`
+
 # Tiny and one stage (each graph is an inductor compile of about 10-20 s on a CPU); window 4,
 # no stochastic depth (inductor's random numbers are not eager's).
 CFG = dict(arch=None, embed_dims=16, depths=(2,), num_heads=(2,), window_size=4, out_indices=(0,),

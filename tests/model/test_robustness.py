@@ -151,6 +151,7 @@ def test_inference_mode_then_training_at_the_same_size():
 
 
 # ---------------------------------------------------------------- compile and export
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.torch_feature("compile_one_graph")
 def test_torch_compile_dynamic_matches_eager_without_recompiles(train):

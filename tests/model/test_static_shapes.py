@@ -10,6 +10,8 @@ import torch
 from swin_backbone import SwinBackbone, SwinV2Backbone
 from swin_backbone.torch_compat import compile_unsupported_reason, torch_version
 
+pytestmark = pytest.mark.slow  # torch.compile: out of `make test-fast`
+
 # Four stages (late maps smaller than the window: padded windows, shifted), odd sizes.
 CFG = dict(arch=None, embed_dims=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
 SIZES = [(60, 88), (33, 70), (9, 5)]  # (h, w) of three images in a 60 x 88 batch

@@ -288,6 +288,7 @@ def test_bf16_fp16_pure_and_autocast_with_padding_are_finite():
 
 
 # ---------------------------------------------------------------- tracing
+@pytest.mark.slow  # torch.compile
 @pytest.mark.torch_feature("compile", "export")
 def test_torch_compile_and_export_with_dynamic_sizes():
     import torch._dynamo

@@ -11,6 +11,7 @@ import torch
 from swin_backbone import SwinBackbone, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # the console script as a subprocess: out of `make test-fast`
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "swin-convert-checkpoint")
 V1 = dict(arch=None, embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2), drop_path_rate=0.0)
 

@@ -23,6 +23,8 @@ from ..helpers import assert_same_features, features, free_port, pooled, write_i
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+pytestmark = pytest.mark.slow  # torchrun nodes and launch scripts as subprocesses: out of `make test-fast`
+
 
 def launch_nodes(command: Callable[[int], List[str]], nnodes: int = 2, env: Optional[Dict[str, str]] = None,
                  timeout: float = 300) -> List[subprocess.CompletedProcess]:

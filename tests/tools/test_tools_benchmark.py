@@ -19,6 +19,9 @@ import benchmark as harness  # noqa: E402  (tools/analysis_tools/benchmark.py)
 import benchmarking  # noqa: E402
 import gpu_report  # noqa: E402
 
+# The benchmark end to end, its memory measurements in fresh processes: out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 TINY = ["--device", "cpu", "--size", "32", "32", "--iters", "2", "--warmup", "0"]
 
 

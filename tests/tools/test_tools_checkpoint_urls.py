@@ -70,6 +70,7 @@ def test_extract_tool_checkpoint_url(server, torch_home, tmp_path):
         tool.parse_args(common + ["--checkpoint", str(tmp_path / "none.pth")])
 
 
+@pytest.mark.slow  # tools/make_toy_data.py and tools/test.py as subprocesses
 def test_tools_test_py_with_a_checkpoint_url(server, tmp_path, monkeypatch):
     pytest.importorskip("mmseg")
     from mmengine.config import Config
