@@ -31,8 +31,6 @@ PROCESS_CALLS = {
 #: Slow tests in files that other people are editing, which they will mark themselves.
 #: Remove an entry once its test carries the mark.
 UNMARKED_ELSEWHERE = {
-    "tests/ops/test_planner.py::test_tracing_sees_only_plain_ops",  # torch.compile
-    "tests/model/test_backbone.py::test_package_imports_without_mmdet_and_mmseg",  # a fresh interpreter
     *(f"tests/checkpoint/test_gadget_chains.py::{name}" for name in (  # payloads run in a subprocess
         "test_import_changes_nothing_torch_accepts",
         "test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess",

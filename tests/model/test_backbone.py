@@ -489,6 +489,7 @@ def test_bad_input_raises(x, match):
         model(x)
 
 
+@pytest.mark.slow  # (a fresh interpreter)
 def test_package_imports_without_mmdet_and_mmseg():
     import subprocess
     import sys
