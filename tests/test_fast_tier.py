@@ -28,25 +28,6 @@ PROCESS_CALLS = {
     "mp": {"start_processes", "spawn", "Process", "Pool"},
     "torch": {"compile"},
 }
-#: Slow tests in files that other people are editing, which they will mark themselves.
-#: Remove an entry once its test carries the mark.
-UNMARKED_ELSEWHERE = {
-    *(f"tests/checkpoint/test_gadget_chains.py::{name}" for name in (  # payloads run in a subprocess
-        "test_import_changes_nothing_torch_accepts",
-        "test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess",
-        "test_a_zip_bomb_is_refused_without_decompressing_it",
-        "test_a_torchscript_archive_is_refused_however_its_directory_reads",
-        "test_a_storage_size_only_pythons_directory_states_is_refused_in_a_subprocess",
-        "test_a_configdict_over_shared_lists_is_refused_before_it_copies_them",
-        "test_a_configdict_copies_only_a_config_sized_dag",
-        "test_a_safetensors_header_is_parsed_only_at_a_checkpoint_size",
-        "test_records_over_one_shared_container_are_checked_once",
-        "test_a_central_directory_longer_than_its_declared_count_is_refused_before_zipfile_lists_it",
-        "test_a_legacy_text_line_is_read_in_blocks",
-        "test_an_fsdp_shard_that_asks_for_rpc_is_refused_before_it_registers",
-        "test_a_bounded_fuzz_of_composed_rows_and_mutated_runner_checkpoints",
-    )),
-}
 
 
 # ---------------------------------------------------------------------------- the scan
@@ -209,7 +190,6 @@ def test_every_slow_test_of_the_fast_tier_is_marked():
     shared = _shared_slow()
     unmarked = [f"{rel}::{name}" for rel in fast_tier_files()
                 for name in unmarked_slow_tests(os.path.join(ROOT, rel), shared)]
-    unmarked = [t for t in unmarked if t not in UNMARKED_ELSEWHERE]
     assert unmarked == [], ("tests that call torch.compile or start a process, without "
                             "@pytest.mark.slow:\n" + "\n".join(unmarked))
 

@@ -357,6 +357,7 @@ def test_no_chain_changes_process_wide_state(tmp_path):
     assert _process_state() == before
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_import_changes_nothing_torch_accepts():
     """``get_safe_globals()`` with and without ``import swin_backbone`` (the libraries it imports
     imported in both: torch adds some of its own lazily), and torch.load of a file that names
@@ -399,6 +400,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
     """What segfaulted, corrupted numpy or allocated 3.2 GB under the allow-list: each file is
     refused, the process ends normally and stays under 1 GB."""
@@ -458,6 +460,7 @@ def test_crashing_payloads_end_in_a_checkpoint_error_in_a_subprocess(tmp_path):
     assert out["maxrss_mb"] < 1024, out["maxrss_mb"]
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_zip_bomb_is_refused_without_decompressing_it(tmp_path):
     """The review's file: a checkpoint beside a deflated 600 MB record (588 KB on disk). Refused
     from the central directory alone, in a subprocess that stays small."""
@@ -513,6 +516,7 @@ def _members(path):
         return [(info.filename, z.read(info.filename)) for info in z.infolist()]
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_torchscript_archive_is_refused_however_its_directory_reads(tmp_path):
     """A TorchScript module whose ``__setstate__`` writes a file: as it is, and hidden behind a
     second central directory that Python's zipfile reads as a plain checkpoint while torch's
@@ -535,6 +539,7 @@ def test_a_torchscript_archive_is_refused_however_its_directory_reads(tmp_path):
     assert marker.read_bytes() == b"pwned"
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_storage_size_only_pythons_directory_states_is_refused_in_a_subprocess(tmp_path):
     """The same trick for sizes: Python's directory says data/0 holds 16 MB, torch's the real 16
     bytes (torch 2.0 segfaulted, 2.1 read the heap)."""
@@ -548,6 +553,7 @@ def test_a_storage_size_only_pythons_directory_states_is_refused_in_a_subprocess
     assert "two zip readers would read two different archives" in out["twin-sizes.pth"], out
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_configdict_over_shared_lists_is_refused_before_it_copies_them(tmp_path):
     """A 1.7 KB file: ``ConfigDict({'a': L})``, L 26 levels of ``[x, x]`` (memo references).
     Read once each, they are small; ConfigDict copies along every path (2**26 lists)."""
@@ -571,6 +577,7 @@ def _shared_dicts(levels: int) -> bytes:
     return body + get(0)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_configdict_copies_only_a_config_sized_dag(tmp_path):
     """2 ** 18 paths through shared dicts: under :data:`MAX_EXPANDED`, so plain data keeps them
     (shared, small); a ConfigDict would copy a ConfigDict per path (about 100 MB), so it is refused."""
@@ -589,6 +596,7 @@ def _safetensors(path, header: bytes) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_safetensors_header_is_parsed_only_at_a_checkpoint_size(tmp_path):
     """JSON makes tens of bytes of Python objects per byte of header: 300k empty tensors, 80k
     tensors, 3M empty lists are each refused before (or as soon as) the header is parsed; 2000
@@ -634,6 +642,7 @@ def test_a_row_that_copies_a_shared_container_spends_the_budget(tmp_path, row, i
         read_checkpoint(path)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 @pytest.mark.parametrize("row, says", [("configdict", "a ConfigDict holds more than 65536 objects"),
                                        ("messagehub", "the data holds more than 1048576 objects"),
                                        ("metadata", "a state dict's _metadata: 6553600 more bytes would pass")])
@@ -706,6 +715,7 @@ def test_a_zip_of_very_many_records_is_refused_from_its_end_record(tmp_path):
         read_checkpoint(str(path))
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_central_directory_longer_than_its_declared_count_is_refused_before_zipfile_lists_it(tmp_path):
     """The end record declares the archive's 7 records, and its central directory holds 600 000
     more (47 bytes each): Python's zipfile walks the directory by its size, not the count, and
@@ -773,6 +783,7 @@ def test_a_refused_load_leaves_torch_s_thread_local_map_location(tmp_path):
     assert tls.map_location is before
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_legacy_text_line_is_read_in_blocks(tmp_path):
     """A legacy file's text opcodes read a line: io read it a byte per Python call (26 s for
     8 MB; 32 MB here, bounded by the child's timeout). Lines across blocks read whole."""
@@ -817,6 +828,7 @@ _RREFS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_an_fsdp_shard_that_asks_for_rpc_is_refused_before_it_registers(tmp_path):
     """A ShardedTensor saved with ``init_rrefs=True``: its ``__setstate__`` registers it in
     torch's process-wide map (and with an RPC agent calls the other workers); a shard as
@@ -922,6 +934,7 @@ _FUZZ = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the payload runs in a subprocess
 def test_a_bounded_fuzz_of_composed_rows_and_mutated_runner_checkpoints(tmp_path):
     """Seeded: 1200 programs of rows with calls shaped to the stack, 300 real-checkpoint mutants.
     Each is data or a CheckpointError; never code (the marker), a signal, a hang or 1 GB."""
