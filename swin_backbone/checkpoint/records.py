@@ -52,9 +52,13 @@ MAX_EXPANDED = 1 << 20
 #: The same count for a ``ConfigDict``'s items, which it copies into a ConfigDict per dict along
 #: every path (hundreds of bytes each): a config holds hundreds of objects.
 MAX_CONFIG_EXPANDED = 1 << 16
-#: Bytes the records of one load may make (bytes from strings, numpy arrays' copies), per byte
-#: of the file: what a file writes once it cannot have made many times over.
+#: Bytes the records of one load may make (bytes from strings, numpy arrays' copies) and the
+#: objects its pickle makes (:mod:`.unpickler`), per byte of the file: what a file writes once it
+#: cannot have made many times over.
 BYTES_PER_FILE_BYTE = 4
+#: Bytes any load may make beside that, for files with little tensor data: the unpickler charges
+#: about 3 KB of objects per tensor (a file of 5000 scalar tensors: 16 MB).
+LOAD_ALLOWANCE = 16 << 20
 #: A dict key that is an int lies within this bound: below it an int is its own hash, so keys
 #: cannot be chosen to collide (``k * (2**61 - 1)`` all hash to 0: quadratic dict inserts).
 MAX_KEY_INT = (1 << 61) - 2
@@ -96,9 +100,9 @@ _LEFT: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar("swi
 @contextlib.contextmanager
 def load_budget(file_bytes: int) -> Iterator[None]:
     """Bound what the records of one load make to :data:`BYTES_PER_FILE_BYTE` times ``file_bytes``
-    (plus 1 MiB; each maker asks :func:`spend` before it allocates), and the tuple keys it
-    inserts to :data:`MAX_TUPLE_KEYS`."""
-    token = _LEFT.set([BYTES_PER_FILE_BYTE * file_bytes + 2**20, MAX_TUPLE_KEYS])
+    plus :data:`LOAD_ALLOWANCE` (each maker asks :func:`spend` before it allocates; the unpickler
+    charges each object its opcodes make), and the tuple keys it inserts to :data:`MAX_TUPLE_KEYS`."""
+    token = _LEFT.set([BYTES_PER_FILE_BYTE * file_bytes + LOAD_ALLOWANCE, MAX_TUPLE_KEYS])
     try:
         yield
     finally:
@@ -110,9 +114,21 @@ def spend(nbytes: int, what: str) -> None:
     left = _LEFT.get()
     if left is not None:
         if nbytes > left[0]:
-            raise refuse(f"{what}: {nbytes} more bytes would pass what this load may make "
-                         f"({BYTES_PER_FILE_BYTE} times the file's size): a small file that unpacks into much more")
+            raise over_budget(nbytes, what)
         left[0] -= nbytes
+
+
+def load_left() -> Optional[List[int]]:
+    """What the load in progress may still make (``[bytes, tuple keys]``, :func:`load_budget`), or
+    ``None`` outside a load: for a maker that takes from it as :func:`spend` does, once per opcode
+    (the unpickler)."""
+    return _LEFT.get()
+
+
+def over_budget(nbytes: int, what: str) -> RefusedError:
+    """:func:`spend`'s refusal: ``what`` would take ``nbytes`` more than the load has left."""
+    return refuse(f"{what}: {nbytes} more bytes would pass what this load may make "
+                  f"({BYTES_PER_FILE_BYTE} times the file's size): a small file that unpacks into much more")
 
 
 # ---------------------------------------------------------------------------- records

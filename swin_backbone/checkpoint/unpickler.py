@@ -10,7 +10,10 @@
 * a persistent id is a storage of the file: the zip record it names exists and is exactly as
   long as the storage, or (old, non-zip files) all storages together fit in the file, checked
   before torch allocates one;
-* at most :data:`MAX_OPCODES` opcodes; nesting is bounded by :func:`~.records.materialize`.
+* at most :data:`MAX_OPCODES` opcodes; what they make (an object, a stack, memo or container
+  slot, a call's tensor) is charged to the load's budget (:func:`~.records.load_budget`, the one
+  :func:`~.records.materialize` spends) as each opcode runs: a fixed cost per opcode, or the size of
+  the one string, int or tuple it made; nesting is bounded by :func:`~.records.materialize`.
 
 torch reads the container (zip or legacy), storages and ``map_location`` as always
 (``torch.load(pickle_module=...)``); the unpickler inside is this one, on every torch from 2.0.
@@ -28,18 +31,23 @@ import pickle
 import pickletools
 import re
 import struct
+import sys
 import zipfile
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from ..torch_compat import load, zip_record_names
-from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, OPT_IN, RefusedError, brief, build, call, check_key,
-                      check_trusted_state, describe, load_budget, materialize, new, refuse, trusted_types)
+from .records import (ASKS_FOR_CODE, CONSTANTS, ENTRIES, ITEM_BYTES, OPT_IN, RefusedError, brief, build, call,
+                      check_key, check_trusted_state, describe, load_budget, load_left, materialize, new, over_budget,
+                      refuse, spend, trusted_types)
 
 #: Opcodes one pickle may run: far more than any checkpoint needs (a detector's Runner checkpoint
 #: with AdamW state runs about 100 000), few enough that the objects they make stay small.
 MAX_OPCODES = 4_000_000
+#: Bytes a REDUCE / NEWOBJ or a persistent id is charged for what it makes beside what its row
+#: spends itself: a tensor (its Python object and TensorImpl, about 560 bytes), a storage.
+CALL_BYTES = 640
 #: Records a torch zip archive may hold: one per storage, and a few (a detector's Runner
 #: checkpoint with AdamW state holds about 1000); each costs a zip reader a kilobyte or more.
 MAX_ZIP_RECORDS = 1 << 16
@@ -121,6 +129,10 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     #: Python's unpickler would; empty otherwise
     trusted: Dict[str, Any] = {}
 
+    def __init__(self, file: Any, **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self._input = file  # (its size bounds a load outside read_torch_checkpoint: load)
+
     def _is_trusted(self, obj: Any) -> bool:
         return bool(self.trusted) and any(obj is value for value in self.trusted.values())
 
@@ -161,9 +173,17 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def load(self) -> Any:
         """Python's loop (``pickle._Unpickler.load``), with :attr:`dispatch` holding only the
-        allowed opcodes and at most :data:`MAX_OPCODES` of them."""
+        allowed opcodes, at most :data:`MAX_OPCODES` of them, each charged what it makes
+        (:data:`_STEPS`) to the load's budget; outside a load (:func:`~.records.load_budget`), to one
+        of its own, for what is left of its input."""
         if not hasattr(self, "_file_read"):
             raise pickle.UnpicklingError("Unpickler.__init__() was not called")
+        if load_left() is None:
+            with load_budget(_bytes_left(self._input)):
+                return self._load()
+        return self._load()
+
+    def _load(self) -> Any:
         self._unbuilt: Dict[int, Any] = {}  # trusted instances made by NEWOBJ, not yet given their state
         self._trusted_types = trusted_types(self.trusted)
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)  # type: ignore[attr-defined]
@@ -174,20 +194,25 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.stack = []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch = self.read, self.dispatch
-        left, key = MAX_OPCODES, b""
+        self._budget = budget = load_left()
+        read, steps = self.read, _STEPS
+        left, key, credit = MAX_OPCODES, b"", 0
         try:
             while True:
                 key = read(1)
                 if not key:
                     raise EOFError
-                op = dispatch.get(key[0])
-                if op is None:
+                step = steps.get(key[0])
+                if step is None:
                     raise refuse(f"pickle opcode {key!r} ({_OPCODE_NAMES.get(key[0], 'unknown')}) is not read "
                                  "(it names code or objects outside the table)")
                 left -= 1
                 if left < 0:
                     raise refuse(f"more than {MAX_OPCODES} pickle opcodes")
+                op, cost = step
+                credit -= cost  # (records.spend's rule, taken a block at a time: it runs once per opcode)
+                if credit < 0:
+                    credit = _reserve(budget, credit, cost, key[0])
                 op(self)
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
@@ -197,6 +222,8 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             where = f"opcode {_OPCODE_NAMES.get(key[0], key)!s}" if key else "its end"
             raise refuse(f"a malformed pickle ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
                          f" at {where} after {MAX_OPCODES - left} opcodes)") from None
+        finally:
+            budget[0] += max(credit, 0)  # (taken for the opcodes, not made)
 
     # -- calls and state: the table decides
     def load_reduce(self) -> None:
@@ -245,7 +272,9 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def load_appends(self) -> None:
         items = self.pop_mark()
-        self._target((list,), self.stack[-1], "APPENDS").extend(items)
+        target = self._target((list,), self.stack[-1], "APPENDS")
+        spend(_LIST_SLOT * len(items), "the pickle's list items (APPENDS)")
+        target.extend(items)
 
     # (every key is checked before it is hashed: check_key)
     def load_setitem(self) -> None:
@@ -258,6 +287,7 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._target(_DICTS, self.stack[-1], "SETITEMS")
+        spend(ITEM_BYTES * (len(items) // 2), "the pickle's dict items (SETITEMS)")
         for i in range(0, len(items) - 1, 2):
             check_key(items[i], "SETITEMS")
             target[items[i]] = items[i + 1]
@@ -266,12 +296,14 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         items = self.pop_mark()
         for key in items[::2]:
             check_key(key, "DICT")
+        spend(_size({}) + ITEM_BYTES * (len(items) // 2), "the pickle's dicts (DICT)")
         self.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
 
     def load_frozenset(self) -> None:
         items = self.pop_mark()
         for item in items:
             check_key(item, "FROZENSET")
+        spend(_size(frozenset()) + ITEM_BYTES * len(items), "the pickle's sets (FROZENSET)")
         self.append(frozenset(items))
 
     def load_additems(self) -> None:
@@ -279,7 +311,13 @@ class InertUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         target = self._target((set,), self.stack[-1], "ADDITEMS")
         for item in items:
             check_key(item, "a set")
+        spend(ITEM_BYTES * len(items), "the pickle's set items (ADDITEMS)")
         target.update(items)
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()
+        spend(_object(_EMPTY_TUPLE + _REF * len(items)) + _REF, "the pickle's tuples (TUPLE)")
+        self.append(tuple(items))
 
 
 _DICTS = (dict, collections.OrderedDict, collections.Counter, collections.defaultdict)
@@ -295,17 +333,98 @@ _DATA_OPCODES = ("PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NO
                  "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
                  "EMPTY_LIST", "LIST", "EMPTY_DICT", "EMPTY_SET", "BINGET", "LONG_BINGET",
                  "BINPUT", "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL")
+_REF = struct.calcsize("P")  # a slot of the stack, a list or a tuple
+_EMPTY_TUPLE = sys.getsizeof(())
+
+
+def _object(nbytes: int) -> int:
+    """What an object of ``nbytes`` (``sys.getsizeof``) takes: Python's allocator rounds to 16 bytes."""
+    return -(-nbytes // 16) * 16
+
+
+def _size(obj: Any) -> int:
+    """What ``obj`` pushed takes: itself and its stack slot."""
+    return _object(sys.getsizeof(obj)) + _REF
+
+
+#: A list's slot, with its over-allocation and the copy a resize makes.
+_LIST_SLOT = 2 * _REF
+
+#: opcode name -> (bytes charged before it runs, what it makes): what each pushes (a slot; the
+#: object it makes where that has a fixed size), the list a MARK starts, a container's or the memo's
+#: new slot, what a call makes. Opcodes that make objects of a size they read (strings, bytes, long
+#: ints; tuples, dicts and container items of a mark's items) are charged by their handlers
+#: (:func:`_charged`, ``load_tuple``, ``load_appends`` ...); tensors' storages are not charged here
+#: (their bytes are the file's: :class:`_Storages`, and materialize spends them).
+_FIXED: Dict[str, Tuple[int, str]] = {
+    **{name: (_REF, "stack") for name in ("DUP", "NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "BININT1", "BINGET",
+                                          "LONG_BINGET", "GLOBAL", "STACK_GLOBAL", "LIST")},
+    "MARK": (_size([]), "marks"),  # (its list, and its slot in the metastack)
+    "BININT": (_size(1 << 31), "ints"), "BININT2": (_size(1 << 31), "ints"),
+    "BINFLOAT": (_size(0.0), "floats"), "FLOAT": (_size(0.0), "floats"),
+    "EMPTY_LIST": (_size([]), "lists"), "EMPTY_DICT": (_size({}), "dicts"), "EMPTY_SET": (_size(set()), "sets"),
+    "TUPLE1": (_size((0,)), "tuples"), "TUPLE2": (_size((0, 0)), "tuples"), "TUPLE3": (_size((0, 0, 0)), "tuples"),
+    # (BINPUT's one-byte indices name at most 256 entries: it never grows the memo further)
+    **{name: (ITEM_BYTES, "memo") for name in ("LONG_BINPUT", "MEMOIZE")},
+    "APPEND": (_LIST_SLOT, "list items"), "SETITEM": (ITEM_BYTES, "dict items"),
+    **{name: (CALL_BYTES, "call results") for name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX")},
+    "BINPERSID": (CALL_BYTES, "storages"),
+}
+#: Opcodes that make one object of a size read from the file, charged by that size once made
+#: (an object at most a few times the bytes it read): opcode -> what it makes.
+_SIZED = {**{name: "ints" for name in ("INT", "LONG", "LONG1", "LONG4")},
+          **{name: "strings" for name in ("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE",
+                                          "BINUNICODE", "BINUNICODE8")},
+          **{name: "bytes" for name in ("BINBYTES", "SHORT_BINBYTES", "BINBYTES8")}}
+
+
+#: Bytes the loop takes from the load's budget at a time for its opcodes' fixed costs (what a
+#: handler spends meanwhile finds the budget at most this much lower).
+_BLOCK = 1 << 16
+
+
+def _reserve(budget: List[int], credit: int, cost: int, code: int) -> int:
+    """The loop's ``credit`` (below 0 after an opcode's ``cost``) made good from the load's budget,
+    with a block more; or :func:`~.records.spend`'s refusal where the budget cannot."""
+    take = min(budget[0], _BLOCK - credit)
+    if take < -credit:
+        raise over_budget(cost, _WHAT[code])
+    budget[0] -= take
+    return credit + take
+
+
+def _charged(load: Callable[[Any], None], what: str) -> Callable[[Any], None]:
+    """Python's handler ``load``, then the object it pushed charged by its size (:func:`_size`)."""
+    def charged(self: Any, getsizeof: Callable[[Any], int] = sys.getsizeof) -> None:
+        load(self)
+        nbytes = -(-getsizeof(self.stack[-1]) // 16) * 16 + _REF  # (_size, inline: strings are many)
+        budget = self._budget
+        if nbytes > budget[0]:
+            raise over_budget(nbytes, what)
+        budget[0] -= nbytes
+
+    return charged
+
+
 _OURS = {"REDUCE": InertUnpickler.load_reduce, "NEWOBJ": InertUnpickler.load_newobj,
          "NEWOBJ_EX": InertUnpickler.load_newobj_ex, "BUILD": InertUnpickler.load_build,
          "BINPERSID": InertUnpickler.load_binpersid, "APPEND": InertUnpickler.load_append,
          "APPENDS": InertUnpickler.load_appends, "SETITEM": InertUnpickler.load_setitem,
          "SETITEMS": InertUnpickler.load_setitems, "ADDITEMS": InertUnpickler.load_additems,
-         "DICT": InertUnpickler.load_dict, "FROZENSET": InertUnpickler.load_frozenset}
+         "DICT": InertUnpickler.load_dict, "FROZENSET": InertUnpickler.load_frozenset,
+         "TUPLE": InertUnpickler.load_tuple,
+         **{name: _charged(pickle._Unpickler.dispatch[getattr(pickle, name)[0]],  # type: ignore[attr-defined]
+                           f"the pickle's {what} ({name})") for name, what in _SIZED.items()}}
 InertUnpickler.dispatch = {
     **{getattr(pickle, name)[0]: pickle._Unpickler.dispatch[getattr(pickle, name)[0]]  # type: ignore[attr-defined]
        for name in _DATA_OPCODES},
     **{getattr(pickle, name)[0]: fn for name, fn in _OURS.items()},
 }
+#: opcode -> (its handler, the bytes charged as it runs: :data:`_FIXED`; 0: none, or charged by
+#: its handler), and what the refusal names.
+_STEPS = {code: (op, _FIXED.get(_OPCODE_NAMES[code], (0, ""))[0]) for code, op in InertUnpickler.dispatch.items()}
+_WHAT = {code: f"the pickle's {_FIXED[name][1]} ({name})" for code in InertUnpickler.dispatch
+         if (name := _OPCODE_NAMES[code]) in _FIXED}
 
 
 def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None) -> type:
@@ -322,6 +441,17 @@ def pickle_module(storages: _Storages, trusted: Optional[Dict[str, Any]] = None)
 
     return type("swin_backbone_inert_pickle", (), dict(Unpickler=unpickler, UnpicklingError=pickle.UnpicklingError,
                                                        load=staticmethod(load_), loads=staticmethod(loads)))
+
+
+def _bytes_left(file: Any) -> int:
+    """What is left to read of ``file`` (0 where it cannot tell)."""
+    try:
+        here = file.tell()
+        end = file.seek(0, io.SEEK_END)
+        file.seek(here)
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return max(end - here, 0) if type(here) is int and type(end) is int else 0
 
 
 def zip_records(path: str) -> Dict[str, int]:
